@@ -1,0 +1,42 @@
+# inferd developer entry points. `make run` and `make test` are the README's two commands.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+RUNDIR ?= $(or $(XDG_RUNTIME_DIR),/tmp/inferd-$(shell id -u))
+SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
+
+.PHONY: setup run test test-fast bench clean
+
+setup: $(STAMP) models/.complete
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+models/.complete: examples/demo_models.py $(wildcard examples/models/*/model.toml) | $(STAMP)
+	$(PY) examples/demo_models.py --dest models --cache .cache/wheels
+	touch $@
+
+run: setup
+	@mkdir -p $(RUNDIR)/inferd
+	@echo "inferd: serving $(SOCKET) with the demo models in ./models"
+	@echo "try, in another shell:"
+	@echo "  export INFERD_SOCKET=$(SOCKET)"
+	@echo "  $(VENV)/bin/inferctl models"
+	@echo "  $(PY) -c \"import numpy as np; from inferd.ipc import Client; print(Client().infer('ocr-cls', {'x': np.zeros((1,3,48,192), np.float32)}))\""
+	exec $(VENV)/bin/inferd --config config/inferd.toml --socket $(SOCKET) --models models --preload ocr-cls
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench: setup
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) models .cache build *.egg-info

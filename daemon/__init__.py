@@ -1,0 +1,1 @@
+"""inferd daemon process."""

@@ -1,0 +1,200 @@
+"""Configuration: the schema with its defaults, TOML loading, validation, overrides.
+
+Every key lives in :data:`SCHEMA` with its default and its check; ``config/inferd.toml``
+is the commented copy of the same defaults (a test keeps the two equal). A bad value
+stops the daemon with one message naming the file, the key, the value and what was
+expected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from inferd.ipc.errors import ConfigError
+
+SYSTEM_CONFIG = Path("/etc/inferd/inferd.toml")
+DEFAULT_SOCKET = "ipc:///run/inferd/inferd.sock"
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
+          "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an integer or a string such as ``"256MiB"``; raises ValueError."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", value, re.IGNORECASE)
+        if m:
+            size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+            if size > 0:
+                return size
+    raise ValueError
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key: default, check (returns the normalised value or raises
+    ValueError), and the words for what is expected."""
+
+    default: Any
+    check: Callable[[Any], Any]
+    expected: str
+
+
+def _positive_int(v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    raise ValueError
+
+
+def _positive_float(v: Any) -> float:
+    if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
+        return float(v)
+    raise ValueError
+
+
+def _string(v: Any) -> str:
+    if isinstance(v, str) and v:
+        return v
+    raise ValueError
+
+
+def _string_list(v: Any) -> list[str]:
+    if isinstance(v, list) and all(isinstance(x, str) and x for x in v):
+        return list(v)
+    raise ValueError
+
+
+def _endpoint(v: Any) -> str:
+    if isinstance(v, str) and re.fullmatch(r"(ipc|tcp|inproc)://.+", v):
+        return v
+    raise ValueError
+
+
+def _mode(v: Any) -> int:
+    if isinstance(v, str) and re.fullmatch(r"0?[0-7]{3}", v):
+        return int(v, 8)
+    raise ValueError
+
+
+def _level(v: Any) -> str:
+    if isinstance(v, str) and v.lower() in {"debug", "info", "warning", "error", "critical"}:
+        return v.lower()
+    raise ValueError
+
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "server": {
+        "socket": Key(DEFAULT_SOCKET, _endpoint, "a ZeroMQ endpoint such as "
+                      "'ipc:///run/inferd/inferd.sock'"),
+        "socket_mode": Key("0660", _mode, "an octal file mode string such as '0660'"),
+        "max_message_bytes": Key("256MiB", parse_size,
+                                 "a positive size in bytes, e.g. 268435456 or '256MiB'"),
+        "shutdown_grace_s": Key(10.0, _positive_float, "a positive number of seconds"),
+    },
+    "models": {
+        "repository": Key("/var/lib/inferd/models", _string, "a directory path"),
+        "preload": Key([], _string_list, "a list of model names"),
+        "queue_size": Key(64, _positive_int, "a positive integer"),
+        "instances": Key(1, _positive_int, "a positive integer"),
+    },
+    "backends": {
+        "paths": Key([], _string_list, "a list of absolute directory paths"),
+    },
+    "onnxruntime": {
+        "intra_op_threads": Key(1, _positive_int, "a positive integer"),
+        "inter_op_threads": Key(1, _positive_int, "a positive integer"),
+    },
+    "logging": {
+        "level": Key("info", _level, "one of debug, info, warning, error, critical"),
+    },
+}
+
+
+class Config(SimpleNamespace):
+    """Validated configuration: ``config.server.socket`` and so on.
+
+    ``source`` is the file it came from, or None for the built-in defaults.
+    """
+
+    source: Path | None
+
+
+def _validate(raw: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    values = {s: {k: key.check(key.default) for k, key in keys.items()}
+              for s, keys in SCHEMA.items()}
+    for section, table in raw.items():
+        if section not in SCHEMA:
+            raise ConfigError(f"{where}: unknown section [{section}]; known sections: "
+                              f"{', '.join(SCHEMA)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: [{section}] must be a table")
+        for name, value in table.items():
+            key = SCHEMA[section].get(name)
+            if key is None:
+                raise ConfigError(f"{where}: unknown key [{section}] {name}; known keys: "
+                                  f"{', '.join(SCHEMA[section])}")
+            try:
+                values[section][name] = key.check(value)
+            except ValueError:
+                raise ConfigError(f"{where}: [{section}] {name} = {value!r}: expected "
+                                  f"{key.expected}") from None
+    return values
+
+
+def find_config_file(cli_path: str | None) -> Path | None:
+    """The file to read: ``--config``, then ``$INFERD_CONFIG``, then the system file if
+    it exists, else None (built-in defaults)."""
+    if cli_path:
+        return Path(cli_path)
+    env = os.environ.get("INFERD_CONFIG")
+    if env:
+        return Path(env)
+    return SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else None
+
+
+def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read, validate and override a configuration.
+
+    Args:
+        path: TOML file, or None for the built-in defaults.
+        overrides: ``"section.key" -> value`` from the command line; validated like the
+            file's values and stronger than them.
+
+    Raises:
+        ConfigError: unreadable file, bad TOML, unknown key or bad value.
+    """
+    raw: dict[str, Any] = {}
+    where = str(path) if path else "built-in defaults"
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    values = _validate(raw, where)
+    for dotted, value in (overrides or {}).items():
+        section, name = dotted.split(".", 1)
+        values = _merge_one(values, section, name, value, "command line")
+    return Config(source=path, **{s: SimpleNamespace(**v) for s, v in values.items()})
+
+
+def _merge_one(values: dict[str, dict[str, Any]], section: str, name: str, value: Any,
+               where: str) -> dict[str, dict[str, Any]]:
+    key = SCHEMA[section][name]
+    try:
+        values[section][name] = key.check(value)
+    except ValueError:
+        raise ConfigError(f"{where}: [{section}] {name} = {value!r}: expected "
+                          f"{key.expected}") from None
+    return values

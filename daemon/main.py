@@ -1,0 +1,70 @@
+"""``inferd``: the daemon's entry point. Parses the command line, reads the config,
+sets up logging and signals, and runs a :class:`Runtime` in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+from inferd.daemon.config import find_config_file, load_config
+from inferd.daemon.runtime import VERSION, Runtime
+from inferd.ipc.errors import InferdError
+
+log = logging.getLogger("inferd")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="inferd", description="inferd inference daemon "
+                                "(runs in the foreground)")
+    p.add_argument("--config", help="TOML config file (default: $INFERD_CONFIG, then "
+                   "/etc/inferd/inferd.toml, then built-in defaults)")
+    p.add_argument("--socket", help="endpoint to serve, e.g. ipc:///run/inferd/inferd.sock")
+    p.add_argument("--models", help="model repository directory")
+    p.add_argument("--backends-dir", action="append", default=None, metavar="DIR",
+                   help="directory searched for backend plugins (repeatable)")
+    p.add_argument("--preload", action="append", default=None, metavar="MODEL",
+                   help="model to load before reporting ready (repeatable)")
+    p.add_argument("--log-level", help="debug, info, warning, error")
+    p.add_argument("--version", action="version", version=f"inferd {VERSION}")
+    return p.parse_args(argv)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    pairs = {"server.socket": args.socket, "models.repository": args.models,
+             "backends.paths": args.backends_dir, "models.preload": args.preload,
+             "logging.level": args.log_level}
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(find_config_file(args.config), _overrides(args))
+    except InferdError as e:
+        print(f"inferd: invalid configuration: {e.message}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.logging.level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runtime = Runtime(config)
+    try:
+        runtime.start()
+    except InferdError as e:
+        log.error("cannot start: %s", e.message)
+        return 1
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+        runtime.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    runtime.serve()
+    log.info("inferd exited cleanly")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Clients for applications: :class:`Client` (blocking, thread-safe) and
+:class:`AsyncClient` (asyncio). Both speak protocol v1 over a DEALER socket, so many
+requests can be in flight on one connection."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from numpy.typing import NDArray
+
+from inferd.ipc.errors import ErrorCode, RequestError
+from inferd.ipc.protocol import Op, Reply, Request, decode_reply, encode_request
+from inferd.ipc.server import ipc_path
+
+DEFAULT_ENDPOINT = "ipc:///run/inferd/inferd.sock"
+DEFAULT_TIMEOUT = 30.0
+
+
+def default_endpoint() -> str:
+    """``$INFERD_SOCKET``, else the system socket."""
+    return os.environ.get("INFERD_SOCKET") or DEFAULT_ENDPOINT
+
+
+def _check_reachable(endpoint: str) -> None:
+    # libzmq queues silently on a missing or forbidden ipc path; say why instead.
+    path = ipc_path(endpoint)
+    if path is None:
+        return
+    if not path.exists():
+        raise RequestError(f"no inferd socket at {path}: is the daemon running? "
+                           f"(set $INFERD_SOCKET or --socket for another endpoint)",
+                           ErrorCode.UNAVAILABLE)
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise RequestError(f"permission denied on {path}: the user needs to be in the "
+                           f"socket's group (usually 'inferd')", ErrorCode.UNAVAILABLE)
+
+
+class _Base:
+    def __init__(self, endpoint: str | None, timeout: float) -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout = timeout
+        self._prefix = uuid.uuid4().hex[:8]
+        self._ids = itertools.count(1)
+        _check_reachable(self.endpoint)
+
+    def _request(self, op: Op, model: str | None = None,
+                 inputs: dict[str, NDArray[Any]] | None = None, **fields: Any) -> Request:
+        timeout = fields.pop("timeout", None) or self.timeout
+        outputs = fields.pop("outputs", None)
+        version = fields.pop("version", None)
+        return Request(id=f"{self._prefix}-{next(self._ids)}", op=op, model=model,
+                       version=version, inputs={k: np.asarray(v) for k, v in
+                                                (inputs or {}).items()},
+                       outputs=list(outputs) if outputs is not None else None,
+                       timeout_ms=int(timeout * 1000),
+                       params={k: v for k, v in fields.items() if v is not None})
+
+    @staticmethod
+    def _unwrap(reply: Reply) -> Reply:
+        if reply.error is not None:
+            raise RequestError(reply.error[1], reply.error[0])
+        return reply
+
+
+class Pending:
+    """A request in flight; :meth:`result` waits for its reply."""
+
+    def __init__(self, client: Client, request_id: str, deadline: float) -> None:
+        self._client = client
+        self.id = request_id
+        self.deadline = deadline
+
+    def reply(self, timeout: float | None = None) -> Reply:
+        """The raw reply (raises RequestError only on a timeout)."""
+        deadline = self.deadline if timeout is None else time.monotonic() + timeout
+        return self._client._wait(self.id, deadline)
+
+    def result(self, timeout: float | None = None) -> dict[str, NDArray[Any]]:
+        """The output tensors; raises RequestError with the daemon's code on failure."""
+        return Client._unwrap(self.reply(timeout)).outputs
+
+
+class Client(_Base):
+    """Blocking client; safe to share between threads.
+
+    Args:
+        endpoint: daemon endpoint; default ``$INFERD_SOCKET`` or
+            ``ipc:///run/inferd/inferd.sock``.
+        timeout: seconds to wait for each reply; also sent as the request deadline.
+
+    Raises:
+        RequestError: UNAVAILABLE at once if the ipc socket file is missing or not
+            accessible.
+    """
+
+    def __init__(self, endpoint: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 context: zmq.Context | None = None) -> None:
+        super().__init__(endpoint, timeout)
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        self._lock = threading.Lock()
+        self._replies: dict[str, Reply] = {}
+        self._waiting: set[str] = set()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(0)
+
+    # ----------------------------------------------------------------- core
+
+    def submit(self, op: Op | str, model: str | None = None,
+               inputs: dict[str, NDArray[Any]] | None = None, **fields: Any) -> Pending:
+        """Send a request without waiting; collect it with :meth:`Pending.result`."""
+        req = self._request(Op(op), model, inputs, **fields)
+        frames = encode_request(req)
+        with self._lock:
+            self._waiting.add(req.id)
+            self._sock.send_multipart(frames, copy=False)
+        return Pending(self, req.id, time.monotonic() + (req.timeout_ms or 0) / 1000)
+
+    def _wait(self, request_id: str, deadline: float) -> Reply:
+        while True:
+            with self._lock:
+                reply = self._replies.pop(request_id, None)
+                if reply is not None:
+                    self._waiting.discard(request_id)
+                    return reply
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._waiting.discard(request_id)
+                    raise RequestError(f"no reply from {self.endpoint} within the "
+                                       f"client timeout", ErrorCode.DEADLINE_EXCEEDED)
+                # Poll in short slices so other threads sharing the client get turns.
+                if self._sock.poll(min(left, 0.05) * 1000):
+                    frames = self._sock.recv_multipart(copy=False)
+                    got = decode_reply(frames)
+                    if got.id == request_id:
+                        self._waiting.discard(request_id)
+                        return got
+                    if got.id in self._waiting:
+                        self._replies[got.id] = got
+                    # else: a late reply to a request whose caller gave up
+
+    def call(self, op: Op | str, model: str | None = None, **fields: Any) -> Any:
+        """Send a control op and return its ``result``."""
+        return self._unwrap(self.submit(op, model, **fields).reply()).result
+
+    # ----------------------------------------------------------------- API
+
+    def infer(self, model: str, inputs: dict[str, NDArray[Any]],
+              outputs: list[str] | None = None, *, version: int | None = None,
+              timeout: float | None = None) -> dict[str, NDArray[Any]]:
+        """Run ``model`` on ``inputs``; returns the output tensors by name.
+
+        Raises:
+            RequestError: with ``.code`` the wire code and the daemon's message.
+        """
+        return self.submit(Op.INFER, model, inputs, outputs=outputs, version=version,
+                           timeout=timeout).result()
+
+    def ping(self) -> dict[str, Any]:
+        return self.call(Op.PING)
+
+    def status(self) -> dict[str, Any]:
+        return self.call(Op.STATUS)
+
+    def models(self, **fields: Any) -> list[dict[str, Any]]:
+        return self.call(Op.MODELS, **fields)["models"]
+
+    def backends(self) -> dict[str, Any]:
+        return self.call(Op.BACKENDS)
+
+    def load(self, model: str, version: int | None = None) -> dict[str, Any]:
+        return self.call(Op.LOAD, model, version=version)
+
+    def unload(self, model: str) -> dict[str, Any]:
+        return self.call(Op.UNLOAD, model)
+
+
+class AsyncClient(_Base):
+    """asyncio client with the same methods as :class:`Client` (awaitable).
+
+    One receiver task routes replies to the awaiting coroutines by request id.
+    """
+
+    def __init__(self, endpoint: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        super().__init__(endpoint, timeout)
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        self._futures: dict[str, asyncio.Future[Reply]] = {}
+        self._receiver: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            try:
+                await self._receiver
+            except asyncio.CancelledError:
+                pass
+        self._sock.close(0)
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            reply = decode_reply(frames)
+            future = self._futures.pop(reply.id, None)
+            if future is not None and not future.done():
+                future.set_result(reply)
+
+    async def submit(self, op: Op | str, model: str | None = None,
+                     inputs: dict[str, NDArray[Any]] | None = None, **fields: Any) -> Reply:
+        if self._receiver is None:
+            self._receiver = asyncio.create_task(self._receive())
+        req = self._request(Op(op), model, inputs, **fields)
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._futures[req.id] = future
+        await self._sock.send_multipart(encode_request(req), copy=False)
+        try:
+            return await asyncio.wait_for(future, (req.timeout_ms or 0) / 1000)
+        except asyncio.TimeoutError:
+            raise RequestError(f"no reply from {self.endpoint} within the client timeout",
+                               ErrorCode.DEADLINE_EXCEEDED) from None
+        finally:
+            self._futures.pop(req.id, None)
+
+    async def call(self, op: Op | str, model: str | None = None, **fields: Any) -> Any:
+        return self._unwrap(await self.submit(op, model, **fields)).result
+
+    async def infer(self, model: str, inputs: dict[str, NDArray[Any]],
+                    outputs: list[str] | None = None, *, version: int | None = None,
+                    timeout: float | None = None) -> dict[str, NDArray[Any]]:
+        reply = await self.submit(Op.INFER, model, inputs, outputs=outputs, version=version,
+                                  timeout=timeout)
+        return self._unwrap(reply).outputs
+
+    async def ping(self) -> dict[str, Any]:
+        return await self.call(Op.PING)
+
+    async def status(self) -> dict[str, Any]:
+        return await self.call(Op.STATUS)
+
+    async def models(self, **fields: Any) -> list[dict[str, Any]]:
+        return (await self.call(Op.MODELS, **fields))["models"]
+
+    async def backends(self) -> dict[str, Any]:
+        return await self.call(Op.BACKENDS)
+
+    async def load(self, model: str, version: int | None = None) -> dict[str, Any]:
+        return await self.call(Op.LOAD, model, version=version)
+
+    async def unload(self, model: str) -> dict[str, Any]:
+        return await self.call(Op.UNLOAD, model)

@@ -1,0 +1,198 @@
+"""``inferctl``: talk to a running inferd from the shell.
+
+Readable tables by default, ``--json`` for scripts. Exit status: 0 on success, 1 when the
+daemon answers with an error (its code and message go to stderr), 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from inferd.ipc.client import Client, default_endpoint
+from inferd.ipc.errors import ErrorCode, RequestError
+
+
+def _size(n: Any) -> str:
+    if not isinstance(n, int | float):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header] + [["-" if c is None or c == "" else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _tensors(specs: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{s['name']}:{s['dtype']}{s['shape']}" for s in specs) or "-"
+
+
+def show_status(s: dict[str, Any]) -> str:
+    lines = [f"inferd {s['version']} (pid {s['pid']}) on {s['endpoint']}",
+             f"ready:    {'yes' if s['ready'] else 'no'}",
+             f"uptime:   {s['uptime_s']:.0f} s",
+             f"memory:   {_size(s['memory']['rss_bytes'])} resident",
+             f"models:   {', '.join(s['loaded_models']) or 'none loaded'} "
+             f"(repository {s['repository']})",
+             "backends: " + ", ".join(f"{b['id']} ({b['kind']}, {b['status']})"
+                                      for b in s["backends"])]
+    return "\n".join(lines)
+
+
+def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
+    rows = []
+    for m in models:
+        state = m["state"] + (f": {m['error']}" if m.get("error") else "")
+        rows.append([m["name"], state, m.get("version"), m.get("backend"),
+                     _size(m.get("memory_bytes")) if m.get("memory_bytes") else None,
+                     m.get("requests", 0)])
+    out = _table(rows, ["MODEL", "STATE", "VERSION", "BACKEND", "MEMORY", "REQUESTS"])
+    if verbose:
+        for m in models:
+            if m.get("inputs"):
+                out += (f"\n\n{m['name']}\n  inputs:  {_tensors(m['inputs'])}"
+                        f"\n  outputs: {_tensors(m['outputs'])}"
+                        f"\n  threads: {', '.join(m.get('threads', [])) or '-'}")
+    return out
+
+
+def show_backends(b: dict[str, Any]) -> str:
+    rows = [[x["id"], x["kind"], x["version"], x["status"], x.get("source"), x.get("reason")]
+            for x in b["backends"]]
+    out = _table(rows, ["BACKEND", "KIND", "VERSION", "STATUS", "SOURCE", "REASON"])
+    if b.get("search_path") is not None:
+        out += "\n\nsearch path: " + (":".join(b["search_path"]) or "(none)")
+    return out
+
+
+def _wait(args: argparse.Namespace) -> int:
+    deadline = time.monotonic() + args.timeout
+    last = "daemon not reachable"
+    while time.monotonic() < deadline:
+        try:
+            with Client(args.socket, timeout=min(2.0, max(0.1, deadline - time.monotonic()))) as c:
+                if c.ping()["ready"]:
+                    if not args.json:
+                        print("ready")
+                    return 0
+                last = "daemon is up but not ready yet"
+        except RequestError as e:
+            last = e.message
+        time.sleep(0.1)
+    print(f"inferctl: not ready after {args.timeout} s: {last}", file=sys.stderr)
+    return 1
+
+
+def _infer(c: Client, args: argparse.Namespace) -> None:
+    inputs = {}
+    for spec in args.input:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise SystemExit(f"inferctl: -i expects NAME=FILE.npy, got {spec!r}")
+        inputs[name] = np.load(path, allow_pickle=False)
+    outputs = c.infer(args.model, inputs, args.output_names)
+    if args.out_dir:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    for name, value in outputs.items():
+        if args.out_dir:
+            path = Path(args.out_dir) / (name.replace("/", "_") + ".npy")
+            np.save(path, value, allow_pickle=value.dtype == object)
+        if args.json:
+            continue
+        if value.dtype == object:
+            print(f"{name}:")
+            for item in value.reshape(-1):
+                print(f"  {item}")
+        else:
+            where = f" -> {path}" if args.out_dir else ""
+            print(f"{name}: {value.dtype}{list(value.shape)}{where}")
+            if value.size <= 16:
+                print(f"  {value.tolist()}")
+    if args.json:
+        print(json.dumps({k: (v.tolist() if v.size <= 4096 or v.dtype == object
+                              else {"dtype": str(v.dtype), "shape": list(v.shape)})
+                          for k, v in outputs.items()}))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="inferctl", description="Control and query inferd.")
+    p.add_argument("--socket", default=None, help="daemon endpoint (default $INFERD_SOCKET "
+                   "or ipc:///run/inferd/inferd.sock)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=30.0, dest="request_timeout",
+                   help="seconds to wait for a reply (default 30)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("status", help="daemon version, readiness, memory, backends")
+    m = sub.add_parser("models", help="every model and its state")
+    m.add_argument("--verbose", "-v", action="store_true", help="tensors and threads too")
+    sub.add_parser("backends", help="every backend candidate, its stage and reason")
+    sub.add_parser("ping", help="check the daemon answers")
+    for name in ("load", "unload"):
+        c = sub.add_parser(name, help=f"{name} a model")
+        c.add_argument("model")
+        if name == "load":
+            c.add_argument("--version", type=int, default=None)
+    w = sub.add_parser("wait", help="wait until the daemon is ready")
+    w.add_argument("--timeout", type=float, default=30.0)
+    i = sub.add_parser("infer", help="run a model on .npy inputs")
+    i.add_argument("model")
+    i.add_argument("-i", "--input", action="append", default=[], metavar="NAME=FILE.npy")
+    i.add_argument("-o", "--out-dir", default=None, help="write each output as NAME.npy")
+    i.add_argument("--output", action="append", dest="output_names", default=None,
+                   help="only this output (repeatable)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.socket = args.socket or default_endpoint()
+    if args.cmd == "wait":
+        return _wait(args)
+    try:
+        with Client(args.socket, timeout=args.request_timeout) as c:
+            if args.cmd == "infer":
+                _infer(c, args)
+                return 0
+            if args.cmd == "status":
+                result: Any = c.status()
+                text = show_status(result) if not args.json else ""
+            elif args.cmd == "models":
+                result = c.models(verbose=args.verbose or None)
+                text = show_models(result, args.verbose) if not args.json else ""
+            elif args.cmd == "backends":
+                result = c.backends()
+                text = show_backends(result) if not args.json else ""
+            elif args.cmd == "ping":
+                result = c.ping()
+                text = "pong" + ("" if result["ready"] else " (not ready)")
+            elif args.cmd == "load":
+                result = c.load(args.model, args.version)
+                text = f"{args.model}: {result['state']} (version {result['version']}, " \
+                       f"backend {result['backend']})"
+            else:
+                result = c.unload(args.model)
+                text = f"{args.model}: {result['state']}"
+    except RequestError as e:
+        print(f"inferctl: {e.code}: {e.message}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"inferctl: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

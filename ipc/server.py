@@ -1,0 +1,363 @@
+"""The daemon's side of the wire: one I/O thread owns the ROUTER socket.
+
+Requests are decoded here and handed to a handler. A handler either answers at once
+(returns a :class:`Reply`) or keeps the :class:`Ticket` and answers later from any
+thread with :meth:`Server.send_reply`; replies from other threads come back to the I/O
+thread through an inproc PUSH/PULL pair, so no other thread touches the ROUTER. Every
+request gets exactly one reply: the server tracks what is in flight, refuses new work
+while stopping, and answers whatever is still open with UNAVAILABLE when the grace period
+ends.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError
+from inferd.ipc.protocol import (
+    Reply, Request, decode_request, encode_reply, error_reply, peek_request_id,
+)
+
+log = logging.getLogger(__name__)
+
+_SEQ = struct.Struct("<Q")
+
+
+@dataclass
+class Ticket:
+    """What a handler needs to answer a request later: an opaque sequence number plus
+    the request's id, arrival time and deadline (monotonic seconds, or None)."""
+
+    seq: int
+    request_id: str
+    received: float
+    deadline: float | None
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+
+Handler = Callable[[Request, Ticket], Reply | None]
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    """The filesystem path of an ``ipc://`` endpoint, else None."""
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
+class SocketLock:
+    """Exclusive claim on an ipc socket path, held through a lock file beside it.
+
+    libzmq silently takes over a path that a live daemon serves, so the daemon takes
+    ``<path>.lock`` with flock first: held by another process means "refuse to start";
+    free means any socket file left there is stale and is removed.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise InferdError(f"another inferd (pid {owner}) is serving {self.path}; "
+                              f"refusing to start (lock {self.lock_path} is held)",
+                              ErrorCode.UNAVAILABLE) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        if self.path.exists() or self.path.is_symlink():
+            log.info("removing stale socket file %s left by a daemon that is gone", self.path)
+            self.path.unlink()
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # libzmq leaves the socket file behind
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+class Server:
+    """ROUTER server loop. Create, :meth:`bind`, then :meth:`run` on the I/O thread.
+
+    Args:
+        endpoint: where to bind, e.g. ``ipc:///run/inferd/inferd.sock``.
+        handler: called on the I/O thread for each decoded request.
+        max_message_bytes: requests larger than this (all frames) get RESOURCE_EXHAUSTED;
+            libzmq drops the connection of a peer sending one frame over twice this.
+        socket_mode: file mode set on an ipc socket file.
+        grace_s: how long :meth:`run` waits for in-flight requests when stopping.
+    """
+
+    def __init__(self, endpoint: str, handler: Handler, *, max_message_bytes: int,
+                 socket_mode: int = 0o660, grace_s: float = 10.0) -> None:
+        self.endpoint = endpoint
+        self._handler = handler
+        self._max_bytes = max_message_bytes
+        self._mode = socket_mode
+        self._grace_s = grace_s
+        self._ctx = zmq.Context()
+        self._router: zmq.Socket | None = None
+        self._pull: zmq.Socket | None = None
+        self._replies_addr = f"inproc://inferd-replies-{id(self):x}"
+        self._local = threading.local()
+        self._push_sockets: list[zmq.Socket] = []
+        self._push_lock = threading.Lock()
+        # seq -> [envelope frames, request id once decoded]
+        self._inflight: dict[int, list[Any]] = {}
+        self._seq = 0
+        self._io_ident: int | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._calls: deque[Callable[[], None]] = deque()
+        self._stop = False
+        self._lock: SocketLock | None = None
+        self.on_stop: Callable[[], None] | None = None
+        self.stats = {"requests": 0, "errors": 0}
+
+    # ----------------------------------------------------------------- set-up
+
+    def bind(self) -> None:
+        """Claim and bind the endpoint. Raises InferdError if it is taken."""
+        path = ipc_path(self.endpoint)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock = SocketLock(path)
+            self._lock.acquire()
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.LINGER, 1000)
+        router.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
+        router.setsockopt(zmq.SNDHWM, 10000)
+        router.setsockopt(zmq.RCVHWM, 10000)
+        old = os.umask(0o777 & ~self._mode) if path else None
+        try:
+            router.bind(self.endpoint)
+        except zmq.ZMQError as e:
+            router.close(0)
+            if self._lock:
+                self._lock.release()
+            raise InferdError(f"cannot bind {self.endpoint}: {e}",
+                              ErrorCode.UNAVAILABLE) from e
+        finally:
+            if old is not None:
+                os.umask(old)
+        if path is not None:
+            os.chmod(path, self._mode)
+        self._router = router
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(self._replies_addr)
+
+    # ----------------------------------------------------------------- any thread
+
+    def send_reply(self, ticket: Ticket, reply: Reply) -> None:
+        """Answer ``ticket``; callable from any thread, exactly once per ticket."""
+        frames = encode_reply(reply)
+        if threading.get_ident() == self._io_ident:
+            self._deliver(ticket.seq, frames)
+            return
+        push = getattr(self._local, "push", None)
+        if push is None:
+            push = self._ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDTIMEO, 5000)
+            push.connect(self._replies_addr)
+            self._local.push = push
+            with self._push_lock:
+                self._push_sockets.append(push)
+        try:
+            push.send_multipart([_SEQ.pack(ticket.seq), *frames], copy=False)
+        except zmq.ZMQError as e:
+            log.error("reply to request %s could not reach the I/O thread: %s",
+                      ticket.request_id, e, extra={"REQUEST_ID": ticket.request_id})
+
+    def release_thread(self) -> None:
+        """Close the calling thread's reply socket (worker threads call this on exit)."""
+        push = getattr(self._local, "push", None)
+        if push is not None:
+            with self._push_lock:
+                self._push_sockets.remove(push)
+            push.close(0)
+            self._local.push = None
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread; safe from signal handlers and other threads."""
+        self._calls.append(fn)
+        self._wake()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to stop; safe from signal handlers and other threads."""
+        self._stop = True
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except BlockingIOError:
+            pass  # already a wake-up pending
+
+    # ----------------------------------------------------------------- I/O thread
+
+    def run(self) -> None:
+        """Serve until :meth:`stop`, then drain and close. Runs on the calling thread."""
+        assert self._router is not None and self._pull is not None, "bind() first"
+        self._io_ident = threading.get_ident()
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        stopping_since: float | None = None
+        while True:
+            if self._stop and stopping_since is None:
+                stopping_since = time.monotonic()
+                log.info("stopping: %d requests in flight", len(self._inflight))
+                if self.on_stop:
+                    self.on_stop()
+            if stopping_since is not None:
+                if not self._inflight:
+                    break
+                left = self._grace_s - (time.monotonic() - stopping_since)
+                if left <= 0:
+                    break
+                timeout = max(1, int(left * 1000))
+            else:
+                timeout = None
+            events = dict(poller.poll(timeout))
+            if self._wake_r.fileno() in events:
+                self._drain_wakeups()
+            if self._pull in events:
+                self._forward_replies()
+            if self._router in events:
+                self._receive_requests(refuse=stopping_since is not None)
+        self._close()
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._calls:
+            fn = self._calls.popleft()
+            try:
+                fn()
+            except Exception:
+                log.exception("I/O-thread call %r failed", fn)
+
+    def _forward_replies(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            (seq,) = _SEQ.unpack(frames[0].bytes)
+            self._deliver(seq, frames[1:])
+
+    def _deliver(self, seq: int, frames: list[Any]) -> None:
+        entry = self._inflight.pop(seq, None)
+        if entry is None:
+            log.warning("dropping a second or late reply for request #%d (already answered)",
+                        seq)
+            return
+        try:
+            self._router.send_multipart([*entry[0], *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away; EAGAIN: not reading
+            log.info("reply #%d not delivered: client gone or not reading (%s)", seq, e)
+
+    def _receive_requests(self, refuse: bool) -> None:
+        for _ in range(1000):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            # ROUTER prefixes the peer identity; a REQ client adds an empty delimiter.
+            split = 2 if len(frames) > 1 and len(frames[1]) == 0 else 1
+            envelope, body = frames[:split], frames[split:]
+            self._seq += 1
+            seq = self._seq
+            self._inflight[seq] = [envelope, None]
+            self.stats["requests"] += 1
+            self._handle(seq, body, refuse)
+
+    def _handle(self, seq: int, body: list[Any], refuse: bool) -> None:
+        received = time.monotonic()
+        request_id: str | None = None
+        try:
+            size = sum(len(f) for f in body)
+            if size > self._max_bytes:
+                raise ProtocolError(f"message of {size} bytes is over the limit of "
+                                    f"{self._max_bytes} bytes (server.max_message_bytes)",
+                                    ErrorCode.RESOURCE_EXHAUSTED,
+                                    request_id=peek_request_id(body))
+            request = decode_request(body)
+            request_id = self._inflight[seq][1] = request.id
+            if refuse:
+                raise InferdError("inferd is shutting down", ErrorCode.UNAVAILABLE)
+            deadline = (received + request.timeout_ms / 1000.0
+                        if request.timeout_ms else None)
+            ticket = Ticket(seq, request.id, received, deadline)
+            reply = self._handler(request, ticket)
+        except InferdError as e:
+            rid = e.request_id if isinstance(e, ProtocolError) else request_id
+            self.stats["errors"] += 1
+            log.debug("request %s refused: %s %s", rid, e.code, e.message,
+                      extra={"REQUEST_ID": rid or "", "CODE": str(e.code)})
+            self._deliver(seq, error_reply(rid, e.code, e.message))
+            return
+        except Exception as e:
+            self.stats["errors"] += 1
+            log.exception("internal error handling request %s", request_id)
+            self._deliver(seq, error_reply(request_id, ErrorCode.INTERNAL,
+                                           f"internal error: {type(e).__name__}: {e}"))
+            return
+        if reply is not None:
+            self._deliver(seq, encode_reply(reply))
+
+    def _close(self) -> None:
+        for seq, (_, rid) in list(self._inflight.items()):
+            self._deliver(seq, error_reply(rid, ErrorCode.UNAVAILABLE,
+                                           "inferd stopped before this request finished"))
+        self._router.close(linger=1000)
+        self._pull.close(0)
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._lock:
+            self._lock.release()
+        log.info("server closed")
+
+    def close(self, threads_done: bool = True) -> None:
+        """Release the ZeroMQ context once the worker threads have ended.
+
+        Args:
+            threads_done: False if some worker did not end in time; then the context is
+                left to process exit rather than closing sockets under a live thread.
+        """
+        if not threads_done:
+            return
+        with self._push_lock:
+            for push in self._push_sockets:
+                push.close(0)  # threads that never released theirs; they are done by now
+            self._push_sockets.clear()
+        self._ctx.term()

@@ -1,0 +1,176 @@
+"""The backend contract: what every backend (built-in, Python plugin, native plugin) is.
+
+A :class:`Backend` says who it is, which device kind it drives, whether its device is
+really there (:meth:`Backend.probe`), whether it can run a model
+(:meth:`Backend.supports`), and loads models into :class:`LoadedModel` objects that run
+batches of named tensors. The daemon talks to backends only through this module.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from numpy.typing import NDArray
+
+API_VERSION = (1, 0)
+"""(major, minor) of the backend contract; a plugin must match the major and not exceed
+the minor."""
+
+
+class DeviceKind(StrEnum):
+    """The kind of device a backend drives; preference lists name these."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+    NPU = "npu"
+
+
+Dim = int | str | None
+"""A tensor dimension: a fixed size, a symbolic name, or unknown."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, wire dtype name and shape of a model input or output."""
+
+    name: str
+    dtype: str
+    shape: tuple[Dim, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Result of :meth:`Backend.probe`: is the device there, and if not, why not."""
+
+    available: bool
+    reason: str = ""
+    devices: tuple[str, ...] = ()
+
+
+@dataclass
+class LoadOptions:
+    """What the daemon asks of a load; backends ignore keys they do not know."""
+
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class LoadedModel(ABC):
+    """A model loaded by a backend, ready to run."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @abstractmethod
+    def run(self, inputs: dict[str, NDArray[Any]],
+            outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
+        """Run one batch.
+
+        Args:
+            inputs: one array per model input, already checked against ``self.inputs``.
+            outputs: names of the outputs wanted, or None for all.
+
+        Returns:
+            The requested outputs by name.
+
+        Raises:
+            ModelError or BackendError: the run failed; the message names the model.
+        """
+
+    @abstractmethod
+    def unload(self) -> None:
+        """Free everything the model holds. Called once; ``run`` is not called after."""
+
+    def memory_bytes(self) -> int | None:
+        """Memory the backend knows the model uses, or None if it cannot tell."""
+        return None
+
+
+class Backend(ABC):
+    """One inference engine on one kind of device.
+
+    Attributes:
+        id: unique name in a registry, e.g. ``"onnxruntime"``.
+        version: the backend's own version string.
+        api_version: the contract version it was written against.
+        kind: the device kind it drives.
+    """
+
+    id: str
+    version: str
+    api_version: tuple[int, int] = API_VERSION
+    kind: DeviceKind
+
+    @abstractmethod
+    def probe(self) -> Probe:
+        """Check that the device and its runtime are really present. Must not raise."""
+
+    @abstractmethod
+    def supports(self, model_path: Path) -> tuple[bool, str]:
+        """Whether this backend can run the model file, and if not, why not."""
+
+    @abstractmethod
+    def load(self, model_path: Path, options: LoadOptions) -> LoadedModel:
+        """Load a model. Raises ModelError or BackendError naming the file."""
+
+
+REQUIRED_METHODS = ("probe", "supports", "load")
+REQUIRED_ATTRIBUTES = ("id", "version", "kind")
+
+
+def check_inputs(model: str, specs: tuple[TensorSpec, ...],
+                 inputs: dict[str, NDArray[Any]]) -> None:
+    """Check a request's tensors against a model's declared inputs.
+
+    Raises:
+        ModelError (INVALID_ARGUMENT): missing or extra inputs, wrong dtype, rank or a
+            fixed dimension; the message names the model, the tensor and what it expects.
+    """
+    from inferd.ipc.errors import ModelError
+    from inferd.ipc.protocol import dtype_name
+
+    expected = {s.name: s for s in specs}
+    missing = [n for n in expected if n not in inputs]
+    extra = [n for n in inputs if n not in expected]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing inputs {missing}")
+        if extra:
+            parts.append(f"unknown inputs {extra}")
+        raise ModelError(f"model {model}: {' and '.join(parts)}; it takes "
+                         f"{[s.name for s in specs]}")
+    for name, array in inputs.items():
+        spec = expected[name]
+        dtype = dtype_name(array)
+        if dtype != spec.dtype:
+            raise ModelError(f"model {model}: input {name!r} is {dtype}, expected {spec.dtype}")
+        if len(array.shape) != len(spec.shape):
+            raise ModelError(f"model {model}: input {name!r} has shape {list(array.shape)} "
+                             f"(rank {array.ndim}), expected rank {len(spec.shape)} "
+                             f"{list(spec.shape)}")
+        for axis, (got, want) in enumerate(zip(array.shape, spec.shape)):
+            if isinstance(want, int) and want >= 0 and got != want:
+                raise ModelError(f"model {model}: input {name!r} has shape "
+                                 f"{list(array.shape)}, expected {list(spec.shape)} "
+                                 f"(axis {axis} must be {want})")
+
+
+def check_outputs(model: str, specs: tuple[TensorSpec, ...], wanted: list[str] | None) -> None:
+    """Raise ModelError (INVALID_ARGUMENT) if ``wanted`` names an output the model lacks."""
+    from inferd.ipc.errors import ModelError
+
+    if wanted is None:
+        return
+    names = [s.name for s in specs]
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+        raise ModelError(f"model {model}: unknown outputs {unknown}; it has {names}")

@@ -1,0 +1,102 @@
+"""The built-in CPU backend: onnxruntime with the CPU execution provider."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from inferd.ipc.errors import BackendError, ModelError
+from inferd.libbackends.contract import (
+    Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
+)
+
+log = logging.getLogger(__name__)
+
+# onnxruntime type strings -> wire dtype names
+_ORT_TYPES = {
+    "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+    "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(int16)": "int16",
+    "tensor(uint16)": "uint16", "tensor(int32)": "int32", "tensor(uint32)": "uint32",
+    "tensor(int64)": "int64", "tensor(uint64)": "uint64", "tensor(bool)": "bool",
+    "tensor(string)": "string",
+}
+
+
+def _spec(arg: Any, model: str) -> TensorSpec:
+    dtype = _ORT_TYPES.get(arg.type)
+    if dtype is None:
+        raise ModelError(f"model {model}: tensor {arg.name!r} has type {arg.type}, "
+                         f"which inferd cannot carry")
+    shape = tuple(d if isinstance(d, int | str) else None for d in (arg.shape or ()))
+    return TensorSpec(arg.name, dtype, shape)
+
+
+class OrtModel(LoadedModel):
+    """An onnxruntime InferenceSession behind the LoadedModel contract."""
+
+    def __init__(self, session: Any, path: Path) -> None:
+        self._session = session
+        self._path = path
+        self.inputs = tuple(_spec(a, str(path)) for a in session.get_inputs())
+        self.outputs = tuple(_spec(a, str(path)) for a in session.get_outputs())
+        self._output_names = [o.name for o in self.outputs]
+
+    def run(self, inputs: dict[str, NDArray[Any]],
+            outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
+        names = outputs or self._output_names
+        try:
+            results = self._session.run(names, inputs)
+        except Exception as e:  # onnxruntime raises its own exception classes
+            raise ModelError(f"onnxruntime failed to run {self._path}: {e}") from e
+        return {name: np.asarray(value) for name, value in zip(names, results)}
+
+    def unload(self) -> None:
+        self._session = None
+
+
+class OnnxRuntimeCpuBackend(Backend):
+    """onnxruntime, CPU execution provider, thread counts from the load options."""
+
+    id = "onnxruntime"
+    kind = DeviceKind.CPU
+
+    def __init__(self) -> None:
+        try:
+            import onnxruntime
+        except ImportError:
+            self._ort = None
+            self.version = "unavailable"
+        else:
+            self._ort = onnxruntime
+            self.version = onnxruntime.__version__
+
+    def probe(self) -> Probe:
+        if self._ort is None:
+            return Probe(False, "python module onnxruntime is not installed")
+        providers = self._ort.get_available_providers()
+        if "CPUExecutionProvider" not in providers:
+            return Probe(False, f"CPUExecutionProvider missing (have {providers})")
+        return Probe(True, devices=("cpu",))
+
+    def supports(self, model_path: Path) -> tuple[bool, str]:
+        if model_path.suffix != ".onnx":
+            return False, f"{model_path.name} is not an .onnx file"
+        return True, ""
+
+    def load(self, model_path: Path, options: LoadOptions) -> LoadedModel:
+        if self._ort is None:
+            raise BackendError("onnxruntime is not installed")
+        so = self._ort.SessionOptions()
+        so.intra_op_num_threads = options.intra_op_threads
+        so.inter_op_num_threads = options.inter_op_threads
+        so.log_severity_level = 3
+        try:
+            session = self._ort.InferenceSession(
+                str(model_path), sess_options=so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime's own Fail/InvalidGraph/... classes
+            raise ModelError(f"onnxruntime cannot load {model_path}: {e}") from e
+        return OrtModel(session, model_path)

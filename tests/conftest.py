@@ -1,0 +1,104 @@
+"""Shared fixtures: the demo model repository and a real daemon process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inferd.ipc import Client, RequestError
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+
+
+@pytest.fixture(scope="session")
+def models_dir() -> Path:
+    missing = [n for n in ("ocr-det", "ocr-rec", "ocr-cls", "vad")
+               if not (MODELS / n / "1" / "model.onnx").exists()]
+    if missing:
+        pytest.fail(f"demo models {missing} missing in {MODELS}: run `make setup`")
+    return MODELS
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short temporary directory: ipc socket paths are limited to ~107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="inferd-t", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Daemon:
+    """A real ``inferd`` process on a private socket."""
+
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None):
+        self.workdir = workdir
+        self.socket_path = workdir / "inferd.sock"
+        self.endpoint = f"ipc://{self.socket_path}"
+        self.log_path = workdir / "inferd.log"
+        cmd = [sys.executable, "-m", "inferd.daemon.main", "--socket", self.endpoint, *args]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, cwd=workdir)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"inferd exited with {self.proc.returncode}:\n{self.log()}")
+            if self.socket_path.exists():
+                try:
+                    with Client(self.endpoint, timeout=1.0) as c:
+                        if c.ping()["ready"]:
+                            return
+                except RequestError:
+                    pass
+            time.sleep(0.05)
+        raise AssertionError(f"inferd not ready after {timeout} s:\n{self.log()}")
+
+    def client(self, timeout: float = 30.0) -> Client:
+        return Client(self.endpoint, timeout=timeout)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"inferd did not stop on SIGTERM:\n{self.log()}")
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_daemon(short_tmp: Path) -> Iterator:
+    """Factory: ``start_daemon(*args, env=None, ready=True) -> Daemon``; stopped after."""
+    started: list[Daemon] = []
+
+    def start(*args: str, env: dict[str, str] | None = None, ready: bool = True,
+              workdir: Path | None = None) -> Daemon:
+        d = Daemon(workdir or short_tmp, list(args), env)
+        started.append(d)
+        if ready:
+            d.wait_ready()
+        return d
+
+    yield start
+    for d in started:
+        if d.proc.poll() is None:
+            d.stop()
