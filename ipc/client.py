@@ -23,6 +23,8 @@ from inferd.ipc.server import ipc_path
 
 DEFAULT_ENDPOINT = "ipc:///run/inferd/inferd.sock"
 DEFAULT_TIMEOUT = 30.0
+REPLY_GRACE_S = 1.0
+"""Extra wait past a request's deadline for the daemon's own DEADLINE_EXCEEDED reply."""
 
 
 def default_endpoint() -> str:
@@ -108,6 +110,9 @@ class Client(_Base):
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Receive in short slices so threads sharing the client take turns; a blocking
+        # recv with a timeout costs less per reply than a poll before each recv.
+        self._sock.setsockopt(zmq.RCVTIMEO, 50)
         self._sock.connect(self.endpoint)
         self._lock = threading.Lock()
         self._replies: dict[str, Reply] = {}
@@ -133,7 +138,8 @@ class Client(_Base):
         with self._lock:
             self._waiting.add(req.id)
             self._sock.send_multipart(frames, copy=False)
-        return Pending(self, req.id, time.monotonic() + (req.timeout_ms or 0) / 1000)
+        return Pending(self, req.id,
+                       time.monotonic() + (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S)
 
     def _wait(self, request_id: str, deadline: float) -> Reply:
         while True:
@@ -147,16 +153,17 @@ class Client(_Base):
                     self._waiting.discard(request_id)
                     raise RequestError(f"no reply from {self.endpoint} within the "
                                        f"client timeout", ErrorCode.DEADLINE_EXCEEDED)
-                # Poll in short slices so other threads sharing the client get turns.
-                if self._sock.poll(min(left, 0.05) * 1000):
+                try:
                     frames = self._sock.recv_multipart(copy=False)
-                    got = decode_reply(frames)
-                    if got.id == request_id:
-                        self._waiting.discard(request_id)
-                        return got
-                    if got.id in self._waiting:
-                        self._replies[got.id] = got
-                    # else: a late reply to a request whose caller gave up
+                except zmq.Again:
+                    continue
+                got = decode_reply(frames)
+                if got.id == request_id:
+                    self._waiting.discard(request_id)
+                    return got
+                if got.id in self._waiting:
+                    self._replies[got.id] = got
+                # else: a late reply to a request whose caller gave up
 
     def call(self, op: Op | str, model: str | None = None, **fields: Any) -> Any:
         """Send a control op and return its ``result``."""
@@ -242,7 +249,7 @@ class AsyncClient(_Base):
         self._futures[req.id] = future
         await self._sock.send_multipart(encode_request(req), copy=False)
         try:
-            return await asyncio.wait_for(future, (req.timeout_ms or 0) / 1000)
+            return await asyncio.wait_for(future, (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S)
         except asyncio.TimeoutError:
             raise RequestError(f"no reply from {self.endpoint} within the client timeout",
                                ErrorCode.DEADLINE_EXCEEDED) from None

@@ -14,6 +14,7 @@ over the received buffers with ``np.frombuffer`` after checking every byte count
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -182,7 +183,7 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str) -> dict[str,
         if name in tensors:
             raise ProtocolError(f"{where}: tensor {name!r} appears twice")
         buf = _buffer(frame)
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         if dtype == STRING:
             tensors[name] = _decode_strings(buf, count, name).reshape(shape)
             continue

@@ -1,0 +1,91 @@
+"""Helpers shared by the benchmarks: a daemon process, an identity model, statistics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+
+
+def make_identity_model(repo: Path, name: str = "identity", rank: int = 1) -> Path:
+    """A one-node ONNX model (Identity on float32, dynamic dims of the given rank) at
+    repo/name/1/model.onnx."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    dims = [f"d{i}" for i in range(rank)]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], name, [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    path = repo / name / "1" / "model.onnx"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, path)
+    return path
+
+
+class DaemonProcess:
+    """``inferd`` in a child process on a private ipc socket."""
+
+    def __init__(self, *args: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="inferd-b", dir="/tmp"))
+        self.endpoint = f"ipc://{self.dir}/inferd.sock"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "inferd.daemon.main", "--socket", self.endpoint,
+             "--log-level", "warning", *args], stdout=subprocess.DEVNULL)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60) -> None:
+        from inferd.ipc import Client, RequestError
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"inferd exited with {self.proc.returncode}")
+            try:
+                with Client(self.endpoint, timeout=1) as c:
+                    if c.ping()["ready"]:
+                        return
+            except RequestError:
+                time.sleep(0.05)
+        raise RuntimeError("inferd not ready")
+
+    def rss(self) -> int:
+        import psutil
+        return psutil.Process(self.proc.pid).memory_info().rss
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def fmt_us(seconds: float) -> str:
+    return f"{seconds * 1e6:8.1f} µs"
+
+
+def verdict(ratio: float, target: float, higher_is_better: bool) -> str:
+    ok = ratio >= target if higher_is_better else ratio <= target
+    sign = ">=" if higher_is_better else "<="
+    return f"ratio {ratio:.2f} (target {sign} {target}) {'MET' if ok else 'MISSED'}"
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def cpu_note() -> str:
+    return f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}"
