@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # A signal may land on any thread; the wakeup fd makes the I/O loop notice it.
+    signal.set_wakeup_fd(runtime.server.wakeup_fd, warn_on_full_buffer=False)
     runtime.serve()
     log.info("inferd exited cleanly")
     return 0

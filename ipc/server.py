@@ -207,6 +207,13 @@ class Server:
         self._calls.append(fn)
         self._wake()
 
+    @property
+    def wakeup_fd(self) -> int:
+        """A non-blocking fd whose writes wake :meth:`run`; give it to
+        ``signal.set_wakeup_fd`` so a signal that lands on another thread still wakes
+        the I/O loop (which then runs the Python-level handler)."""
+        return self._wake_w.fileno()
+
     def stop(self) -> None:
         """Ask :meth:`run` to stop; safe from signal handlers and other threads."""
         self._stop = True
