@@ -1,0 +1,69 @@
+"""inferctl against a real daemon: tables, --json, infer with .npy files, wait, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def inferctl(endpoint: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--socket", endpoint,
+                           *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def daemon(models_dir, start_daemon):
+    return start_daemon("--models", str(models_dir), "--preload", "ocr-cls")
+
+
+def test_status_and_models_tables_and_json(daemon):
+    r = inferctl(daemon.endpoint, "status")
+    assert r.returncode == 0 and "ready:    yes" in r.stdout and "onnxruntime" in r.stdout
+    r = inferctl(daemon.endpoint, "models")
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:4] == ["MODEL", "STATE", "VERSION", "BACKEND"]
+    assert any(line.split()[:2] == ["ocr-cls", "ready"] for line in lines)
+    r = inferctl(daemon.endpoint, "--json", "models")
+    models = {m["name"]: m for m in json.loads(r.stdout)}
+    assert models["ocr-cls"]["backend"] == "onnxruntime"
+    assert models["ocr-cls"]["inputs"][0]["shape"][1] == 3
+    assert models["vad"]["state"] == "unloaded"
+
+
+def test_load_unload(daemon):
+    r = inferctl(daemon.endpoint, "load", "vad")
+    assert r.returncode == 0 and "vad: ready" in r.stdout
+    r = inferctl(daemon.endpoint, "unload", "vad")
+    assert r.returncode == 0 and "vad: unloaded" in r.stdout
+
+
+def test_infer_with_npy_files(daemon, short_tmp):
+    x = np.random.default_rng(3).random((1, 3, 48, 192), dtype=np.float32)
+    np.save(short_tmp / "x.npy", x)
+    out = short_tmp / "out"
+    r = inferctl(daemon.endpoint, "infer", "ocr-cls", "-i", f"x={short_tmp / 'x.npy'}",
+                 "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    files = list(out.glob("*.npy"))
+    assert len(files) == 1
+    with daemon.client() as c:
+        ref = next(iter(c.infer("ocr-cls", {"x": x}).values()))
+    np.testing.assert_array_equal(np.load(files[0]), ref)
+
+
+def test_error_reply_gives_code_on_stderr_and_exit_1(daemon):
+    r = inferctl(daemon.endpoint, "load", "no-such-model")
+    assert r.returncode == 1
+    assert r.stderr.startswith("inferctl: NOT_FOUND: model 'no-such-model' not found")
+
+
+def test_wait(daemon, short_tmp):
+    assert inferctl(daemon.endpoint, "wait", "--timeout", "10").returncode == 0
+    r = inferctl(f"ipc://{short_tmp}/nobody.sock", "wait", "--timeout", "0.5")
+    assert r.returncode == 1 and "not ready after 0.5 s" in r.stderr
