@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 
 from inferd.ipc.errors import ErrorCode, RequestError
 from inferd.ipc.protocol import Op, Reply, Request, decode_reply, encode_request
-from inferd.ipc.server import ipc_path
+from inferd.ipc.transport import ipc_path, recv_frames, send_frames
 
 DEFAULT_ENDPOINT = "ipc:///run/inferd/inferd.sock"
 DEFAULT_TIMEOUT = 30.0
@@ -137,7 +137,7 @@ class Client(_Base):
         frames = encode_request(req)
         with self._lock:
             self._waiting.add(req.id)
-            self._sock.send_multipart(frames, copy=False)
+            send_frames(self._sock, frames)
         return Pending(self, req.id,
                        time.monotonic() + (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S)
 
@@ -154,7 +154,7 @@ class Client(_Base):
                     raise RequestError(f"no reply from {self.endpoint} within the "
                                        f"client timeout", ErrorCode.DEADLINE_EXCEEDED)
                 try:
-                    frames = self._sock.recv_multipart(copy=False)
+                    frames = recv_frames(self._sock)
                 except zmq.Again:
                     continue
                 got = decode_reply(frames)

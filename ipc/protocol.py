@@ -38,6 +38,8 @@ NUMERIC_DTYPES: dict[str, np.dtype[Any]] = {
                  "int64", "uint64", "float16", "float32", "float64")
 }
 DTYPES = (*NUMERIC_DTYPES, STRING)
+# dtype -> wire name; a dict lookup is much cheaper than numpy's dtype.name property
+_WIRE_NAMES: dict[np.dtype[Any], str] = {dt: name for name, dt in NUMERIC_DTYPES.items()}
 
 
 class Op(StrEnum):
@@ -92,9 +94,12 @@ class Reply:
 
 def dtype_name(array: NDArray[Any]) -> str:
     """The wire dtype name of ``array``; raises ProtocolError for dtypes not on the wire."""
+    name = _WIRE_NAMES.get(array.dtype)
+    if name is not None:
+        return name
     if array.dtype.kind in "OUT":
         return STRING
-    name = array.dtype.name
+    name = array.dtype.name  # e.g. a big-endian float32 (encode_tensors swaps it)
     if name not in NUMERIC_DTYPES:
         raise ProtocolError(f"dtype {array.dtype} is not carried by the protocol "
                             f"(supported: {', '.join(DTYPES)})")

@@ -30,6 +30,7 @@ from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError
 from inferd.ipc.protocol import (
     Reply, Request, decode_request, encode_reply, error_reply, peek_request_id,
 )
+from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,6 @@ class Ticket:
 
 
 Handler = Callable[[Request, Ticket], Reply | None]
-
-
-def ipc_path(endpoint: str) -> Path | None:
-    """The filesystem path of an ``ipc://`` endpoint, else None."""
-    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
 
 
 class SocketLock:
@@ -188,7 +184,7 @@ class Server:
             with self._push_lock:
                 self._push_sockets.append(push)
         try:
-            push.send_multipart([_SEQ.pack(ticket.seq), *frames], copy=False)
+            send_frames(push, [_SEQ.pack(ticket.seq), *frames])
         except zmq.ZMQError as e:
             log.error("reply to request %s could not reach the I/O thread: %s",
                       ticket.request_id, e, extra={"REQUEST_ID": ticket.request_id})
@@ -257,7 +253,7 @@ class Server:
             if self._pull in events:
                 self._forward_replies()
             if self._router in events:
-                self._receive_requests(refuse=stopping_since is not None)
+                self._receive_request(refuse=stopping_since is not None)
         self._close()
 
     def _drain_wakeups(self) -> None:
@@ -274,14 +270,11 @@ class Server:
                 log.exception("I/O-thread call %r failed", fn)
 
     def _forward_replies(self) -> None:
-        # Checking EVENTS is much cheaper than letting a NOBLOCK recv raise zmq.Again.
-        pull = self._pull
-        for _ in range(1000):
-            if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            frames = pull.recv_multipart(copy=False)
-            (seq,) = _SEQ.unpack(frames[0].bytes)
-            self._deliver(seq, frames[1:])
+        # One message per wake-up: the next poll returns at once if more are waiting,
+        # and no NOBLOCK recv has to fail (raising zmq.Again costs more than a poll).
+        frames = recv_frames(self._pull)
+        (seq,) = _SEQ.unpack(frames[0].bytes)
+        self._deliver(seq, frames[1:])
 
     def _deliver(self, seq: int, frames: list[Any]) -> None:
         entry = self._inflight.pop(seq, None)
@@ -290,24 +283,20 @@ class Server:
                         seq)
             return
         try:
-            self._router.send_multipart([*entry[0], *frames], zmq.NOBLOCK, copy=False)
+            send_frames(self._router, [*entry[0], *frames], NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away; EAGAIN: not reading
             log.info("reply #%d not delivered: client gone or not reading (%s)", seq, e)
 
-    def _receive_requests(self, refuse: bool) -> None:
-        router = self._router
-        for _ in range(1000):  # bounded, so replies and wake-ups get their turn
-            if not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            frames = router.recv_multipart(copy=False)
-            # ROUTER prefixes the peer identity; a REQ client adds an empty delimiter.
-            split = 2 if len(frames) > 1 and len(frames[1]) == 0 else 1
-            envelope, body = frames[:split], frames[split:]
-            self._seq += 1
-            seq = self._seq
-            self._inflight[seq] = [envelope, None]
-            self.stats["requests"] += 1
-            self._handle(seq, body, refuse)
+    def _receive_request(self, refuse: bool) -> None:
+        frames = recv_frames(self._router)
+        # ROUTER prefixes the peer identity; a REQ client adds an empty delimiter.
+        split = 2 if len(frames) > 1 and len(frames[1]) == 0 else 1
+        envelope, body = frames[:split], frames[split:]
+        self._seq += 1
+        seq = self._seq
+        self._inflight[seq] = [envelope, None]
+        self.stats["requests"] += 1
+        self._handle(seq, body, refuse)
 
     def _handle(self, seq: int, body: list[Any], refuse: bool) -> None:
         received = time.monotonic()

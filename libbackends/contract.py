@@ -16,6 +16,9 @@ from typing import Any
 
 from numpy.typing import NDArray
 
+from inferd.ipc.errors import ModelError
+from inferd.ipc.protocol import dtype_name
+
 API_VERSION = (1, 0)
 """(major, minor) of the backend contract; a plugin must match the major and not exceed
 the minor."""
@@ -134,9 +137,6 @@ def check_inputs(model: str, specs: tuple[TensorSpec, ...],
         ModelError (INVALID_ARGUMENT): missing or extra inputs, wrong dtype, rank or a
             fixed dimension; the message names the model, the tensor and what it expects.
     """
-    from inferd.ipc.errors import ModelError
-    from inferd.ipc.protocol import dtype_name
-
     expected = {s.name: s for s in specs}
     missing = [n for n in expected if n not in inputs]
     extra = [n for n in inputs if n not in expected]
@@ -166,8 +166,6 @@ def check_inputs(model: str, specs: tuple[TensorSpec, ...],
 
 def check_outputs(model: str, specs: tuple[TensorSpec, ...], wanted: list[str] | None) -> None:
     """Raise ModelError (INVALID_ARGUMENT) if ``wanted`` names an output the model lacks."""
-    from inferd.ipc.errors import ModelError
-
     if wanted is None:
         return
     names = [s.name for s in specs]
