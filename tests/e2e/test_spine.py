@@ -342,3 +342,23 @@ def test_client_says_why_when_no_daemon_is_there(short_tmp):
     with pytest.raises(RequestError) as info:
         Client(f"ipc://{short_tmp}/absent.sock")
     assert info.value.code == ErrorCode.UNAVAILABLE and "is the daemon running" in info.value.message
+
+
+def test_a_slow_model_does_not_delay_another_models_replies(models_dir, start_daemon):
+    """While ocr-det works through a burst, ocr-cls requests are answered: each model
+    has its own worker, so the cls reply comes back before the det burst is done."""
+    d = start_daemon("--models", str(models_dir), "--preload", "ocr-det",
+                     "--preload", "ocr-cls")
+    big = {"x": np.zeros((1, 3, 960, 960), np.float32)}
+    small = {"x": np.zeros((1, 3, 48, 192), np.float32)}
+    with d.client(timeout=120) as slow, d.client(timeout=120) as fast:
+        burst = [slow.submit("infer", "ocr-det", big) for _ in range(4)]
+        # ocr-det has started on the burst before the cls requests go out
+        while not any(m["name"] == "ocr-det" and 1 <= m["queued"] <= 3 for m in fast.models()):
+            pass
+        for _ in range(3):
+            assert fast.infer("ocr-cls", small)
+        with d.client() as probe:
+            det = next(m for m in probe.models() if m["name"] == "ocr-det")
+        assert det["requests"] < 4, "det burst finished before the cls replies came back"
+        assert all(p.reply().ok for p in burst)
