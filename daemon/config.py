@@ -108,6 +108,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "backends": {
         "paths": Key([], _string_list, "a list of absolute directory paths"),
+        "probe_timeout_s": Key(10.0, _positive_float, "a positive number of seconds"),
     },
     "onnxruntime": {
         "intra_op_threads": Key(1, _positive_int, "a positive integer"),
@@ -122,10 +123,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
 class Config(SimpleNamespace):
     """Validated configuration: ``config.server.socket`` and so on.
 
-    ``source`` is the file it came from, or None for the built-in defaults.
+    ``source`` is the file it came from, or None for the built-in defaults;
+    ``overridden`` the ``"section.key"`` names set on the command line.
     """
 
     source: Path | None
+    overridden: frozenset[str]
 
 
 def _validate(raw: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]]:
@@ -186,7 +189,8 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
     for dotted, value in (overrides or {}).items():
         section, name = dotted.split(".", 1)
         values = _merge_one(values, section, name, value, "command line")
-    return Config(source=path, **{s: SimpleNamespace(**v) for s, v in values.items()})
+    return Config(source=path, overridden=frozenset(overrides or ()),
+                  **{s: SimpleNamespace(**v) for s, v in values.items()})
 
 
 def _merge_one(values: dict[str, dict[str, Any]], section: str, name: str, value: Any,

@@ -20,7 +20,7 @@ from inferd.daemon.repository import Repository
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.server import Server, Ticket
-from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
+from inferd.libbackends.loader import load_backends
 from inferd.libbackends.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class Runtime:
 
     def start(self) -> None:
         """Register backends, bind the socket and start the preload in the background."""
-        self.registry.register(OnnxRuntimeCpuBackend())
+        load_backends(self.registry, self.config)
         self.server.bind()
         log.info("inferd %s serving %s (models in %s, pid %d)", VERSION,
                  self.config.server.socket, self.repo.root, os.getpid())
@@ -106,7 +106,7 @@ class Runtime:
         if op is Op.MODELS:
             return Reply(request.id, result={"models": self.models.describe()})
         if op is Op.BACKENDS:
-            return Reply(request.id, result={"backends": self.registry.describe()})
+            return Reply(request.id, result=self.registry.view())
         if op in (Op.LOAD, Op.UNLOAD):
             if not request.model:
                 raise ModelError(f"{op} needs 'model'")

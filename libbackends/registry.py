@@ -1,5 +1,9 @@
-"""The backend registry: which backends this runtime has, their status, and the choice
-of a backend for a model. One registry per runtime object; no module-level state."""
+"""The backend registry: which backends this runtime has, every plugin candidate the
+loader looked at (and where it stopped), and the choice of a backend for a model.
+
+One registry per runtime object; no module-level state, so several runtimes in one
+process each hold their own backends, even when they load the same plugin directory.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from inferd.ipc.errors import BackendError, ErrorCode
-from inferd.libbackends.contract import Backend, DeviceKind
+from inferd.libbackends.contract import Backend, DeviceKind, Probe
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +23,67 @@ KIND_ORDER = (DeviceKind.NPU, DeviceKind.GPU, DeviceKind.CPU)
 
 
 class Status(StrEnum):
+    """Status of a backend in the registry."""
+
     REGISTERED = "registered"
     UNAVAILABLE = "unavailable"
+
+
+class Stage(StrEnum):
+    """The stages every plugin candidate goes through, in order."""
+
+    FOUND = "found"
+    OPENED = "opened"
+    CONTRACT_CHECKED = "contract checked"
+    PROBED = "probed"
+    REGISTERED = "registered"
+
+
+class Form(StrEnum):
+    """What a candidate is."""
+
+    PYTHON = "python"
+    NATIVE = "native"
+    BUILTIN = "built-in"
+
+
+class CandidateStatus(StrEnum):
+    """Outcome of one candidate."""
+
+    REGISTERED = "registered"    # usable
+    UNAVAILABLE = "unavailable"  # registered, but its probe says the device is absent
+    FAILED = "failed"            # a stage failed; skipped (WARNING logged)
+    SKIPPED = "skipped"          # a second name for a file already looked at
+    IGNORED = "ignored"          # looks like a plugin but is not named like one
+
+
+class CandidateError(Exception):
+    """A candidate failed a stage; raised by the loader's stage functions."""
+
+    def __init__(self, stage: Stage, reason: str, backend: str | None = None) -> None:
+        super().__init__(f"{stage}: {reason}")
+        self.stage = stage
+        self.reason = reason
+        self.backend = backend
+
+
+@dataclass
+class Candidate:
+    """One thing the loader looked at: a file, a directory, or a built-in backend.
+
+    ``stage`` is where it stopped: the stage that failed, or ``registered``.
+    """
+
+    path: str
+    form: Form
+    stage: Stage = Stage.FOUND
+    status: CandidateStatus = CandidateStatus.FAILED
+    reason: str = ""
+    backend: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "form": str(self.form), "stage": str(self.stage),
+                "status": str(self.status), "reason": self.reason, "backend": self.backend}
 
 
 @dataclass
@@ -43,26 +106,32 @@ class BackendRecord:
 
 @dataclass
 class Registry:
-    """Backends of one runtime, in registration order."""
+    """Backends of one runtime, in registration order, plus the loader's findings."""
 
     records: dict[str, BackendRecord] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+    search_path: list[str] = field(default_factory=list)
+    search_path_source: str = ""
 
-    def register(self, backend: Backend, source: str = "built-in") -> BackendRecord:
-        """Probe ``backend`` and record it. Raises BackendError if its id is taken."""
-        if backend.id in self.records:
-            raise BackendError(f"backend id {backend.id!r} is already registered by "
-                               f"{self.records[backend.id].source}")
-        probe = backend.probe()
+    def register(self, backend: Backend, source: str = "built-in",
+                 probe: Probe | None = None) -> BackendRecord:
+        """Record ``backend`` with its probe result (probing it if none is given).
+
+        Raises:
+            BackendError: its id is already taken; the message names who took it.
+        """
+        taken = self.records.get(backend.id)
+        if taken is not None:
+            raise BackendError(f"id {backend.id!r} already registered by {taken.source}")
+        if probe is None:
+            probe = backend.probe()
         status = Status.REGISTERED if probe.available else Status.UNAVAILABLE
-        record = BackendRecord(backend, source, status, probe.reason, probe.devices)
+        record = BackendRecord(backend, source, status, probe.reason, tuple(probe.devices))
         self.records[backend.id] = record
         if probe.available:
-            log.info("backend %s %s registered (%s, devices %s)", backend.id,
-                     backend.version, backend.kind, ", ".join(probe.devices) or "-",
-                     extra={"BACKEND": backend.id})
-        else:
-            log.warning("backend %s is unavailable: %s", backend.id, probe.reason,
-                        extra={"BACKEND": backend.id})
+            log.info("backend %s %s registered from %s (%s, devices %s)", backend.id,
+                     backend.version, source, backend.kind,
+                     ", ".join(probe.devices) or "-", extra={"BACKEND": backend.id})
         return record
 
     def available(self) -> list[Backend]:
@@ -80,26 +149,45 @@ class Registry:
         choices = preference or [str(k) for k in KIND_ORDER]
         reasons: list[str] = []
         for choice in choices:
-            candidates = [r for r in self.records.values()
-                          if r.backend.id == choice or str(r.backend.kind) == choice]
-            if not candidates:
+            matches = [r for r in self.records.values()
+                       if r.backend.id == choice or str(r.backend.kind) == choice]
+            if not matches:
                 if preference:  # only a choice someone made is worth a reason
-                    reasons.append(f"{choice}: no such backend")
+                    known = ", ".join(self.records) or "none"
+                    self._skip(model, choice, f"no such backend id or kind "
+                                              f"(backends: {known})", reasons)
                 continue
-            for record in candidates:
+            for record in matches:
                 b = record.backend
                 if record.status is not Status.REGISTERED:
-                    reasons.append(f"{b.id}: {record.status} ({record.reason})")
+                    self._skip(model, b.id, f"{record.status} ({record.reason})", reasons)
                     continue
-                ok, why = b.supports(path)
+                try:
+                    ok, why = b.supports(path)
+                except Exception as e:  # a plugin's bug must not break the choice
+                    ok, why = False, f"supports() raised {type(e).__name__}: {e}"
                 if ok:
-                    for r in reasons:
-                        log.info("model %s: passed over %s", model, r,
-                                 extra={"MODEL": model})
+                    log.info("model %s: backend %s chosen (preference %s)", model, b.id,
+                             choices, extra={"MODEL": model, "BACKEND": b.id})
                     return b
-                reasons.append(f"{b.id}: does not support the model ({why})")
-        raise BackendError(f"model {model}: no backend can run it: {'; '.join(reasons)}",
+                self._skip(model, b.id, f"does not support the model ({why})", reasons)
+        raise BackendError(f"model {model}: no backend can run it (preference {choices}): "
+                           f"{'; '.join(reasons) or 'no backends registered'}",
                            ErrorCode.UNAVAILABLE)
 
+    @staticmethod
+    def _skip(model: str, choice: str, why: str, reasons: list[str]) -> None:
+        log.info("model %s: passed over backend %s: %s", model, choice, why,
+                 extra={"MODEL": model, "BACKEND": choice})
+        reasons.append(f"{choice}: {why}")
+
     def describe(self) -> list[dict[str, Any]]:
+        """Every backend (registered or unavailable), as JSON."""
         return [r.to_json() for r in self.records.values()]
+
+    def view(self) -> dict[str, Any]:
+        """The troubleshooting view answered to the ``backends`` op."""
+        return {"backends": self.describe(),
+                "candidates": [c.to_json() for c in self.candidates],
+                "search_path": list(self.search_path),
+                "search_path_source": self.search_path_source}

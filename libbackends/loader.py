@@ -1,0 +1,419 @@
+"""The plugin loader: finds backend plugins at boot and registers every one it can.
+
+Search path (strongest first, an override replaces the default): ``--backends-dir``
+(the ``backends.paths`` command-line override), ``$INFERD_BACKENDS_PATH``
+(colon-separated), ``backends.paths`` in the config file, ``/usr/lib/inferd/backends``.
+
+Every candidate goes found -> opened -> contract checked -> probed -> registered. At the
+first stage that fails, one WARNING line with PLUGIN_PATH, STAGE (and BACKEND when
+known) is logged, the candidate is recorded in the registry's troubleshooting view, and
+the next candidate is tried. Native plugins are first opened and probed in child
+processes (see :mod:`inferd.libbackends.native`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import logging
+import os
+import re
+import stat
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from inferd.ipc.errors import BackendError
+from inferd.libbackends.contract import (
+    REQUIRED_ATTRIBUTES, REQUIRED_METHODS, Backend, DeviceKind, Probe,
+)
+from inferd.libbackends.native import ChildReport, open_native, probe_in_children, \
+    version_problem
+from inferd.libbackends.registry import (
+    Candidate, CandidateError, CandidateStatus, Form, Registry, Stage,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = "/usr/lib/inferd/backends"
+ENV_PATH = "INFERD_BACKENDS_PATH"
+FACTORY = "create_backend"
+NATIVE_NAME = re.compile(r"lib(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)_backend\.so")
+PYTHON_NAME = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_]*)(\.py)?")
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_module_numbers = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A backend that ships inside inferd: registered without a file when ``module``
+    imports."""
+
+    name: str
+    module: str
+    factory: Callable[[], Backend]
+
+
+def _onnxruntime_cpu() -> Backend:
+    from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
+
+    return OnnxRuntimeCpuBackend()
+
+
+BUILTINS: tuple[Builtin, ...] = (Builtin("onnxruntime", "onnxruntime", _onnxruntime_cpu),)
+
+
+# --------------------------------------------------------------------- search path
+
+
+def search_path(cli: Sequence[str] | None, env: Mapping[str, str],
+                configured: Sequence[str]) -> tuple[list[str], str]:
+    """The directories to search, as given, and where they came from."""
+    if cli:
+        return list(cli), "--backends-dir"
+    if env.get(ENV_PATH):
+        return [p for p in env[ENV_PATH].split(":") if p], f"${ENV_PATH}"
+    if configured:
+        return list(configured), "backends.paths"
+    return [DEFAULT_PATH], "default"
+
+
+def usable_dirs(paths: Sequence[str], source: str) -> list[Path]:
+    """The absolute, existing directories of ``paths``, each once; the rest is logged
+    (WARNING, or INFO for a missing default) and ignored."""
+    dirs: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_absolute():
+            problem = "is not an absolute path"
+        elif not path.exists():
+            problem = "does not exist"
+        elif not path.is_dir():
+            problem = "is not a directory"
+        else:
+            real = path.resolve()
+            if real not in dirs:
+                dirs.append(real)
+            continue
+        level = logging.INFO if source == "default" else logging.WARNING
+        log.log(level, "backends directory %s (from %s) %s: ignored", raw, source, problem,
+                extra={"PLUGIN_PATH": raw})
+    return dirs
+
+
+# --------------------------------------------------------------------- discovery
+
+
+def discover(dirs: Sequence[Path]) -> list[Candidate]:
+    """Every candidate in ``dirs``, in search order and sorted within a directory.
+
+    A second name for a file already seen is recorded as skipped; a dangling symlink
+    fails at ``found``; a ``.so`` not named ``lib<name>_backend.so`` is ignored.
+    """
+    seen: dict[str, str] = {}
+    found: list[Candidate] = []
+    for d in dirs:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError as e:
+            log.warning("backends directory %s cannot be listed: %s", d, e.strerror,
+                        extra={"PLUGIN_PATH": str(d)})
+            continue
+        for name in names:
+            entry = d / name
+            form = _form(entry)
+            if form is None:
+                if name.endswith(".so") and not name.startswith("."):
+                    found.append(Candidate(str(entry), Form.NATIVE, Stage.FOUND,
+                                           CandidateStatus.IGNORED,
+                                           "a native plugin is named lib<name>_backend.so"))
+                continue
+            c = Candidate(str(entry), form)
+            real = os.path.realpath(entry)
+            if not os.path.lexists(real) or not os.path.exists(entry):
+                c.reason = f"dangling symlink to {os.readlink(entry)}"
+            elif real in seen:
+                c.status = CandidateStatus.SKIPPED
+                c.reason = f"same file as {seen[real]}"
+            else:
+                seen[real] = str(entry)
+            found.append(c)
+    return found
+
+
+def _form(entry: Path) -> Form | None:
+    name = entry.name
+    if name.startswith((".", "_")):
+        return None
+    if NATIVE_NAME.fullmatch(name):
+        return Form.NATIVE
+    if name.endswith(".py") and PYTHON_NAME.fullmatch(name):
+        return Form.PYTHON
+    if PYTHON_NAME.fullmatch(name) and (entry / "__init__.py").exists():
+        return Form.PYTHON
+    return None
+
+
+# --------------------------------------------------------------------- the loader
+
+
+class Loader:
+    """Loads built-ins and plugins into one registry.
+
+    Args:
+        registry: where backends and candidates are recorded.
+        probe_timeout_s: how long a native plugin's child process may take to open,
+            check and probe it.
+        builtins: the built-in backends to try first.
+    """
+
+    def __init__(self, registry: Registry, probe_timeout_s: float = 10.0,
+                 builtins: Sequence[Builtin] = BUILTINS) -> None:
+        self.registry = registry
+        self.probe_timeout_s = probe_timeout_s
+        self.builtins = builtins
+
+    def load(self, dirs: Sequence[Path]) -> None:
+        """Register the built-ins, then every plugin found in ``dirs``."""
+        for b in self.builtins:
+            self._run(Candidate(f"built-in:{b.name}", Form.BUILTIN),
+                      lambda c, b=b: self._builtin(c, b))
+        candidates = discover(dirs)
+        unreadable: dict[str, CandidateError] = {}
+        natives = []
+        for c in candidates:
+            if c.form is Form.NATIVE and c.status is CandidateStatus.FAILED and not c.reason:
+                try:
+                    _check_readable(Path(c.path))  # before a child blocks on a FIFO
+                    natives.append(Path(c.path))
+                except CandidateError as e:
+                    unreadable[c.path] = e
+        reports = probe_in_children(natives, self.probe_timeout_s) if natives else {}
+        for c in candidates:
+            if c.status in (CandidateStatus.SKIPPED, CandidateStatus.IGNORED):
+                self.registry.candidates.append(c)
+                log.info("backend candidate %s %s: %s", c.path, c.status, c.reason,
+                         extra={"PLUGIN_PATH": c.path, "STAGE": str(c.stage)})
+            elif c.reason:  # failed at found
+                self._record_failure(c, CandidateError(Stage.FOUND, c.reason))
+            elif c.path in unreadable:
+                self._record_failure(c, unreadable[c.path])
+            elif c.form is Form.NATIVE:
+                self._run(c, lambda c: self._native(c, reports[Path(c.path)]))
+            else:
+                self._run(c, self._python)
+
+    # The one place where a plugin's failure is contained and logged.
+    def _run(self, c: Candidate, stages: Callable[[Candidate], tuple[Backend, Probe]]) -> None:
+        try:
+            backend, probe = stages(c)
+            c.backend = backend.id
+            c.stage = Stage.REGISTERED
+            try:
+                self.registry.register(backend, c.path, probe)
+            except BackendError as e:
+                raise CandidateError(Stage.REGISTERED, e.message, backend.id) from e
+        except CandidateError as e:
+            self._record_failure(c, e)
+            return
+        except (Exception, SystemExit) as e:  # a plugin's own bug, at an unknown stage
+            self._record_failure(c, CandidateError(c.stage, _exc(e)))
+            return
+        if probe.available:
+            c.status = CandidateStatus.REGISTERED
+        else:
+            c.stage, c.status, c.reason = Stage.PROBED, CandidateStatus.UNAVAILABLE, \
+                probe.reason or "probe() said unavailable without a reason"
+            self._warn(c)
+        self.registry.candidates.append(c)
+
+    def _record_failure(self, c: Candidate, e: CandidateError) -> None:
+        c.stage, c.status, c.reason = e.stage, CandidateStatus.FAILED, e.reason
+        c.backend = e.backend or c.backend
+        self._warn(c)
+        self.registry.candidates.append(c)
+
+    @staticmethod
+    def _warn(c: Candidate) -> None:
+        extra = {"PLUGIN_PATH": c.path, "STAGE": str(c.stage)}
+        if c.backend:
+            extra["BACKEND"] = c.backend
+        log.warning("backend candidate %s %s at stage '%s': %s", c.path, c.status, c.stage,
+                    c.reason, extra=extra)
+
+    # ----------------------------------------------------------------- stages
+
+    def _builtin(self, c: Candidate, b: Builtin) -> tuple[Backend, Probe]:
+        c.stage = Stage.OPENED
+        try:
+            importlib.import_module(b.module)
+        except Exception as e:
+            raise CandidateError(Stage.OPENED, f"python module {b.module} cannot be "
+                                               f"imported: {_exc(e)}") from e
+        c.stage = Stage.CONTRACT_CHECKED
+        return self._checked(c, _call_factory(b.factory, f"built-in {b.name}"))
+
+    def _python(self, c: Candidate) -> tuple[Backend, Probe]:
+        c.stage = Stage.OPENED
+        module = _import_plugin(Path(c.path))
+        c.stage = Stage.CONTRACT_CHECKED
+        factory = getattr(module, FACTORY, None)
+        if factory is None:
+            public = [n for n in vars(module) if not n.startswith("_")][:8]
+            raise CandidateError(Stage.CONTRACT_CHECKED,
+                                 f"no factory function {FACTORY}() in the module "
+                                 f"(it defines {', '.join(public) or 'nothing public'})")
+        if not callable(factory):
+            raise CandidateError(Stage.CONTRACT_CHECKED,
+                                 f"{FACTORY} is a {type(factory).__name__}, not a function")
+        return self._checked(c, _call_factory(factory, f"{FACTORY}()"))
+
+    def _checked(self, c: Candidate, backend: Any) -> tuple[Backend, Probe]:
+        check_contract(backend)
+        c.backend = backend.id
+        c.stage = Stage.PROBED
+        try:
+            probe = backend.probe()
+        except Exception as e:
+            raise CandidateError(Stage.PROBED, f"probe() raised {_exc(e)}", c.backend) from e
+        if not isinstance(probe, Probe):
+            raise CandidateError(Stage.PROBED, f"probe() returned a {type(probe).__name__}"
+                                               f", not a Probe", c.backend)
+        return backend, probe
+
+    def _native(self, c: Candidate, report: ChildReport) -> tuple[Backend, Probe]:
+        if not report.ok:
+            raise CandidateError(report.stage, report.reason, report.info.get("id"))
+        c.backend = report.info["id"]
+        c.stage = Stage.OPENED
+        _check_readable(Path(c.path))
+        backend = open_native(Path(c.path))  # the child showed this does not crash
+        c.stage = Stage.PROBED
+        return backend, backend.probe()
+
+
+def check_contract(backend: Any) -> None:
+    """Check an object against the Backend contract once, at load.
+
+    Raises:
+        CandidateError (contract checked): exactly what is missing or wrong.
+    """
+    kind = type(backend).__name__
+    missing = [f"method {m}()" for m in REQUIRED_METHODS
+               if not callable(getattr(backend, m, None))]
+    missing += [f"attribute {a}" for a in REQUIRED_ATTRIBUTES if not hasattr(backend, a)]
+    if missing:
+        raise CandidateError(Stage.CONTRACT_CHECKED,
+                             f"the backend object ({kind}) lacks {', '.join(missing)}; the "
+                             f"contract needs methods {', '.join(REQUIRED_METHODS)} and "
+                             f"attributes {', '.join(REQUIRED_ATTRIBUTES)}")
+    ident = backend.id
+    if not isinstance(ident, str) or not _ID.fullmatch(ident):
+        raise CandidateError(Stage.CONTRACT_CHECKED, f"id {ident!r} is not 1-64 letters, "
+                                                     f"digits, '.', '_' or '-'")
+    if not isinstance(backend.version, str):
+        raise CandidateError(Stage.CONTRACT_CHECKED,
+                             f"version is a {type(backend.version).__name__}, not a str",
+                             ident)
+    if backend.kind not in set(DeviceKind):
+        raise CandidateError(Stage.CONTRACT_CHECKED, f"kind {backend.kind!r} is not one "
+                                                     f"of cpu, gpu, npu", ident)
+    api = getattr(backend, "api_version", None)
+    if not (isinstance(api, tuple) and len(api) == 2
+            and all(isinstance(x, int) for x in api)):
+        raise CandidateError(Stage.CONTRACT_CHECKED,
+                             f"api_version {api!r} is not a (major, minor) tuple", ident)
+    problem = version_problem(*api)
+    if problem:
+        raise CandidateError(Stage.CONTRACT_CHECKED, problem, ident)
+
+
+def _check_readable(path: Path) -> None:
+    """Raise CandidateError (opened) unless ``path`` is a regular file we can read.
+
+    Checked before opening, because opening a FIFO would block."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else \
+                "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
+            raise CandidateError(Stage.OPENED, f"cannot read it: it is {what}")
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    except OSError as e:
+        raise CandidateError(Stage.OPENED, f"cannot read it: {e.strerror}") from e
+
+
+def _import_plugin(path: Path) -> ModuleType:
+    """Import a plugin file or package under a private, unique module name, so that
+    every registry gets its own module and a plugin named like a real package (e.g.
+    ``onnxruntime/``) never shadows it."""
+    if path.is_dir():
+        init = path / "__init__.py"
+        _check_readable(init)
+        spec = importlib.util.spec_from_file_location(
+            _module_name(path), init, submodule_search_locations=[str(path)])
+    else:
+        _check_readable(path)
+        spec = importlib.util.spec_from_file_location(_module_name(path), path)
+    if spec is None or spec.loader is None:
+        raise CandidateError(Stage.OPENED, "python cannot import it")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # packages need it for their relative imports
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:
+        del sys.modules[spec.name]
+        raise CandidateError(Stage.OPENED, f"import raised {_exc(e)}") from e
+    return module
+
+
+def _module_name(path: Path) -> str:
+    stem = re.sub(r"\W", "_", path.name.removesuffix(".py"))
+    return f"inferd_plugin_{next(_module_numbers)}_{stem}"
+
+
+def _call_factory(factory: Callable[[], Any], what: str) -> Any:
+    try:
+        return factory()
+    except (Exception, SystemExit) as e:
+        raise CandidateError(Stage.CONTRACT_CHECKED, f"{what} raised {_exc(e)}") from e
+
+
+def _exc(e: BaseException) -> str:
+    if isinstance(e, SyntaxError):
+        return f"SyntaxError: {e.msg} ({e.filename}, line {e.lineno})"
+    return f"{type(e).__name__}: {e}"
+
+
+# --------------------------------------------------------------------- entry point
+
+
+def load_backends(registry: Registry, config: Any,
+                  env: Mapping[str, str] | None = None) -> None:
+    """Fill ``registry`` the way the daemon does at boot.
+
+    Args:
+        registry: an empty registry of one runtime.
+        config: the daemon configuration; ``backends.paths`` counts as the
+            ``--backends-dir`` flag when ``config.overridden`` holds it.
+        env: the environment (default ``os.environ``).
+    """
+    env = os.environ if env is None else env
+    configured = list(config.backends.paths)
+    from_cli = "backends.paths" in getattr(config, "overridden", ())
+    paths, source = search_path(configured if from_cli else None, env,
+                                [] if from_cli else configured)
+    dirs = usable_dirs(paths, source)
+    registry.search_path = [str(d) for d in dirs]
+    registry.search_path_source = source
+    log.info("searching backends in %s (from %s)",
+             ":".join(registry.search_path) or "no usable directory", source)
+    Loader(registry, config.backends.probe_timeout_s).load(dirs)
+    ok = [c for c in registry.candidates if c.status is CandidateStatus.REGISTERED]
+    failed = [c for c in registry.candidates if c.status is not CandidateStatus.REGISTERED]
+    log.info("backends: %d registered (%s), %d other candidates", len(ok),
+             ", ".join(c.backend or c.path for c in ok) or "none", len(failed))
