@@ -69,11 +69,17 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
 
 
 def show_backends(b: dict[str, Any]) -> str:
-    rows = [[x["id"], x["kind"], x["version"], x["status"], x.get("source"), x.get("reason")]
-            for x in b["backends"]]
-    out = _table(rows, ["BACKEND", "KIND", "VERSION", "STATUS", "SOURCE", "REASON"])
+    rows = [[x["id"], x["kind"], x["version"], x["status"], ", ".join(x.get("devices", [])),
+             x.get("source"), x.get("reason")] for x in b["backends"]]
+    out = _table(rows, ["BACKEND", "KIND", "VERSION", "STATUS", "DEVICES", "SOURCE", "REASON"])
+    if b.get("candidates"):
+        rows = [[c["path"], c["form"], c["stage"], c["status"], c.get("backend"),
+                 c.get("reason")] for c in b["candidates"]]
+        out += "\n\n" + _table(rows, ["CANDIDATE", "FORM", "STAGE", "STATUS", "BACKEND",
+                                       "REASON"])
     if b.get("search_path") is not None:
-        out += "\n\nsearch path: " + (":".join(b["search_path"]) or "(none)")
+        source = f" (from {b['search_path_source']})" if b.get("search_path_source") else ""
+        out += "\n\nsearch path: " + (":".join(b["search_path"]) or "(none)") + source
     return out
 
 

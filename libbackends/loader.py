@@ -29,7 +29,7 @@ from typing import Any
 
 from inferd.ipc.errors import BackendError
 from inferd.libbackends.contract import (
-    REQUIRED_ATTRIBUTES, REQUIRED_METHODS, Backend, DeviceKind, Probe,
+    API_VERSION, REQUIRED_ATTRIBUTES, REQUIRED_METHODS, Backend, DeviceKind, Probe,
 )
 from inferd.libbackends.native import ChildReport, open_native, probe_in_children, \
     version_problem
@@ -322,7 +322,9 @@ def check_contract(backend: Any) -> None:
     if backend.kind not in set(DeviceKind):
         raise CandidateError(Stage.CONTRACT_CHECKED, f"kind {backend.kind!r} is not one "
                                                      f"of cpu, gpu, npu", ident)
-    api = getattr(backend, "api_version", None)
+    # A Backend subclass inherits api_version; a duck-typed object without it is taken
+    # to be written against this daemon's version.
+    api = getattr(backend, "api_version", API_VERSION)
     if not (isinstance(api, tuple) and len(api) == 2
             and all(isinstance(x, int) for x in api)):
         raise CandidateError(Stage.CONTRACT_CHECKED,

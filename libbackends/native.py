@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import re
+import selectors
 import signal
 import subprocess
 import sys
@@ -338,29 +339,67 @@ class ChildReport:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+STARTUP_ALLOWANCE_S = 60.0
+"""How long a child may take to start Python before its plugin's time begins."""
+
+
+@dataclass
+class _Child:
+    path: Path
+    proc: subprocess.Popen[bytes]
+    deadline: float
+    out: bytearray = field(default_factory=bytearray)
+    err: bytearray = field(default_factory=bytearray)
+    started: bool = False
+    timed_out: bool = False
+
+
 def probe_in_children(paths: Iterable[Path], timeout_s: float) -> dict[Path, ChildReport]:
     """Open, check and probe each plugin in its own child process, all at once.
 
-    A child that crashes, exits or runs past ``timeout_s`` (counted from the common
-    start) is reported failed at the stage it was in when it stopped.
+    Each plugin has ``timeout_s`` from the moment its child is ready to dlopen it (the
+    interpreter's own start-up, slow on a busy device, does not count, up to
+    STARTUP_ALLOWANCE_S). A child that crashes, exits or runs out of time is reported
+    failed at the stage it was in when it stopped.
     """
-    started = time.monotonic()
-    procs = {}
+    sel = selectors.DefaultSelector()
+    children: list[_Child] = []
+    now = time.monotonic()
     for path in paths:
-        procs[path] = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "inferd.libbackends.native", str(path)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True)  # its own process group: killed whole on a hang
+        child = _Child(path, proc, now + STARTUP_ALLOWANCE_S + timeout_s)
+        children.append(child)
+        for stream, buf in ((proc.stdout, child.out), (proc.stderr, child.err)):
+            assert stream is not None
+            os.set_blocking(stream.fileno(), False)
+            sel.register(stream, selectors.EVENT_READ, (child, buf))
+    while sel.get_map():
+        now = time.monotonic()
+        for child in children:
+            if not child.timed_out and child.proc.poll() is None and now >= child.deadline:
+                child.timed_out = True
+                os.killpg(child.proc.pid, signal.SIGKILL)
+        waiting = [c.deadline for c in children if not c.timed_out and c.proc.poll() is None]
+        for key, _ in sel.select(timeout=max(0.01, min(waiting, default=now + 1) - now)):
+            child, buf = key.data
+            data = os.read(key.fd, 65536)
+            if not data:
+                sel.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+                continue
+            buf += data
+            if not child.started and buf is child.out and _REPORT.encode() in buf:
+                child.started = True  # the plugin's time starts now
+                child.deadline = time.monotonic() + timeout_s
+    sel.close()
     reports = {}
-    for path, proc in procs.items():
-        timed_out = False
-        try:
-            out, err = proc.communicate(
-                timeout=max(0.05, started + timeout_s - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            proc.kill()
-            out, err = proc.communicate()
-        reports[path] = _interpret(out, err, proc.returncode, timed_out, timeout_s)
+    for child in children:
+        rc = child.proc.wait()
+        reports[child.path] = _interpret(bytes(child.out), bytes(child.err), rc,
+                                         child.timed_out, timeout_s)
     return reports
 
 

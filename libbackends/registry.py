@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from inferd.ipc.errors import BackendError, ErrorCode
-from inferd.libbackends.contract import Backend, DeviceKind, Probe
+from inferd.libbackends.contract import API_VERSION, Backend, DeviceKind, Probe
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ class BackendRecord:
     def to_json(self) -> dict[str, Any]:
         b = self.backend
         return {"id": b.id, "version": b.version, "kind": str(b.kind),
-                "api_version": list(b.api_version), "source": self.source,
+                "api_version": list(getattr(b, "api_version", API_VERSION)),
+                "source": self.source,
                 "status": str(self.status), "reason": self.reason,
                 "devices": list(self.devices)}
 

@@ -1,0 +1,142 @@
+"""One contract suite, stamped onto every backend: the built-in onnxruntime, the Python
+example (examples/backends/onnx_reference.py) and the C example
+(examples/backends/elementwise, compiled with gcc by its Makefile during the test).
+
+Each backend is obtained the way the daemon gets it: through the loader, from a
+backends directory holding only that plugin (the built-in from no directory at all).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from plugin_kit import copy_into, expected_relu_sigmoid
+
+from inferd.ipc.errors import InferdError
+from inferd.libbackends.contract import (
+    API_VERSION, Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
+)
+from inferd.libbackends.loader import BUILTINS, Loader
+from inferd.libbackends.registry import CandidateStatus, Registry
+
+BACKENDS = ["onnxruntime", "onnx-reference", "elementwise-c"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    ident = request.param
+    registry = Registry()
+    if ident == "onnxruntime":
+        Loader(registry).load([])
+    else:
+        src = (request.getfixturevalue("python_example") if ident == "onnx-reference"
+               else request.getfixturevalue("elementwise_so"))
+        copy_into(src, tmp_path / "backends")
+        Loader(registry, builtins=()).load([tmp_path / "backends"])
+    [candidate] = [c for c in registry.candidates if c.backend == ident]
+    assert candidate.status is CandidateStatus.REGISTERED, candidate
+    return registry.records[ident].backend
+
+
+def test_identity(backend: Backend) -> None:
+    assert isinstance(backend.id, str) and backend.id
+    assert isinstance(backend.version, str) and backend.version
+    assert backend.kind in set(DeviceKind)
+    major, minor = backend.api_version
+    assert major == API_VERSION[0] and minor <= API_VERSION[1]
+
+
+def test_probe_finds_the_cpu(backend: Backend) -> None:
+    probe = backend.probe()
+    assert isinstance(probe, Probe)
+    assert probe.available, probe.reason
+    assert probe.devices and all(isinstance(d, str) and d for d in probe.devices)
+
+
+def test_supports_the_test_model(backend: Backend, elementwise_model: Path) -> None:
+    assert backend.supports(elementwise_model) == (True, "")
+
+
+def test_refuses_a_file_that_is_no_model_with_a_reason(backend: Backend,
+                                                       tmp_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model\n")
+    ok, why = backend.supports(text)
+    assert not ok and why
+
+
+def test_load_describes_inputs_and_outputs(backend: Backend,
+                                           elementwise_model: Path) -> None:
+    model = backend.load(elementwise_model, LoadOptions())
+    try:
+        assert isinstance(model, LoadedModel)
+        assert [(s.name, s.dtype, len(s.shape)) for s in model.inputs] == \
+            [("x", "float32", 2)]
+        assert [(s.name, s.dtype, len(s.shape)) for s in model.outputs] == \
+            [("y", "float32", 2)]
+        assert all(isinstance(s, TensorSpec) for s in model.inputs + model.outputs)
+        assert model.inputs[0].shape[1] == 4
+        mem = model.memory_bytes()
+        assert mem is None or (isinstance(mem, int) and mem >= 0)
+    finally:
+        model.unload()
+
+
+def test_run_computes_the_model(backend: Backend, elementwise_model: Path) -> None:
+    model = backend.load(elementwise_model, LoadOptions())
+    x = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+    try:
+        out = model.run({"x": x})
+        assert list(out) == ["y"]
+        assert out["y"].dtype == np.float32 and out["y"].shape == (3, 4)
+        np.testing.assert_allclose(out["y"], expected_relu_sigmoid(x), rtol=1e-6)
+        assert list(model.run({"x": x}, ["y"])) == ["y"]
+    finally:
+        model.unload()
+
+
+def test_two_loads_are_independent(backend: Backend, elementwise_model: Path) -> None:
+    a = backend.load(elementwise_model, LoadOptions())
+    b = backend.load(elementwise_model, LoadOptions())
+    a.unload()
+    x = np.ones((1, 4), np.float32)
+    np.testing.assert_allclose(b.run({"x": x})["y"], expected_relu_sigmoid(x), rtol=1e-6)
+    b.unload()
+
+
+def test_runs_from_several_threads(backend: Backend, elementwise_model: Path) -> None:
+    model = backend.load(elementwise_model, LoadOptions())
+    errors: list[str] = []
+
+    def work(seed: int) -> None:
+        x = np.random.default_rng(seed).standard_normal((8, 4)).astype(np.float32)
+        for _ in range(20):
+            y = model.run({"x": x})["y"]
+            if not np.allclose(y, expected_relu_sigmoid(x), rtol=1e-6):
+                errors.append(f"thread {seed}: wrong result")
+                return
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    model.unload()
+    assert errors == []
+
+
+def test_load_of_a_broken_file_raises_an_inferd_error(backend: Backend,
+                                                      tmp_path: Path) -> None:
+    bad = tmp_path / "model.onnx"
+    bad.write_bytes(b"\x08\x07garbage that is not a model")
+    with pytest.raises(InferdError) as info:
+        backend.load(bad, LoadOptions())
+    assert str(bad) in info.value.message
+
+
+def test_builtins_are_the_ones_the_suite_covers() -> None:
+    # A new built-in backend must be added to BACKENDS above.
+    assert {b.name for b in BUILTINS} <= set(BACKENDS)
