@@ -1,5 +1,5 @@
-"""Helpers shared by the backend tests (imported by name: tests/libbackends is on
-sys.path under pytest's default import mode)."""
+"""Helpers shared by the backend tests: the expected result of the test model, and the
+"zoo" directory of one good plugin of each form beside one plugin of each broken kind."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from plugin_kit import copy_into, expected_relu_sigmoid
+from tests.libbackends.plugin_kit import copy_into, expected_relu_sigmoid
 
 from inferd.ipc.errors import InferdError
 from inferd.libbackends.contract import (

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from plugin_kit import copy_into, expected_relu_sigmoid, make_plugin_zoo
+from tests.libbackends.plugin_kit import copy_into, expected_relu_sigmoid, make_plugin_zoo
 
 from inferd.libbackends.contract import LoadOptions
 from inferd.libbackends.loader import (

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from plugin_kit import expected_relu_sigmoid, make_plugin_zoo
+from tests.libbackends.plugin_kit import expected_relu_sigmoid, make_plugin_zoo
 
 pytestmark = pytest.mark.slow
 
