@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 RUNDIR ?= $(or $(XDG_RUNTIME_DIR),/tmp/inferd-$(shell id -u))
 SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup run test test-fast bench clean examples
 
 setup: $(STAMP) models/.complete
 
@@ -38,5 +38,9 @@ test-fast: setup
 bench: setup
 	$(PY) bench/run.py
 
+# The example backends (docs/backends.md): examples/backends/build/libelementwise_backend.so
+examples:
+	$(MAKE) -C examples/backends
+
 clean:
-	rm -rf $(VENV) models .cache build *.egg-info
+	rm -rf $(VENV) models .cache build *.egg-info examples/backends/build

@@ -13,6 +13,7 @@ processes (see :mod:`inferd.libbackends.native`).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import itertools
@@ -181,7 +182,7 @@ class Loader:
         """Register the built-ins, then every plugin found in ``dirs``."""
         for b in self.builtins:
             self._run(Candidate(f"built-in:{b.name}", Form.BUILTIN),
-                      lambda c, b=b: self._builtin(c, b))
+                      functools.partial(self._builtin, builtin=b))
         candidates = discover(dirs)
         unreadable: dict[str, CandidateError] = {}
         natives = []
@@ -220,7 +221,7 @@ class Loader:
         except CandidateError as e:
             self._record_failure(c, e)
             return
-        except (Exception, SystemExit) as e:  # a plugin's own bug, at an unknown stage
+        except (Exception, SystemExit) as e:  # noqa: BLE001  a plugin's bug: contained here
             self._record_failure(c, CandidateError(c.stage, _exc(e)))
             return
         if probe.available:
@@ -247,7 +248,8 @@ class Loader:
 
     # ----------------------------------------------------------------- stages
 
-    def _builtin(self, c: Candidate, b: Builtin) -> tuple[Backend, Probe]:
+    def _builtin(self, c: Candidate, builtin: Builtin) -> tuple[Backend, Probe]:
+        b = builtin
         c.stage = Stage.OPENED
         try:
             importlib.import_module(b.module)

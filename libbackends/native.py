@@ -84,7 +84,7 @@ class Table(ctypes.Structure):
     ]
 
 
-FUNCTIONS = [name for name, _ in Table._fields_ if name != "size"]
+FUNCTIONS = [f[0] for f in Table._fields_ if f[0] != "size"]
 
 Step = Callable[[str, Stage], None]
 
@@ -314,7 +314,7 @@ class NativeModel(LoadedModel):
         if expected == 0:
             return np.zeros(shape, dtype)
         raw = (ctypes.c_char * expected).from_address(t.data)
-        return np.frombuffer(raw, dtype).reshape(shape).copy()
+        return np.frombuffer(memoryview(raw), dtype).reshape(shape).copy()
 
     def unload(self) -> None:
         with self._lock:

@@ -165,7 +165,7 @@ class Registry:
                     continue
                 try:
                     ok, why = b.supports(path)
-                except Exception as e:  # a plugin's bug must not break the choice
+                except Exception as e:  # noqa: BLE001  a plugin's bug must not break a choice
                     ok, why = False, f"supports() raised {type(e).__name__}: {e}"
                 if ok:
                     log.info("model %s: backend %s chosen (preference %s)", model, b.id,

@@ -39,7 +39,7 @@ def _spec(value_info: Any) -> TensorSpec:
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type))
     shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                   for d in tensor.shape.dim)
-    return TensorSpec(value_info.name, "string" if dtype == object else dtype.name, shape)
+    return TensorSpec(value_info.name, "string" if dtype.kind == "O" else dtype.name, shape)
 
 
 class ReferenceModel(LoadedModel):
@@ -67,7 +67,7 @@ class ReferenceModel(LoadedModel):
             except Exception as e:  # the evaluator raises whatever numpy raises
                 raise ModelError(f"onnx-reference failed to run {self._path}: "
                                  f"{type(e).__name__}: {e}") from e
-        return {n: np.asarray(r) for n, r in zip(names, results)}
+        return {n: np.asarray(r) for n, r in zip(names, results, strict=True)}
 
     def unload(self) -> None:
         with self._lock:
@@ -113,7 +113,7 @@ class OnnxReferenceBackend(Backend):
             from onnx.reference import ReferenceEvaluator
 
             ReferenceEvaluator(proto)
-        except Exception as e:  # NotImplementedError for an op it lacks, and others
+        except Exception as e:  # noqa: BLE001  NotImplementedError for a missing op, ...
             return False, f"onnx.reference cannot build it: {type(e).__name__}: {e}"
         return True, ""
 

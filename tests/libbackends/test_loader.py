@@ -272,8 +272,8 @@ def test_an_unreadable_file_as_an_unprivileged_user(short_tmp: Path, python_exam
         Loader(r, builtins=()).load([Path({str(directory)!r})])
         print(json.dumps([c.to_json() for c in r.candidates]))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("DROPPED\n")
     got = {Path(c["path"]).name: c for c in json.loads(proc.stdout.split("\n", 1)[1])}
@@ -332,7 +332,8 @@ def _run_addon(*dirs: Path) -> dict:  # type: ignore[type-arg]
 
     real_pkg = Path(onnxruntime.__file__).parent
     proc = subprocess.run([sys.executable, "-c", ADDON_SCRIPT, str(real_pkg.parent),
-                           *map(str, dirs)], capture_output=True, text=True, timeout=120)
+                           *map(str, dirs)], check=False, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
