@@ -372,3 +372,19 @@ def test_the_addon_plugin_is_a_duplicate_when_onnxruntime_is_built_in(addon_dir:
         (Stage.REGISTERED, CandidateStatus.FAILED, "onnxruntime")
     assert addon.reason == "id 'onnxruntime' already registered by built-in:onnxruntime"
     assert r.records["onnxruntime"].source == "built-in:onnxruntime"
+
+
+# --------------------------------------------------------------------- the docs' example
+
+
+def test_the_python_plugin_in_the_docs_loads_and_runs(tmp_path: Path) -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "backends.md").read_text()
+    block = docs.split("```python\n# /usr/lib/inferd/backends/doubler.py\n", 1)[1]
+    (tmp_path / "doubler.py").write_text(block.split("```", 1)[0])
+    r = Registry()
+    Loader(r, builtins=()).load([tmp_path])
+    [c] = r.candidates
+    assert c.status is CandidateStatus.REGISTERED, c
+    model = r.records["doubler"].backend.load(tmp_path / "doubler.py", LoadOptions())
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_array_equal(model.run({"x": x})["y"], 2 * x)
