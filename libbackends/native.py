@@ -38,6 +38,7 @@ API_VERSION_SYMBOL = "inferd_backend_api_version"
 GETTER_SYMBOL = "inferd_backend_get"
 MAX_DIMS = 8  # INFERD_MAX_DIMS
 _REPORT = "INFERD-PROBE "  # prefix of the child's report lines on stdout
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # ONNX TensorProto element type numbers (INFERD_DTYPE_*) <-> wire dtype names.
@@ -367,7 +368,7 @@ def probe_in_children(paths: Iterable[Path], timeout_s: float) -> dict[Path, Chi
     now = time.monotonic()
     for path in paths:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "inferd.libbackends.native", str(path)],
+            [sys.executable, "-m", "inferd.libbackends.native", str(path), str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True)  # its own process group: killed whole on a hang
         child = _Child(path, proc, now + STARTUP_ALLOWANCE_S + timeout_s)
@@ -430,10 +431,15 @@ def _interpret(out: bytes, err: bytes, rc: int, timed_out: bool,
                                      f"calling {doing}{detail}")
 
 
-def _child_main(path: str) -> int:
+def _child_main(path: str, parent: int) -> int:
     import resource
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash here is expected, not a core
+    # Die with the daemon: a hung plugin must not outlive a daemon killed during boot.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the daemon is already gone
+        return 1
 
     def report(msg: dict[str, Any]) -> None:
         sys.stdout.write(_REPORT + json.dumps(msg) + "\n")
@@ -456,4 +462,4 @@ def _child_main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1]))
+    sys.exit(_child_main(sys.argv[1], int(sys.argv[2])))

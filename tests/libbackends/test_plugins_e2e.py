@@ -100,12 +100,22 @@ def test_a_daemon_over_good_and_broken_plugins(tmp_path: Path, start_daemon, bro
     assert d.stop() == 0
 
 
-def test_the_daemon_starts_without_any_backends_directory(start_daemon) -> None:
+def _empty_config(tmp_path: Path) -> str:
+    """A config file of defaults, so that an installed /etc/inferd/inferd.toml does not
+    leak into the test."""
+    path = tmp_path / "empty.toml"
+    path.write_text("")
+    return str(path)
+
+
+def test_the_daemon_starts_without_any_backends_directory(tmp_path: Path,
+                                                          start_daemon) -> None:
     default = Path("/usr/lib/inferd/backends")
     if default.exists():
-        pytest.skip(f"{default} exists on this machine")
+        pytest.skip(f"{default} exists on this machine (the in-process test "
+                    f"test_a_missing_default_directory_is_fine still covers this)")
     env = {k: v for k, v in os.environ.items() if k != "INFERD_BACKENDS_PATH"}
-    d = start_daemon(env=env)
+    d = start_daemon("--config", _empty_config(tmp_path), env=env)
     with d.client() as c:
         view = c.backends()
     assert (view["search_path"], view["search_path_source"]) == ([], "default")
@@ -119,7 +129,8 @@ def test_the_environment_variable_sets_the_search_path(tmp_path: Path, start_dae
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     shutil.copy(python_example, a)
-    d = start_daemon(env={"INFERD_BACKENDS_PATH": f"{a}:{b}:relative"})
+    d = start_daemon("--config", _empty_config(tmp_path),
+                     env={"INFERD_BACKENDS_PATH": f"{a}:{b}:relative"})
     with d.client() as c:
         view = c.backends()
     assert view["search_path"] == [str(a.resolve())]
