@@ -53,7 +53,7 @@ class ReferenceModel(LoadedModel):
         weights = {i.name for i in proto.graph.initializer}
         self.inputs = tuple(_spec(v) for v in proto.graph.input if v.name not in weights)
         self.outputs = tuple(_spec(v) for v in proto.graph.output)
-        # The evaluator keeps per-run state in its op objects: one run at a time.
+        # onnx.reference does not promise thread safety: one run at a time per model.
         self._lock = threading.Lock()
 
     def run(self, inputs: dict[str, NDArray[Any]],
