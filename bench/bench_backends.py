@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -74,24 +75,30 @@ def boot(plugins: Path) -> None:
           f"{a / N_PLUGINS * 1000:.0f} ms per plugin (no target in issue 3)")
 
 
+def _p50(model: Any, x: np.ndarray, reps: int) -> float:
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        model.run({"x": x})
+        samples.append(time.perf_counter() - t)
+    return pct(samples, 0.5)
+
+
 def runs(so: Path, model_path: Path) -> None:
+    # Each backend is measured on its own, the results compared afterwards.
+    sizes = ((4, 2000), (1 << 20, 30))
+    inputs = {n: np.random.default_rng(0).standard_normal(n).astype(np.float32)
+              for n, _ in sizes}
     c_model = open_native(so).load(model_path, LoadOptions())
+    c_times = {n: _p50(c_model, inputs[n], reps) for n, reps in sizes}
     ort_model = OnnxRuntimeCpuBackend().load(model_path, LoadOptions())
-    for n, reps in ((4, 2000), (1 << 20, 30)):
-        x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-        np.testing.assert_allclose(c_model.run({"x": x})["y"], ort_model.run({"x": x})["y"],
-                                   rtol=1e-5)
-        times = {}
-        for name, m in (("elementwise-c", c_model), ("onnxruntime", ort_model)):
-            samples = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                m.run({"x": x})
-                samples.append(time.perf_counter() - t)
-            times[name] = pct(samples, 50)
-        print(f"run() p50, {n} float32: elementwise-c (C ABI) {fmt_us(times['elementwise-c'])}"
-              f", onnxruntime {fmt_us(times['onnxruntime'])} (baseline); ratio "
-              f"{times['elementwise-c'] / times['onnxruntime']:.2f} (no target in issue 3)")
+    ort_times = {n: _p50(ort_model, inputs[n], reps) for n, reps in sizes}
+    for n, _ in sizes:
+        np.testing.assert_allclose(c_model.run({"x": inputs[n]})["y"],
+                                   ort_model.run({"x": inputs[n]})["y"], rtol=1e-5)
+        print(f"run() p50, {n} float32: elementwise-c (C ABI) {fmt_us(c_times[n])}, "
+              f"onnxruntime {fmt_us(ort_times[n])} (baseline); ratio "
+              f"{c_times[n] / ort_times[n]:.2f} (no target in issue 3)")
     c_model.unload()
     ort_model.unload()
 
