@@ -110,6 +110,7 @@ def zoo(tmp_path: Path, broken_so, python_example, elementwise_so):  # type: ign
     return directory, expected
 
 
+@pytest.mark.slow  # the hanging plugin costs probe_timeout_s
 def test_every_broken_plugin_is_skipped_at_its_stage(zoo, caplog: pytest.LogCaptureFixture
                                                      ) -> None:  # type: ignore[no-untyped-def]
     directory, expected = zoo
@@ -141,6 +142,7 @@ def test_every_broken_plugin_is_skipped_at_its_stage(zoo, caplog: pytest.LogCapt
     assert not hasattr(warned[str(directory / "bad_syntax.py")], "BACKEND")
 
 
+@pytest.mark.slow  # the hanging plugin costs probe_timeout_s
 def test_the_good_plugins_run_after_their_broken_neighbours(
         zoo, elementwise_model: Path) -> None:  # type: ignore[no-untyped-def]
     directory, _ = zoo
@@ -229,6 +231,7 @@ def test_a_package_plugin_with_relative_imports(tmp_path: Path) -> None:
     assert r.records["mypkg"].source == str(pkg)
 
 
+@pytest.mark.slow  # the hanging plugin costs probe_timeout_s
 def test_several_registries_load_the_same_directory(zoo, elementwise_model: Path
                                                     ) -> None:  # type: ignore[no-untyped-def]
     directory, _ = zoo
@@ -388,3 +391,28 @@ def test_the_python_plugin_in_the_docs_loads_and_runs(tmp_path: Path) -> None:
     model = r.records["doubler"].backend.load(tmp_path / "doubler.py", LoadOptions())
     x = np.ones((2, 4), np.float32)
     np.testing.assert_array_equal(model.run({"x": x})["y"], 2 * x)
+
+
+def test_a_plugin_that_exits_at_import_is_contained(tmp_path: Path) -> None:
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    r = Registry()
+    Loader(r, builtins=()).load([tmp_path])
+    [c] = r.candidates
+    assert (c.stage, c.status, c.reason) == (Stage.OPENED, CandidateStatus.FAILED,
+                                             "import raised SystemExit: 3")
+
+
+def test_loading_native_plugins_leaks_no_fd_thread_or_process(
+        tmp_path: Path, elementwise_so: Path, broken_so) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    import psutil
+
+    copy_into(elementwise_so, tmp_path)
+    copy_into(broken_so("segv", "SEGV_IN_GETTER"), tmp_path)
+    me = psutil.Process()
+    fds, threads = me.num_fds(), threading.active_count()
+    Loader(Registry(), builtins=()).load([tmp_path])
+    assert me.num_fds() == fds
+    assert threading.active_count() == threads
+    assert me.children() == []
