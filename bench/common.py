@@ -39,9 +39,12 @@ class DaemonProcess:
     def __init__(self, *args: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="inferd-b", dir="/tmp"))
         self.endpoint = f"ipc://{self.dir}/inferd.sock"
+        empty = self.dir / "inferd.toml"  # not the host's /etc/inferd/inferd.toml
+        empty.touch()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "inferd.daemon.main", "--socket", self.endpoint,
-             "--log-level", "warning", *args], stdout=subprocess.DEVNULL)
+             "--config", str(empty), "--log-level", "warning", *args],
+            stdout=subprocess.DEVNULL)
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 60) -> None:

@@ -47,8 +47,13 @@ class Daemon:
         self.log_path = workdir / "inferd.log"
         cmd = [sys.executable, "-m", "inferd.daemon.main", "--socket", self.endpoint, *args]
         self._log = open(self.log_path, "ab")
+        # Keep the host's /etc/inferd/inferd.toml (an installed package) out of tests:
+        # without --config the daemon reads an empty file of the test's own.
+        isolated = workdir / "empty-inferd.toml"
+        isolated.touch()
+        env = {"INFERD_CONFIG": str(isolated), **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, cwd=workdir)
+                                     env={**os.environ, **env}, cwd=workdir)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

@@ -308,7 +308,8 @@ def test_sigterm_answers_everything_in_flight_and_exits_zero(models_dir, start_d
 def test_second_daemon_on_a_live_socket_refuses_to_start(models_dir, start_daemon, short_tmp):
     first = start_daemon("--models", str(models_dir))
     second = subprocess.run([sys.executable, "-m", "inferd.daemon.main", "--socket",
-                             first.endpoint, "--models", str(models_dir)],
+                             first.endpoint, "--models", str(models_dir),
+                             "--config", str(short_tmp / "empty-inferd.toml")],
                             capture_output=True, text=True, timeout=60)
     assert second.returncode != 0
     assert "another inferd" in second.stderr and str(first.socket_path) in second.stderr
