@@ -85,6 +85,16 @@ def _mode(v: Any) -> int:
     raise ValueError
 
 
+def _budget(v: Any) -> int | None:
+    from inferd.daemon.cache import parse_budget  # cache.py imports parse_size from here
+    return parse_budget(v)
+
+
+def _duration(v: Any) -> float:
+    from inferd.daemon.cache import parse_duration
+    return parse_duration(v)
+
+
 def _level(v: Any) -> str:
     if isinstance(v, str) and v.lower() in {"debug", "info", "warning", "error", "critical"}:
         return v.lower()
@@ -113,6 +123,15 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "onnxruntime": {
         "intra_op_threads": Key(1, _positive_int, "a positive integer"),
         "inter_op_threads": Key(1, _positive_int, "a positive integer"),
+    },
+    "cache": {
+        "max_memory": Key("75%", _budget, "a size ('512MiB'), a share of physical memory "
+                          "('40%') or 'unlimited'"),
+        "keep_alive": Key("5m", _duration, "a duration such as 30, '90s', '5m', '1h', or "
+                          "'forever'"),
+        "failed_load_hold_s": Key(10.0, _positive_float, "a positive number of seconds"),
+        "idle_check_s": Key(1.0, _positive_float, "a positive number of seconds"),
+        "warmup_dim": Key(64, _positive_int, "a positive integer"),
     },
     "logging": {
         "level": Key("info", _level, "one of debug, info, warning, error, critical"),

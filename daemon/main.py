@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.logging.level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runtime = Runtime(config)
+    runtime = Runtime(config, _overrides(args))
     try:
         runtime.start()
     except InferdError as e:
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # The handler only queues the reload: it runs on the control thread, never here.
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: runtime.request_reload())
     # A signal may land on any thread; the wakeup fd makes the I/O loop notice it.
     signal.set_wakeup_fd(runtime.server.wakeup_fd, warn_on_full_buffer=False)
     runtime.serve()

@@ -1,25 +1,40 @@
-"""The model manager: one entry per model name, its state, its queue and its workers.
+"""The model manager: the warm model cache. One entry per (model, version) with its state,
+its bounded queue and its workers; a catalog of what the repository offers.
 
-A request for a model that is not loaded starts the load (once, however many requests
-wait) and waits in the model's bounded queue; the workers start when the load finishes.
-A failed load answers everything queued with its reason and is remembered for a short
-time, so a storm of requests does not retry it each time.
+- A request for a model that is not loaded starts the load (once, however many requests
+  wait: single flight) and waits in the model's queue; the workers start when it is done.
+- Before a load, and again once its memory is measured, the cache budget is enforced:
+  idle unpinned models are unloaded least recently used first; a model with a request
+  queued or running is never pulled from under it. If nothing can make room, the load
+  fails with RESOURCE_EXHAUSTED naming what it needs and what is pinned or busy.
+- A failed load is remembered for ``cache.failed_load_hold_s``: requests meanwhile get
+  its reason at once instead of retrying it.
+- Idle models are unloaded after their keep-alive (config, model.toml, or a request's
+  ``keep_alive``), unless pinned (``models.preload`` or model.toml ``pin = true``).
+- :meth:`ModelManager.reload` re-reads the repository: new models appear, removed ones
+  are drained, a new default version is loaded beside the old one and swapped in when
+  ready. Requests that reach a retired version are handed to the one that replaced it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
-import psutil
-
-from inferd.daemon.repository import Repository, check_name
+from inferd.daemon.cache import (
+    Candidate, MemoryMeter, choose_victims, estimate_cost, format_bytes, model_cost,
+    parse_duration,
+)
+from inferd.daemon.repository import ModelSpec, Repository, check_name
+from inferd.daemon.warmup import warm_up
 from inferd.daemon.worker import STOP, ReplyFn, WorkItem, Workers, error_for
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Request
@@ -29,7 +44,7 @@ from inferd.libbackends.registry import Registry
 
 log = logging.getLogger(__name__)
 
-FAILED_LOAD_MEMORY_S = 5.0
+Key = tuple[str, int]
 
 
 class State(StrEnum):
@@ -47,17 +62,25 @@ class Settings:
     instances: int
     queue_size: int
     backends: list[str] | None
+    keep_alive: float
+    pin: bool
 
 
 class ModelEntry:
-    """State of one model name. Guarded by ``lock``; the queue is thread-safe."""
+    """One version of one model. Guarded by ``lock``; the queue is thread-safe.
 
-    def __init__(self, name: str, queue_size: int) -> None:
+    ``in_flight`` counts the requests queued or running: a model with any is busy and
+    is not evicted or unloaded for idleness.
+    """
+
+    def __init__(self, name: str, version: int, queue_size: int) -> None:
         self.name = name
+        self.version = version
+        self.label = f"{name} version {version}"
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
         self.state = State.UNLOADED
         self.queue: queue.Queue[WorkItem | None] = queue.Queue(queue_size)
-        self.version: int | None = None
         self.backend: str | None = None
         self.model: LoadedModel | None = None
         self.workers: Workers | None = None
@@ -65,10 +88,39 @@ class ModelEntry:
         self.error_code: ErrorCode = ErrorCode.INTERNAL
         self.failed_at = 0.0
         self.memory_bytes: int | None = None
+        self.memory_rss_bytes: int | None = None
+        self.memory_reported_bytes: int | None = None
+        self.reserved = 0
         self.load_future: Future[ModelEntry] | None = None
+        self.loads = 0
         self.served = 0
         self.failed_requests = 0
+        self.in_flight = 0
         self.last_used: float | None = None
+        self.used_at = time.monotonic()
+        self.keep_until = 0.0
+        self.keep_alive = math.inf
+
+    def set_state(self, state: State) -> None:
+        """Change state (caller holds ``lock``) and wake whoever waits on a change."""
+        self.state = state
+        self.changed.notify_all()
+
+    def touch(self, keep_alive: float | None = None) -> None:
+        """Mark as used now (caller holds ``lock``); a request's keep-alive extends."""
+        now = time.monotonic()
+        self.used_at = now
+        self.last_used = time.time()
+        if keep_alive is not None:
+            self.keep_until = max(self.keep_until, now + keep_alive)
+
+    def cost(self) -> int:
+        """Bytes this entry holds against the budget now."""
+        if self.state is State.LOADING:
+            return self.reserved
+        if self.state in (State.READY, State.DRAINING):
+            return self.memory_bytes or 0
+        return 0
 
     def describe(self) -> dict[str, Any]:
         m = self.model
@@ -77,20 +129,26 @@ class ModelEntry:
             "backend": self.backend, "error": self.error,
             "inputs": [s.to_json() for s in m.inputs] if m else [],
             "outputs": [s.to_json() for s in m.outputs] if m else [],
-            "memory_bytes": self.memory_bytes, "requests": self.served,
-            "failed_requests": self.failed_requests,
+            "memory_bytes": self.memory_bytes,
+            "memory_rss_bytes": self.memory_rss_bytes,
+            "memory_reported_bytes": self.memory_reported_bytes,
+            "requests": self.served, "failed_requests": self.failed_requests,
+            "loads": self.loads, "in_flight": self.in_flight,
             "queued": self.queue.qsize(), "last_used": self.last_used,
+            "idle_s": (round(time.monotonic() - self.used_at, 3)
+                       if self.state is State.READY and not self.in_flight else None),
+            "keep_alive_s": None if math.isinf(self.keep_alive) else self.keep_alive,
             "threads": [t.name for t in self.workers.threads] if self.workers else [],
         }
 
 
 class ModelManager:
-    """All model entries of one runtime.
+    """The model cache of one runtime.
 
     Args:
         repo: the model repository.
         registry: backends to choose from.
-        config: the daemon configuration.
+        config: the daemon configuration (read again on each use; see :meth:`reload`).
         reply: sends a reply for a ticket from any thread.
         release_thread: called by worker threads on exit.
     """
@@ -102,43 +160,93 @@ class ModelManager:
         self.config = config
         self._reply = reply
         self._release = release_thread
-        self._entries: dict[str, ModelEntry] = {}
-        self._lock = threading.Lock()
+        self._catalog: dict[str, ModelSpec] = repo.scan()
+        self._entries: dict[Key, ModelEntry] = {}
+        self._lock = threading.Lock()  # the catalog and the entries dict
+        self._load_lock = threading.Lock()  # one load at a time: its RSS delta is its own
+        self._reload_lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inferd-loader")
-        self._proc = psutil.Process()
+        self._meter = MemoryMeter()
+        self._measured: dict[Key, int] = {}
+        self._stopping = threading.Event()
+        self._idle_thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the idle-unload thread (``inferd-cache-idle``)."""
+        self._idle_thread = threading.Thread(target=self._idle_loop, name="inferd-cache-idle",
+                                             daemon=True)
+        self._idle_thread.start()
 
     # ----------------------------------------------------------------- lookup
 
-    def _settings(self, name: str) -> Settings:
-        raw = self.repo.settings(name)
-        cfg = self.config.models
+    def _spec(self, name: str) -> ModelSpec:
+        check_name(name)
+        spec = self._catalog.get(name)
+        if spec is None:
+            raise ModelError(f"model {name!r} not found in {self.repo.root}; available: "
+                             f"{', '.join(sorted(self._catalog)) or 'none'}",
+                             ErrorCode.NOT_FOUND)
+        if spec.error:
+            raise ModelError(spec.error, ErrorCode.INTERNAL)
+        return spec
+
+    def _settings(self, spec: ModelSpec) -> Settings:
+        raw, cfg = spec.settings, self.config
         backends = raw.get("backends")
         if backends is not None and not (isinstance(backends, list)
                                          and all(isinstance(b, str) for b in backends)):
-            raise ModelError(f"model {name}: model.toml 'backends' must be a list of "
+            raise ModelError(f"model {spec.name}: model.toml 'backends' must be a list of "
                              f"backend ids or kinds", ErrorCode.INTERNAL)
-        return Settings(instances=int(raw.get("instances", cfg.instances)),
-                        queue_size=int(raw.get("queue_size", cfg.queue_size)),
-                        backends=backends)
+        keep_alive = cfg.cache.keep_alive
+        if "keep_alive" in raw:
+            try:
+                keep_alive = parse_duration(raw["keep_alive"])
+            except ValueError:
+                raise ModelError(f"model {spec.name}: model.toml keep_alive = "
+                                 f"{raw['keep_alive']!r}: expected a duration such as 30, "
+                                 f"'5m' or 'forever'", ErrorCode.INTERNAL) from None
+        return Settings(instances=int(raw.get("instances", cfg.models.instances)),
+                        queue_size=int(raw.get("queue_size", cfg.models.queue_size)),
+                        backends=backends, keep_alive=keep_alive,
+                        pin=raw.get("pin") is True or spec.name in cfg.models.preload)
 
-    def entry(self, name: str) -> ModelEntry:
-        """The entry for ``name``, created on first use if the repository has it.
+    def entry(self, name: str, version: int | None = None) -> ModelEntry:
+        """The entry for ``name`` at ``version`` (default: the version it serves by
+        default), created on first use.
 
         Raises:
-            ModelError: invalid name (INVALID_ARGUMENT) or unknown model (NOT_FOUND).
+            ModelError: invalid name (INVALID_ARGUMENT), unknown model or version
+                (NOT_FOUND, listing what exists), unusable model.toml (INTERNAL).
         """
-        check_name(name)
-        entry = self._entries.get(name)
-        if entry is not None:
-            return entry
-        if not self.repo.versions(name):
-            self.repo.resolve(name)  # raises NOT_FOUND listing what exists
+        spec = self._spec(name)
+        if version is None:
+            version = spec.default
+        elif version not in spec.versions:
+            raise ModelError(f"model {name!r} has no version {version}; available: "
+                             f"{', '.join(map(str, spec.versions))}", ErrorCode.NOT_FOUND)
         with self._lock:
-            entry = self._entries.get(name)
+            entry = self._entries.get((name, version))
             if entry is None:
-                entry = ModelEntry(name, self._settings(name).queue_size)
-                self._entries[name] = entry
+                entry = ModelEntry(name, version, self._settings(spec).queue_size)
+                self._entries[(name, version)] = entry
         return entry
+
+    def _pinned(self, entry: ModelEntry) -> bool:
+        spec = self._catalog.get(entry.name)
+        return (spec is not None and spec.default == entry.version
+                and (spec.settings.get("pin") is True
+                     or entry.name in self.config.models.preload))
+
+    def _servable(self, entry: ModelEntry) -> bool:
+        spec = self._catalog.get(entry.name)
+        return spec is not None and entry.version in spec.versions
+
+    def pinned_names(self) -> list[str]:
+        """Models to keep loaded: ``models.preload`` first, then model.toml pins."""
+        names = list(self.config.models.preload)
+        names += [n for n, s in sorted(self._catalog.items())
+                  if s.settings.get("pin") is True and n not in names]
+        return names
 
     # ----------------------------------------------------------------- requests
 
@@ -146,171 +254,514 @@ class ModelManager:
         """Queue an infer request (I/O thread). Raises InferdError to refuse it."""
         if request.model is None:
             raise ModelError("infer needs 'model'")
-        entry = self.entry(request.model)
+        keep_alive = _request_keep_alive(request)
+        entry = self.entry(request.model, request.version)
+        self._enqueue(entry, WorkItem(request, ticket), keep_alive)
+
+    def _enqueue(self, entry: ModelEntry, item: WorkItem, keep_alive: float | None) -> None:
         with entry.lock:
             if entry.state is State.FAILED:
-                if time.monotonic() - entry.failed_at < FAILED_LOAD_MEMORY_S:
-                    raise InferdError(f"model {entry.name} failed to load: {entry.error}",
+                held = self.config.cache.failed_load_hold_s
+                ago = time.monotonic() - entry.failed_at
+                if ago < held:
+                    raise InferdError(f"model {entry.label} failed to load {ago:.1f} s ago "
+                                      f"(next try after {held:g} s): {entry.error}",
                                       entry.error_code)
-                entry.state = State.UNLOADED
-            if entry.state is State.DRAINING:
-                raise InferdError(f"model {entry.name} is being unloaded",
-                                  ErrorCode.UNAVAILABLE)
-            if (request.version is not None and entry.state is not State.UNLOADED
-                    and entry.version != request.version):
-                raise InferdError(f"model {entry.name}: version {entry.version} is loaded, "
-                                  f"version {request.version} was asked for; unload it first",
-                                  ErrorCode.UNAVAILABLE)
+                entry.set_state(State.UNLOADED)
             try:
-                entry.queue.put_nowait(WorkItem(request, ticket))
+                entry.queue.put_nowait(item)
             except queue.Full:
-                raise InferdError(f"model {entry.name}: queue is full "
+                raise InferdError(f"model {entry.label}: queue is full "
                                   f"({entry.queue.maxsize} requests waiting)",
                                   ErrorCode.RESOURCE_EXHAUSTED) from None
-            entry.last_used = time.time()
+            entry.in_flight += 1
+            entry.touch(keep_alive)
             if entry.state is State.UNLOADED:
-                self._start_load(entry, request.version)
+                self._start_load(entry)
+            # DRAINING: the request waits in the queue; the drain restarts the load.
 
-    def _start_load(self, entry: ModelEntry, version: int | None) -> Future[ModelEntry]:
+    def _done(self, entry: ModelEntry, ok: bool) -> None:
+        with entry.lock:
+            entry.in_flight -= 1
+            if ok:
+                entry.served += 1
+            else:
+                entry.failed_requests += 1
+            entry.touch()
+
+    # ----------------------------------------------------------------- loading
+
+    def _start_load(self, entry: ModelEntry) -> Future[ModelEntry]:
         """Begin loading (caller holds entry.lock and saw UNLOADED)."""
-        entry.state = State.LOADING
+        entry.set_state(State.LOADING)
         entry.error = None
-        entry.load_future = self._loader.submit(self._load, entry, version)
+        entry.load_future = self._loader.submit(self._load, entry)
         return entry.load_future
 
-    def _load(self, entry: ModelEntry, version: int | None) -> ModelEntry:
-        name = entry.name
+    def _load(self, entry: ModelEntry) -> ModelEntry:
         started = time.monotonic()
         try:
-            source = self.repo.resolve(name, version)
-            settings = self._settings(name)
-            backend = self.registry.choose(name, source.path, settings.backends)
-            ort = self.config.onnxruntime
-            rss_before = self._proc.memory_info().rss
-            model = backend.load(source.path, LoadOptions(ort.intra_op_threads,
-                                                          ort.inter_op_threads))
-            rss = self._proc.memory_info().rss - rss_before
+            with self._load_lock:
+                settings, backend_id, model = self._load_measured(entry)
         except Exception as e:
             code = e.code if isinstance(e, InferdError) else ErrorCode.INTERNAL
             message = e.message if isinstance(e, InferdError) else f"{type(e).__name__}: {e}"
-            log.error("model %s failed to load: %s", name, message, extra={"MODEL": name})
-            with entry.lock:
-                entry.state = State.FAILED
-                entry.error, entry.error_code = message, code
-                entry.failed_at = time.monotonic()
-                waiting = _drain(entry.queue)
-            for item in waiting:
-                self._reply(item.ticket, error_for(
-                    item, code, f"model {name} failed to load: {message}"))
-            raise
-        reported = model.memory_bytes()
-        workers = Workers(name, model, entry.queue, self._reply, self._release,
-                          settings.instances, on_done=lambda ok: _count(entry, ok))
+            if not isinstance(e, InferdError):
+                log.exception("model %s: unexpected error while loading", entry.label,
+                              extra={"MODEL": entry.name})
+            log.error("model %s failed to load: %s", entry.label, message,
+                      extra={"MODEL": entry.name, "CODE": str(code)})
+            self._fail(entry, code, message)
+            raise InferdError(message, code) from e
+        workers = self._start_workers(entry, model, settings)
         with entry.lock:
-            entry.model, entry.workers = model, workers
-            entry.version, entry.backend = source.version, backend.id
-            entry.memory_bytes = reported if reported is not None else max(rss, 0)
-            entry.state = State.READY
+            entry.model, entry.workers, entry.backend = model, workers, backend_id
+            entry.keep_alive = settings.keep_alive
+            entry.touch()
+            entry.set_state(State.READY)
         workers.start()
-        log.info("model %s version %s loaded on %s in %.0f ms", name, source.version,
-                 backend.id, (time.monotonic() - started) * 1000,
-                 extra={"MODEL": name, "BACKEND": backend.id})
+        log.info("model %s loaded on %s in %.0f ms, %s", entry.label, backend_id,
+                 (time.monotonic() - started) * 1000, format_bytes(entry.memory_bytes),
+                 extra={"MODEL": entry.name, "BACKEND": backend_id})
         return entry
+
+    def _start_workers(self, entry: ModelEntry, model: LoadedModel,
+                       settings: Settings) -> Workers:
+        # The one place workers are built (pipeline stages plug in here).
+        return Workers(entry.name, model, entry.queue, self._reply, self._release,
+                       settings.instances, on_done=lambda ok: self._done(entry, ok))
+
+    def _load_measured(self, entry: ModelEntry) -> tuple[Settings, str, LoadedModel]:
+        """Make room, load, warm up and measure (caller holds ``_load_lock``)."""
+        key = (entry.name, entry.version)
+        spec = self._catalog.get(entry.name)
+        if spec is None or entry.version not in spec.versions:
+            raise ModelError(f"model {entry.label} is no longer in the repository",
+                             ErrorCode.NOT_FOUND)
+        if spec.error:
+            raise ModelError(spec.error, ErrorCode.INTERNAL)
+        settings = self._settings(spec)
+        source = self.repo.resolve(entry.name, entry.version)
+        backend = self.registry.choose(entry.name, source.path, settings.backends)
+        known = self._measured.get(key)
+        need = known or estimate_cost(source.path.stat().st_size)
+        self._make_room(entry, need, "measured at its last load" if known
+                        else "estimated from its file size")
+        with entry.lock:
+            entry.reserved = need
+            entry.loads += 1
+        ort = self.config.onnxruntime
+        self._meter.trim()
+        before = self._meter.rss()
+        model = backend.load(source.path, LoadOptions(ort.intra_op_threads,
+                                                      ort.inter_op_threads))
+        try:
+            warm_up(entry.label, model, source.path, spec.settings,
+                    self.config.cache.warmup_dim)
+            rss = self._meter.rss() - before
+            reported = model.memory_bytes()
+            cost = model_cost(rss, reported)
+            self._measured[key] = cost
+            with entry.lock:
+                entry.reserved = cost
+                entry.memory_bytes, entry.memory_rss_bytes = cost, rss
+                entry.memory_reported_bytes = reported
+            self._make_room(entry, cost, "measured")
+        except BaseException:
+            model.unload()
+            self._meter.trim()
+            raise
+        return settings, backend.id, model
+
+    def _fail(self, entry: ModelEntry, code: ErrorCode, message: str) -> None:
+        with entry.lock:
+            entry.error, entry.error_code = message, code
+            entry.failed_at = time.monotonic()
+            entry.memory_bytes = entry.memory_rss_bytes = entry.memory_reported_bytes = None
+            entry.reserved = 0
+            waiting = _drain(entry.queue)
+            entry.in_flight -= len(waiting)
+            entry.set_state(State.FAILED)
+        for item in waiting:
+            self._reply(item.ticket, error_for(
+                item, code, f"model {entry.label} failed to load: {message}"))
+
+    # ----------------------------------------------------------------- budget
+
+    def _evictable(self, entry: ModelEntry) -> bool:
+        return (entry.state is State.READY and not entry.in_flight
+                and not self._pinned(entry))
+
+    def _make_room(self, entry: ModelEntry, need: int, how: str) -> None:
+        """Unload idle unpinned models, least recently used first, until ``need`` more
+        bytes fit in the budget beside every other entry.
+
+        Raises:
+            InferdError (RESOURCE_EXHAUSTED): nothing evictable makes enough room.
+        """
+        budget = self.config.cache.max_memory
+        if budget is None:
+            return
+        while True:
+            with self._lock:
+                others = [e for e in self._entries.values() if e is not entry]
+            used = sum(e.cost() for e in others)
+            if used + need <= budget:
+                return
+            candidates = [Candidate(e, e.cost(), e.used_at) for e in others
+                          if self._evictable(e)]
+            victims = choose_victims(candidates, used + need - budget)
+            if victims is None:
+                raise InferdError(self._no_room(entry, need, how, budget, used, others),
+                                  ErrorCode.RESOURCE_EXHAUSTED)
+            for v in victims:
+                self._unload_entry(v.key, f"evicted to make room for {entry.label}",
+                                   only_if_idle=True)
+
+    def _no_room(self, entry: ModelEntry, need: int, how: str, budget: int, used: int,
+                 others: list[ModelEntry]) -> str:
+        def names(entries: list[ModelEntry]) -> str:
+            return ", ".join(f"{e.label} ({format_bytes(e.cost())})" for e in entries) \
+                or "none"
+        holding = [e for e in others if e.cost()]
+        pinned = [e for e in holding if self._pinned(e)]
+        busy = [e for e in holding if e not in pinned and not self._evictable(e)]
+        return (f"model {entry.label} needs {format_bytes(need)} ({how}) but the cache "
+                f"budget is {format_bytes(budget)} with {format_bytes(used)} in use; "
+                f"pinned: {names(pinned)}; busy or loading: {names(busy)}")
+
+    def enforce_budget(self) -> None:
+        """Evict idle unpinned models until the loaded ones fit the budget (after the
+        budget shrank); logs what does not fit."""
+        try:
+            self._make_room(_NOBODY, 0, "")
+        except InferdError as e:
+            log.warning("cache is over its budget and cannot evict more: %s", e.message)
+
+    # ----------------------------------------------------------------- unloading
+
+    def _unload_entry(self, entry: ModelEntry, reason: str, only_if_idle: bool = False,
+                      timeout: float | None = None) -> bool:
+        """Drain and unload a READY entry; False if it was not (or no longer) eligible.
+
+        Requests that arrive during the drain wait in the queue; afterwards they start
+        a new load, go to the version that replaced this one, or get NOT_FOUND if the
+        model is gone.
+        """
+        with entry.lock:
+            if entry.state is not State.READY:
+                return False
+            if only_if_idle and (entry.in_flight or self._pinned(entry)):
+                return False
+            entry.set_state(State.DRAINING)
+            workers, model = entry.workers, entry.model
+        assert workers is not None and model is not None
+        finished = workers.stop(timeout)
+        if finished:
+            model.unload()
+            self._meter.trim()
+        else:
+            log.error("model %s: workers did not finish within %s s; left running",
+                      entry.label, timeout, extra={"MODEL": entry.name})
+        leftovers: list[WorkItem] = []
+        with entry.lock:
+            entry.model = entry.workers = entry.backend = None
+            entry.memory_bytes = entry.memory_rss_bytes = entry.memory_reported_bytes = None
+            entry.set_state(State.UNLOADED)
+            if finished and not entry.queue.empty():
+                if self._servable(entry):
+                    self._start_load(entry)
+                else:
+                    leftovers = _drain(entry.queue)
+                    entry.in_flight -= len(leftovers)
+        log.info("model %s unloaded: %s", entry.label, reason, extra={"MODEL": entry.name})
+        for item in leftovers:
+            self._reroute(entry, item)
+        return True
+
+    def _reroute(self, retired: ModelEntry, item: WorkItem) -> None:
+        """A request that reached a version just retired: hand it to the model's current
+        default version if it named none, else answer NOT_FOUND."""
+        try:
+            if item.request.version is not None:
+                raise ModelError(f"model {retired.label} was removed from the repository",
+                                 ErrorCode.NOT_FOUND)
+            self._enqueue(self.entry(retired.name), item, None)
+        except InferdError as e:
+            self._reply(item.ticket, error_for(item, e.code, e.message))
+
+    def unload_idle(self) -> list[str]:
+        """Unload every unpinned model idle longer than its keep-alive; their labels."""
+        now = time.monotonic()
+        with self._lock:
+            entries = list(self._entries.values())
+        done = []
+        for e in entries:
+            with e.lock:
+                if e.state is not State.READY or e.in_flight or now < e.keep_until:
+                    continue
+                idle = now - e.used_at
+                if idle < e.keep_alive:
+                    continue
+            if self._unload_entry(e, f"idle for {idle:.1f} s (keep_alive "
+                                  f"{e.keep_alive:g} s)", only_if_idle=True):
+                done.append(e.label)
+        return done
+
+    def _idle_loop(self) -> None:
+        while not self._stopping.wait(self.config.cache.idle_check_s):
+            try:
+                self.unload_idle()
+            except Exception:  # the idle check must outlive one bad unload
+                log.exception("idle check failed")
 
     # ----------------------------------------------------------------- control
 
     def load(self, name: str, version: int | None = None) -> ModelEntry:
-        """Load ``name`` (or wait for the load in progress); blocking.
+        """Load ``name`` (or wait for the load in progress); blocking. An explicit load
+        retries a remembered failure at once.
 
         Raises:
             InferdError: the load failed, with its code and reason.
         """
-        entry = self.entry(name)
+        entry = self.entry(name, version)
         with entry.lock:
+            entry.changed.wait_for(lambda: entry.state is not State.DRAINING)
+            entry.touch()
             if entry.state is State.FAILED:
-                entry.state = State.UNLOADED
-            if entry.state is State.DRAINING:
-                raise InferdError(f"model {name} is being unloaded", ErrorCode.UNAVAILABLE)
+                entry.set_state(State.UNLOADED)
             if entry.state is State.UNLOADED:
-                future = self._start_load(entry, version)
-            else:
+                future = self._start_load(entry)
+            elif entry.state is State.LOADING:
                 future = entry.load_future
+            else:
+                future = None
         if future is not None:
             future.result()
         return entry
 
-    def unload(self, name: str, timeout: float | None = None) -> ModelEntry:
-        """Drain and unload ``name``: queued requests finish first; blocking."""
-        entry = self.entry(name)
+    def unload(self, name: str, version: int | None = None,
+               timeout: float | None = None) -> ModelEntry:
+        """Drain and unload ``name`` (every loaded version, or just ``version``): queued
+        requests finish first; blocking. Returns the default version's entry."""
+        check_name(name)
+        with self._lock:
+            entries = [e for (n, v), e in self._entries.items()
+                       if n == name and (version is None or v == version)]
+        if not entries:
+            return self.entry(name, version)  # NOT_FOUND if unknown, else unloaded
+        for entry in entries:
+            self._unload_wait(entry, "unload requested", timeout)
+        spec = self._catalog.get(name)
+        return next((e for e in entries if spec and e.version == spec.default), entries[0])
+
+    def _unload_wait(self, entry: ModelEntry, reason: str, timeout: float | None) -> None:
         with entry.lock:
-            if entry.state is State.LOADING:
-                future = entry.load_future
-            else:
-                future = None
+            future = entry.load_future if entry.state is State.LOADING else None
         if future is not None:
             try:
                 future.result()
             except InferdError:
                 pass  # the failed load already answered its requests
         with entry.lock:
-            if entry.state is not State.READY:
-                if entry.state is State.FAILED:
-                    entry.state = State.UNLOADED
-                return entry
-            entry.state = State.DRAINING
-            workers, model = entry.workers, entry.model
-        assert workers is not None and model is not None
-        finished = workers.stop(timeout)
-        if finished:
-            model.unload()
-        else:
-            log.error("model %s: workers did not finish within %s s; left running", name,
-                      timeout, extra={"MODEL": name})
-        with entry.lock:
-            entry.state = State.UNLOADED
-            entry.model = entry.workers = None
-            entry.memory_bytes = None
-        log.info("model %s unloaded", name, extra={"MODEL": name})
-        return entry
+            entry.changed.wait_for(lambda: entry.state is not State.DRAINING, timeout)
+            if entry.state is State.FAILED:
+                entry.set_state(State.UNLOADED)
+        self._unload_entry(entry, reason, timeout=timeout)
+
+    def preload(self) -> list[str]:
+        """Load every pinned model (before the daemon reports ready); the loaded ones."""
+        for name in self.pinned_names():
+            try:
+                self.load(name)
+            except InferdError as e:
+                log.error("preload of model %s failed: %s", name, e.message,
+                          extra={"MODEL": name})
+        return self.loaded()
+
+    def reload(self, config: Any) -> dict[str, list[str]]:
+        """Take a new configuration and re-read the repository, failing no request.
+
+        New models become available; removed ones are drained and unloaded; a model
+        whose default version changed and is loaded gets the new version loaded beside
+        the old, swapped in when ready, then the old one drained (if both do not fit in
+        the budget, the old one is drained first and requests wait for the new one).
+        Returns what changed, by kind.
+        """
+        with self._reload_lock:
+            return self._reload(config)
+
+    def _reload(self, config: Any) -> dict[str, list[str]]:
+        self.config = config
+        root = Path(config.models.repository).resolve()
+        if root != self.repo.root:
+            self.repo = Repository(root)
+        new, old = self.repo.scan(), self._catalog
+        summary: dict[str, list[str]] = {"added": sorted(new.keys() - old.keys()),
+                                         "removed": sorted(old.keys() - new.keys()),
+                                         "changed": [], "failed": []}
+        installed, swaps = dict(new), []
+        for name, spec in new.items():
+            prev = old.get(name)
+            if prev is None or prev.default == spec.default:
+                continue
+            if self._state((name, prev.default)) in (State.READY, State.LOADING):
+                # Serve the old version until the new one is ready.
+                installed[name] = replace(spec, default=prev.default, versions=tuple(
+                    sorted(set(spec.versions) | {prev.default})))
+                swaps.append((name, prev.default, spec))
+            else:
+                summary["changed"].append(f"{name}: version {prev.default} -> {spec.default}")
+        with self._lock:
+            self._catalog = installed
+        for name in summary["removed"]:
+            self._retire(name, None, "removed from the repository")
+        for name, old_version, spec in swaps:
+            if self._swap(name, old_version, spec):
+                summary["changed"].append(f"{name}: version {old_version} -> {spec.default}")
+            else:
+                summary["failed"].append(name)
+        with self._lock:
+            stale = [e for (n, v), e in self._entries.items()
+                     if n in self._catalog and v not in self._catalog[n].versions]
+        for e in stale:
+            self._unload_wait(e, "version no longer offered by the repository", None)
+        self.enforce_budget()
+        for name in self.pinned_names():
+            try:
+                self.load(name)
+            except InferdError as e:
+                log.error("pinned model %s failed to load: %s", name, e.message,
+                          extra={"MODEL": name})
+                summary["failed"].append(name)
+        log.info("reload: %s", "; ".join(f"{k} {', '.join(v)}" for k, v in summary.items()
+                                          if v) or "nothing changed")
+        return summary
+
+    def _swap(self, name: str, old_version: int, spec: ModelSpec) -> bool:
+        """Load ``spec.default`` beside ``old_version``, make it the default, retire the
+        old one. False (old one kept) if the new version cannot load."""
+        try:
+            self.load(name, spec.default)
+        except InferdError as e:
+            if e.code is not ErrorCode.RESOURCE_EXHAUSTED:
+                log.error("model %s: version %d failed to load, still serving version %d: "
+                          "%s", name, spec.default, old_version, e.message,
+                          extra={"MODEL": name})
+                return False
+            log.info("model %s: versions %d and %d do not fit together; draining %d "
+                     "before loading %d", name, old_version, spec.default, old_version,
+                     spec.default, extra={"MODEL": name})
+            return self._swap_in_place(name, old_version, spec)
+        with self._lock:
+            self._catalog[name] = spec
+        self._retire(name, old_version, f"replaced by version {spec.default}")
+        return True
+
+    def _swap_in_place(self, name: str, old_version: int, spec: ModelSpec) -> bool:
+        new = self.entry(name, spec.default)
+        future: Future[ModelEntry] = Future()
+        with new.lock:  # requests queue on the new version without starting a load
+            new.load_future = future
+            new.set_state(State.LOADING)
+        with self._lock:
+            self._catalog[name] = spec
+        self._retire(name, old_version, f"replaced by version {spec.default}")
+        try:
+            future.set_result(self._load(new))
+        except InferdError as e:
+            future.set_exception(e)
+            return False
+        return True
+
+    def _retire(self, name: str, version: int | None, reason: str) -> None:
+        with self._lock:
+            entries = [e for (n, v), e in self._entries.items()
+                       if n == name and (version is None or v == version)]
+        for e in entries:
+            self._unload_wait(e, reason, None)
+            with self._lock:
+                if not self._servable(e) and e.state is State.UNLOADED:
+                    self._entries.pop((e.name, e.version), None)
+
+    def _state(self, key: Key) -> State:
+        e = self._entries.get(key)
+        return e.state if e is not None else State.UNLOADED
 
     def stop(self, timeout: float) -> bool:
         """Finish queued work and unload every model; True if all threads ended."""
+        self._stopping.set()
         deadline = time.monotonic() + timeout
+        with self._lock:
+            entries = list(self._entries.values())
         ok = True
-        for name in list(self._entries):
+        for entry in entries:
             left = max(0.1, deadline - time.monotonic())
-            entry = self.unload(name, left)
+            self._unload_wait(entry, "daemon stopping", left)
             ok = ok and entry.workers is None
         self._loader.shutdown(wait=False, cancel_futures=True)
+        if self._idle_thread is not None:
+            self._idle_thread.join(max(0.1, deadline - time.monotonic()))
         return ok
 
+    # ----------------------------------------------------------------- state
+
     def describe(self) -> list[dict[str, Any]]:
-        """Every model in the repository or in memory, with its state."""
-        names = sorted(set(self.repo.names()) | set(self._entries))
+        """Every model the repository offers, and every version in memory, with state."""
+        with self._lock:
+            catalog, entries = dict(self._catalog), dict(self._entries)
         out = []
-        for name in names:
-            entry = self._entries.get(name)
-            if entry is None:
-                out.append({"name": name, "state": str(State.UNLOADED),
-                            "versions": self.repo.versions(name)})
-                continue
-            with entry.lock:
-                info = entry.describe()
-            info["versions"] = self.repo.versions(name)
-            out.append(info)
+        for name in sorted(set(catalog) | {n for n, _ in entries}):
+            spec = catalog.get(name)
+            rows = [e for (n, _), e in sorted(entries.items()) if n == name
+                    and (e.state is not State.UNLOADED or (spec and e.version == spec.default))]
+            if spec and (name, spec.default) not in entries:
+                rows.append(ModelEntry(name, spec.default, 1))
+            for e in rows:
+                with e.lock:
+                    info = e.describe()
+                    info["pinned"] = self._pinned(e)
+                if spec is None:
+                    info["error"] = info["error"] or "removed from the repository"
+                elif spec.error:
+                    info.update(state=str(State.FAILED), error=spec.error)
+                if e.state is State.UNLOADED and spec and not spec.error:
+                    try:
+                        keep = self._settings(spec).keep_alive
+                        info["keep_alive_s"] = None if math.isinf(keep) else keep
+                    except ModelError as err:
+                        info["error"] = err.message
+                info["versions"] = list(spec.versions) if spec else []
+                info["default"] = bool(spec and spec.default == e.version)
+                out.append(info)
         return out
 
+    def cache_status(self) -> dict[str, Any]:
+        """Budget and use, for the status op."""
+        with self._lock:
+            entries = list(self._entries.values())
+        return {"max_memory_bytes": self.config.cache.max_memory,
+                "used_bytes": sum(e.cost() for e in entries),
+                "loads": sum(e.loads for e in entries)}
+
     def loaded(self) -> list[str]:
-        return [n for n, e in self._entries.items() if e.state is State.READY]
+        with self._lock:
+            return [e.name for e in self._entries.values() if e.state is State.READY]
 
 
-def _count(entry: ModelEntry, ok: bool) -> None:
-    # Counters are only written from worker threads of this entry; a lost increment
-    # under several instances would skew a statistic, not a result.
-    if ok:
-        entry.served += 1
-    else:
-        entry.failed_requests += 1
+_NOBODY = ModelEntry("-", 0, 1)
+"""Stands for "no model" when only the budget itself is checked."""
+
+
+def _request_keep_alive(request: Request) -> float | None:
+    value = request.params.get("keep_alive")
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError:
+        raise ModelError(f"keep_alive = {value!r}: expected seconds or a duration such "
+                         f"as '5m', or 'forever'", ErrorCode.INVALID_ARGUMENT) from None
 
 
 def _drain(q: queue.Queue[WorkItem | None]) -> list[WorkItem]:

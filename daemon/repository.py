@@ -1,5 +1,10 @@
 """The model repository on disk: ``<repo>/<model>/<version>/model.onnx`` and an optional
-``<repo>/<model>/model.toml``. A model name never escapes the repository."""
+``<repo>/<model>/model.toml``. A model name never escapes the repository.
+
+Versions policy (model.toml): by default the highest version is served and every version
+on disk may be asked for by number; ``version = N`` serves N instead; ``keep_versions =
+N`` offers only the latest N (the default is then the highest of them).
+"""
 
 from __future__ import annotations
 
@@ -38,6 +43,43 @@ class ModelSource:
     settings: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the repository offers under one name, as of the last scan.
+
+    Attributes:
+        versions: versions a request may name, ascending.
+        default: the version served when a request names none.
+        settings: the parsed model.toml ({} if absent or unreadable).
+        error: why the model cannot be served (a bad model.toml), else None.
+    """
+
+    name: str
+    versions: tuple[int, ...]
+    default: int
+    settings: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _version_policy(name: str, on_disk: list[int], settings: dict[str, Any]
+                    ) -> tuple[tuple[int, ...], int]:
+    keep = settings.get("keep_versions")
+    pinned = settings.get("version")
+    for key, value in (("keep_versions", keep), ("version", pinned)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ModelError(f"model {name}: model.toml {key} = {value!r}: expected a "
+                             f"positive integer", ErrorCode.INTERNAL)
+    versions = on_disk[-keep:] if keep else on_disk
+    if pinned is None:
+        return tuple(versions), versions[-1]
+    if pinned not in on_disk:
+        raise ModelError(f"model {name}: model.toml pins version {pinned}, which is not "
+                         f"in the repository (it has {', '.join(map(str, on_disk))})",
+                         ErrorCode.INTERNAL)
+    return tuple(sorted(set(versions) | {pinned})), pinned
+
+
 class Repository:
     """Read-only view of a model repository directory."""
 
@@ -70,6 +112,29 @@ class Repository:
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ModelError(f"model {name}: cannot read {path}: {e}",
                              ErrorCode.INTERNAL) from e
+
+    def spec(self, name: str) -> ModelSpec | None:
+        """What ``name`` offers now, or None if it has no version on disk. A bad
+        model.toml gives a spec with ``error`` set rather than an exception, so one bad
+        model does not hide the others."""
+        on_disk = self.versions(name)
+        if not on_disk:
+            return None
+        try:
+            settings = self.settings(name)
+            versions, default = _version_policy(name, on_disk, settings)
+        except ModelError as e:
+            return ModelSpec(name, tuple(on_disk), on_disk[-1], {}, e.message)
+        return ModelSpec(name, versions, default, settings)
+
+    def scan(self) -> dict[str, ModelSpec]:
+        """Every model on disk, by name."""
+        specs = {}
+        for name in self.names():
+            spec = self.spec(name)
+            if spec is not None:
+                specs[name] = spec
+        return specs
 
     def resolve(self, name: str, version: int | None = None) -> ModelSource:
         """The model source to load: the requested version, or the highest one.

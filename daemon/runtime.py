@@ -9,12 +9,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from inferd.daemon.config import Config
+from inferd.daemon.config import Config, load_config
 from inferd.daemon.models import ModelManager
 from inferd.daemon.repository import Repository
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
@@ -34,8 +35,9 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 class Runtime:
     """A daemon instance: call :meth:`start`, then :meth:`serve` on the main thread."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, overrides: Mapping[str, Any] | None = None) -> None:
         self.config = config
+        self._overrides = dict(overrides or {})  # command-line values, kept over reloads
         self.started = time.time()
         self.ready = threading.Event()
         self.registry = Registry()
@@ -58,17 +60,13 @@ class Runtime:
         """Register backends, bind the socket and start the preload in the background."""
         load_backends(self.registry, self.config)
         self.server.bind()
+        self.models.start()
         log.info("inferd %s serving %s (models in %s, pid %d)", VERSION,
                  self.config.server.socket, self.repo.root, os.getpid())
         threading.Thread(target=self._preload, name="inferd-preload", daemon=True).start()
 
     def _preload(self) -> None:
-        for name in self.config.models.preload:
-            try:
-                self.models.load(name)
-            except InferdError as e:
-                log.error("preload of model %s failed: %s", name, e.message,
-                          extra={"MODEL": name})
+        self.models.preload()
         self.ready.set()
         log.info("ready: %d models warm (%s)", len(self.models.loaded()),
                  ", ".join(self.models.loaded()) or "none")
@@ -83,6 +81,44 @@ class Runtime:
     def stop(self) -> None:
         """Begin a graceful stop; safe from signal handlers."""
         self.server.stop()
+
+    def reload(self) -> dict[str, Any]:
+        """Re-read the config file and the model repository; blocking, failing no
+        request (see :meth:`ModelManager.reload`). Keys that only a restart applies
+        (the socket and its limits, backends, logging) are reported, not applied.
+
+        Returns:
+            What changed: models added, removed, changed, failed; keys needing a restart.
+
+        Raises:
+            ConfigError: the new config is invalid; the old one stays in force.
+        """
+        config = load_config(self.config.source, self._overrides)
+        restart = [f"{section}.{key}" for section in ("server", "backends", "logging")
+                   for key, value in vars(getattr(config, section)).items()
+                   if getattr(getattr(self.config, section), key) != value]
+        for name in restart:
+            log.warning("reload: %s changed; it takes effect at the next restart", name)
+        # [server], [backends] and [logging] stay as they were until a restart.
+        for section in ("server", "backends", "logging"):
+            setattr(config, section, getattr(self.config, section))
+        self.config = config
+        summary: dict[str, Any] = dict(self.models.reload(config))
+        self.repo = self.models.repo
+        summary["needs_restart"] = restart
+        return summary
+
+    def request_reload(self) -> None:
+        """Schedule :meth:`reload` on the control thread; safe from a signal handler."""
+        self.server.call_soon(lambda: self._control.submit(self._reload_logged))
+
+    def _reload_logged(self) -> None:
+        try:
+            self.reload()
+        except InferdError as e:
+            log.error("reload failed, keeping the running configuration: %s", e.message)
+        except Exception:
+            log.exception("reload failed")
 
     def _on_stop(self) -> None:
         # On the I/O thread: drain the models elsewhere so replies keep flowing.
@@ -113,16 +149,22 @@ class Runtime:
             self.models.entry(request.model)  # refuse bad or unknown names right away
             self._control.submit(self._control_op, request, ticket)
             return None
+        if op is Op.RELOAD:
+            self._control.submit(self._control_op, request, ticket)
+            return None
         raise InferdError(f"op {op} is not supported by this daemon", ErrorCode.UNSUPPORTED)
 
     def _control_op(self, request: Request, ticket: Ticket) -> None:
         try:
-            if request.op is Op.LOAD:
-                entry = self.models.load(request.model or "", request.version)
+            if request.op is Op.RELOAD:
+                result = self.reload()
             else:
-                entry = self.models.unload(request.model or "")
-            with entry.lock:
-                result = entry.describe()
+                if request.op is Op.LOAD:
+                    entry = self.models.load(request.model or "", request.version)
+                else:
+                    entry = self.models.unload(request.model or "", request.version)
+                with entry.lock:
+                    result = entry.describe()
             reply = Reply(request.id, result=result)
         except InferdError as e:
             reply = Reply(request.id, error=(e.code, e.message))
@@ -143,6 +185,7 @@ class Runtime:
             "backends": [{"id": r["id"], "kind": r["kind"], "status": r["status"]}
                          for r in self.registry.describe()],
             "loaded_models": self.models.loaded(),
+            "cache": self.models.cache_status(),
             "memory": {"rss_bytes": mem.rss, "vms_bytes": mem.vms},
             "max_message_bytes": self.config.server.max_message_bytes,
             "requests": self.server.stats["requests"],

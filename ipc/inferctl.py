@@ -51,14 +51,29 @@ def show_status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ago(t: Any) -> str | None:
+    if not isinstance(t, int | float):
+        return None
+    s = max(0.0, time.time() - t)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 \
+        else f"{s / 3600:.0f}h ago"
+
+
 def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
     rows = []
     for m in models:
         state = m["state"] + (f": {m['error']}" if m.get("error") else "")
-        rows.append([m["name"], state, m.get("version"), m.get("backend"),
+        version = f"{m.get('version')}{'*' if m.get('default') else ''}" \
+            if m.get("version") is not None else None
+        rows.append([m["name"], version, m.get("backend"),
                      _size(m.get("memory_bytes")) if m.get("memory_bytes") else None,
-                     m.get("requests", 0)])
-    out = _table(rows, ["MODEL", "STATE", "VERSION", "BACKEND", "MEMORY", "REQUESTS"])
+                     "yes" if m.get("pinned") else "no", _ago(m.get("last_used")),
+                     m.get("requests", 0), state])
+    # STATE last: a failure's reason may be long.
+    out = _table(rows, ["MODEL", "VERSION", "BACKEND", "MEMORY", "PINNED", "LAST USED",
+                        "REQUESTS", "STATE"])
+    if any(m.get("default") for m in models):
+        out += "\n(* the version served when a request names none)"
     if verbose:
         for m in models:
             if m.get("inputs"):
@@ -66,6 +81,12 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
                         f"\n  outputs: {_tensors(m['outputs'])}"
                         f"\n  threads: {', '.join(m.get('threads', [])) or '-'}")
     return out
+
+
+def show_reload(r: dict[str, Any]) -> str:
+    lines = [f"{kind}: {', '.join(r[kind])}" for kind in
+             ("added", "removed", "changed", "failed", "needs_restart") if r.get(kind)]
+    return "\n".join(lines) or "reloaded: nothing changed"
 
 
 def show_backends(b: dict[str, Any]) -> str:
@@ -145,11 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--verbose", "-v", action="store_true", help="tensors and threads too")
     sub.add_parser("backends", help="every backend candidate, its stage and reason")
     sub.add_parser("ping", help="check the daemon answers")
+    sub.add_parser("reload", help="re-read the config and the model repository "
+                   "(like SIGHUP)")
     for name in ("load", "unload"):
         c = sub.add_parser(name, help=f"{name} a model")
         c.add_argument("model")
-        if name == "load":
-            c.add_argument("--version", type=int, default=None)
+        c.add_argument("--version", type=int, default=None)
     w = sub.add_parser("wait", help="wait until the daemon is ready")
     w.add_argument("--timeout", type=float, default=30.0)
     i = sub.add_parser("infer", help="run a model on .npy inputs")
@@ -183,12 +205,15 @@ def main(argv: list[str] | None = None) -> int:
             elif args.cmd == "ping":
                 result = c.ping()
                 text = "pong" + ("" if result["ready"] else " (not ready)")
+            elif args.cmd == "reload":
+                result = c.call("reload")
+                text = show_reload(result) if not args.json else ""
             elif args.cmd == "load":
                 result = c.load(args.model, args.version)
                 text = f"{args.model}: {result['state']} (version {result['version']}, " \
                        f"backend {result['backend']})"
             else:
-                result = c.unload(args.model)
+                result = c.call("unload", args.model, version=args.version)
                 text = f"{args.model}: {result['state']}"
     except RequestError as e:
         print(f"inferctl: {e.code}: {e.message}", file=sys.stderr)

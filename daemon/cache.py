@@ -1,0 +1,133 @@
+"""The memory side of the model cache: budget and keep-alive parsing, measuring what a
+model costs, estimating it before the first load, and choosing what to evict.
+
+A model's cost is measured, not guessed: the daemon's resident-memory delta across the
+load and its warm-up (freed heap is handed back to the system first, so a delta is not
+hidden by memory an earlier model left in malloc's free lists), or what the backend
+reports, whichever is larger (a GPU or NPU backend reports device memory that RSS does
+not show; a CPU backend's report and the RSS delta count the same bytes, so they are
+not added up).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from inferd.daemon.config import parse_size
+
+UNLIMITED = ("unlimited", "none", "0")
+FOREVER = ("forever", "never", "inf")
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", re.IGNORECASE)
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+# Before a model's first load its cost is unknown; the demo models cost 3-7x their file
+# size in onnxruntime (measured, see bench/bench_cache.py). The estimate only decides
+# how much to evict up front; the measured cost is checked against the budget after.
+ESTIMATE_FACTOR = 3
+ESTIMATE_OVERHEAD = 4 * 2**20
+
+
+def parse_budget(value: Any) -> int | None:
+    """Bytes of the cache budget, or None for no limit.
+
+    Accepts a size (``536870912``, ``"512MiB"``), a share of physical memory
+    (``"40%"``), or ``"unlimited"``. Raises ValueError otherwise.
+    """
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in UNLIMITED:
+            return None
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", text)
+        if m:
+            share = float(m.group(1))
+            if not 0 < share <= 100:
+                raise ValueError
+            return int(psutil.virtual_memory().total * share / 100)
+    return parse_size(value)
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string such as ``"30s"``, ``"5m"``, ``"1h"``.
+
+    A negative number or ``"forever"`` means never (``math.inf``); 0 means at once.
+    Raises ValueError otherwise.
+    """
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, int | float):
+        if math.isnan(value):
+            raise ValueError
+        return math.inf if value < 0 else float(value)
+    if isinstance(value, str):
+        if value.strip().lower() in FOREVER:
+            return math.inf
+        m = _DURATION.fullmatch(value)
+        if m:
+            return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+    raise ValueError
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "unlimited"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def estimate_cost(file_bytes: int) -> int:
+    """A first guess of what a model file costs once loaded."""
+    return ESTIMATE_FACTOR * file_bytes + ESTIMATE_OVERHEAD
+
+
+class MemoryMeter:
+    """Resident memory of this process, with freed heap handed back first."""
+
+    def __init__(self) -> None:
+        self._proc = psutil.Process()
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        self._trim = getattr(libc, "malloc_trim", None)  # glibc only
+
+    def trim(self) -> None:
+        """Return free heap pages to the system (glibc ``malloc_trim``), so that the next
+        RSS delta counts new memory rather than reused free lists."""
+        if self._trim is not None:
+            self._trim(0)
+
+    def rss(self) -> int:
+        return int(self._proc.memory_info().rss)
+
+
+def model_cost(rss_delta: int, reported: int | None) -> int:
+    """What a loaded model counts against the budget (see the module docstring)."""
+    return max(rss_delta, reported or 0, 0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A loaded model that could be evicted: idle, unpinned, ready."""
+
+    key: Any
+    cost: int
+    last_used: float
+
+
+def choose_victims(candidates: Sequence[Candidate], need: int) -> list[Candidate] | None:
+    """The least recently used candidates whose costs free at least ``need`` bytes, or
+    None if all of them together do not."""
+    if need <= 0:
+        return []
+    chosen, freed = [], 0
+    for c in sorted(candidates, key=lambda c: c.last_used):
+        chosen.append(c)
+        freed += c.cost
+        if freed >= need:
+            return chosen
+    return None
