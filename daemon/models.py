@@ -614,6 +614,17 @@ class ModelManager:
                 summary["changed"].append(f"{name}: version {prev.default} -> {spec.default}")
         with self._lock:
             self._catalog = installed
+            entries = list(self._entries.values())
+        for e in entries:  # keep_alive may have changed in the config or a model.toml
+            spec = installed.get(e.name)
+            try:
+                keep_alive = self._settings(spec).keep_alive if spec and not spec.error \
+                    else None
+            except ModelError:
+                keep_alive = None
+            with e.lock:
+                if keep_alive is not None and e.state is State.READY:
+                    e.keep_alive = keep_alive
         for name in summary["removed"]:
             self._retire(name, None, "removed from the repository")
         for name, old_version, spec in swaps:

@@ -17,7 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
-from inferd.libbackends.contract import LoadedModel, TensorSpec
+from inferd.libbackends.contract import LoadedModel, TensorSpec, check_inputs
 
 WARMUP_DIR = "warmup"
 
@@ -77,6 +77,7 @@ def warm_up(label: str, model: LoadedModel, model_path: Path, settings: dict[str
         return False
     inputs = warmup_inputs(label, model, model_path, settings, dynamic)
     try:
+        check_inputs(label, model.inputs, inputs)
         model.run(inputs)
     except InferdError as e:
         raise ModelError(f"model {label}: warm-up failed: {e.message}",

@@ -1,0 +1,85 @@
+"""daemon/cache.py: budget and duration parsing, eviction choice, memory measurement."""
+
+from __future__ import annotations
+
+import math
+
+import psutil
+import pytest
+
+from inferd.daemon.cache import (
+    Candidate, MemoryMeter, choose_victims, model_cost, parse_budget, parse_duration,
+)
+from inferd.daemon.config import load_config
+from inferd.ipc.errors import ConfigError
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("512MiB", 512 * 2**20), (1000, 1000), ("1.5GiB", int(1.5 * 2**30)),
+    ("unlimited", None), ("0", None),
+])
+def test_budget_sizes(value, expected):
+    assert parse_budget(value) == expected
+
+
+def test_budget_share_of_physical_memory():
+    total = psutil.virtual_memory().total
+    assert parse_budget("40%") == int(total * 0.4)
+    assert parse_budget("100 %") == total
+
+
+@pytest.mark.parametrize("value", ["0%", "101%", "-5", "lots", True, -1, 1.5])
+def test_bad_budgets(value):
+    with pytest.raises(ValueError):
+        parse_budget(value)
+
+
+@pytest.mark.parametrize("value, seconds", [
+    (30, 30.0), (0, 0.0), (2.5, 2.5), ("90s", 90.0), ("5m", 300.0), ("1h", 3600.0),
+    ("250ms", 0.25), ("forever", math.inf), (-1, math.inf), ("12", 12.0),
+])
+def test_durations(value, seconds):
+    assert parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5 weeks", True, float("nan"), None, [1]])
+def test_bad_durations(value):
+    with pytest.raises(ValueError):
+        parse_duration(value)
+
+
+def test_cache_config_section_validates_with_a_clear_message(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[cache]\nmax_memory = "lots"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "[cache] max_memory = 'lots': expected a size ('512MiB')" in e.value.message
+    path.write_text('[cache]\nmax_memory = "256MiB"\nkeep_alive = "forever"\n')
+    cfg = load_config(path)
+    assert cfg.cache.max_memory == 256 * 2**20 and math.isinf(cfg.cache.keep_alive)
+
+
+def test_victims_least_recently_used_first_and_only_as_many_as_needed():
+    c = [Candidate("a", 10, last_used=3.0), Candidate("b", 20, last_used=1.0),
+         Candidate("c", 30, last_used=2.0)]
+    assert [v.key for v in choose_victims(c, 15)] == ["b"]
+    assert [v.key for v in choose_victims(c, 25)] == ["b", "c"]
+    assert [v.key for v in choose_victims(c, 60)] == ["b", "c", "a"]
+    assert choose_victims(c, 61) is None
+    assert choose_victims(c, 0) == []
+
+
+def test_cost_is_the_larger_of_rss_delta_and_backend_report():
+    assert model_cost(100, None) == 100
+    assert model_cost(100, 400) == 400   # device memory RSS does not show
+    assert model_cost(-50, None) == 0    # the heap shrank meanwhile
+
+
+def test_meter_sees_an_allocation():
+    meter = MemoryMeter()
+    meter.trim()
+    before = meter.rss()
+    block = bytearray(64 * 2**20)
+    block[::4096] = b"x" * len(block[::4096])  # touch every page
+    assert meter.rss() - before >= 48 * 2**20
+    del block

@@ -1,0 +1,330 @@
+"""The model cache in-process: a real ModelManager with the real onnxruntime backend and
+the real demo models (symlinked into a temporary repository), replies captured instead
+of sent over a socket. Memory is really measured, so budgets are set from measurements.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from inferd.daemon.config import load_config
+from inferd.daemon.models import ModelManager, State
+from inferd.daemon.repository import Repository
+from inferd.ipc.errors import ErrorCode, InferdError
+from inferd.ipc.protocol import Op, Reply, Request
+from inferd.ipc.server import Ticket
+from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
+from inferd.libbackends.registry import Registry
+
+INPUTS = {
+    "ocr-cls": {"x": np.zeros((1, 3, 48, 192), np.float32)},
+    "ocr-det": {"x": np.zeros((1, 3, 64, 64), np.float32)},
+    "ocr-rec": {"x": np.zeros((1, 3, 48, 64), np.float32)},
+    "vad": {"input": np.zeros((1, 512), np.float32), "state": np.zeros((2, 1, 128), np.float32),
+            "sr": np.array(16000, np.int64)},
+}
+
+
+def make_repo(root: Path, models_dir: Path, layout: dict[str, dict[int, str]],
+              settings: dict[str, str] | None = None) -> Path:
+    """``layout``: name -> {version: demo model}; files are symlinks to models/."""
+    for name, versions in layout.items():
+        for version, demo in versions.items():
+            d = root / name / str(version)
+            d.mkdir(parents=True)
+            (d / "model.onnx").symlink_to(models_dir / demo / "1" / "model.onnx")
+        if settings and name in settings:
+            (root / name / "model.toml").write_text(settings[name])
+    return root
+
+
+class Harness:
+    """A ModelManager plus the replies it sent, by request id."""
+
+    def __init__(self, repo: Path, **cache: Any) -> None:
+        overrides = {"models.repository": str(repo), "cache.idle_check_s": 0.02,
+                     **{f"cache.{k}": v for k, v in cache.items() if k != "preload"}}
+        if "preload" in cache:
+            overrides["models.preload"] = cache["preload"]
+        self.config = load_config(None, overrides)
+        registry = Registry()
+        registry.register(OnnxRuntimeCpuBackend())
+        self.replies: dict[str, Reply] = {}
+        self.hold: dict[str, threading.Event] = {}
+        self._cond = threading.Condition()
+        self._seq = itertools.count(1)
+        self.manager = ModelManager(Repository(repo.resolve()), registry, self.config,
+                                    self._reply, lambda: None)
+
+    def _reply(self, ticket: Ticket, reply: Reply) -> None:
+        gate = self.hold.get(ticket.request_id)
+        if gate is not None:  # keeps the request "running" until the test lets it go
+            gate.wait(30)
+        with self._cond:
+            assert ticket.request_id not in self.replies, "second reply"
+            self.replies[ticket.request_id] = reply
+            self._cond.notify_all()
+
+    def submit(self, model: str, rid: str | None = None, version: int | None = None,
+               **params: Any) -> str:
+        rid = rid or f"r{next(self._seq)}"
+        request = Request(rid, Op.INFER, model, version, INPUTS[model], params=params)
+        self.manager.submit(request, Ticket(next(self._seq), rid, time.monotonic(), None))
+        return rid
+
+    def reply(self, rid: str, timeout: float = 30) -> Reply:
+        with self._cond:
+            assert self._cond.wait_for(lambda: rid in self.replies, timeout), rid
+            return self.replies[rid]
+
+    def infer(self, model: str, **kw: Any) -> Reply:
+        return self.reply(self.submit(model, **kw))
+
+    def state(self, model: str, version: int | None = None) -> State:
+        return self.manager.entry(model, version).state
+
+    def row(self, model: str) -> dict[str, Any]:
+        return next(m for m in self.manager.describe() if m["name"] == model
+                    and m["default"])
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def harnesses() -> Iterator[list[Harness]]:
+    made: list[Harness] = []
+    yield made
+    for h in made:
+        for gate in h.hold.values():
+            gate.set()
+        assert h.manager.stop(10)
+
+
+@pytest.fixture
+def harness(harnesses: list[Harness]) -> Callable[..., Harness]:
+    def make(repo: Path, **cache: Any) -> Harness:
+        h = Harness(repo, **cache)
+        harnesses.append(h)
+        return h
+    return make
+
+
+FOUR = {"ocr-cls": {1: "ocr-cls"}, "ocr-det": {1: "ocr-det"}, "ocr-rec": {1: "ocr-rec"},
+        "vad": {1: "vad"}}
+
+
+@pytest.mark.slow
+def test_budget_evicts_least_recently_used_idle_model_and_keeps_pinned(
+        models_dir: Path, short_tmp: Path, harness: Callable[..., Harness]) -> None:
+    h = harness(make_repo(short_tmp / "repo", models_dir, FOUR), max_memory="unlimited",
+                preload=["ocr-cls"])
+    m = h.manager
+    assert m.preload() == ["ocr-cls"]
+    # Measure each model's cost once (unlimited budget), then unload the unpinned ones.
+    cost = {}
+    for name in ("ocr-cls", "ocr-det", "ocr-rec", "vad"):
+        m.load(name)
+        cost[name] = h.row(name)["memory_bytes"]
+        assert cost[name] > 0, name
+    for name in ("ocr-det", "ocr-rec", "vad"):
+        m.unload(name)
+    # Room for the pinned model and any two of the other three, not all three.
+    smallest = min(cost["ocr-det"], cost["ocr-rec"], cost["vad"])
+    m.config.cache.max_memory = sum(cost.values()) - smallest // 2
+
+    assert h.infer("ocr-det").ok
+    assert h.infer("ocr-rec").ok
+    assert h.infer("ocr-det").ok          # ocr-rec is now the least recently used
+    assert h.infer("vad").ok              # does not fit beside both: evicts ocr-rec
+    assert h.state("ocr-rec") is State.UNLOADED
+    assert h.state("ocr-det") is State.READY
+    assert h.state("vad") is State.READY
+    assert h.state("ocr-cls") is State.READY  # pinned: never evicted
+    assert m.cache_status()["used_bytes"] <= m.config.cache.max_memory
+    assert h.infer("ocr-rec").ok          # evicts ocr-det now (LRU), not the pinned one
+    assert h.state("ocr-det") is State.UNLOADED
+    assert h.state("ocr-cls") is State.READY
+
+
+@pytest.mark.slow
+def test_busy_model_is_not_evicted_and_no_room_says_what_is_needed_and_pinned(
+        models_dir: Path, short_tmp: Path, harness: Callable[..., Harness]) -> None:
+    h = harness(make_repo(short_tmp / "repo", models_dir, FOUR), max_memory="unlimited",
+                preload=["ocr-cls"])
+    m = h.manager
+    m.preload()
+    rec = m.load("ocr-rec").memory_bytes
+    m.unload("ocr-rec")
+    det = m.load("ocr-det").memory_bytes
+    assert rec and det
+    # The pinned model and one of the two others.
+    m.config.cache.max_memory = h.row("ocr-cls")["memory_bytes"] + max(det, rec) + 2**20
+    h.hold["busy"] = threading.Event()
+    h.submit("ocr-det", rid="busy")  # runs, then its reply blocks: ocr-det stays busy
+    wait_for(lambda: h.manager.entry("ocr-det").queue.empty())
+
+    reply = h.infer("ocr-rec")
+    assert reply.error is not None
+    code, message = reply.error
+    assert code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "model ocr-rec version 1 needs" in message and "MiB" in message
+    assert "pinned: ocr-cls version 1" in message
+    assert "busy or loading: ocr-det version 1" in message
+    assert h.state("ocr-det") is State.READY  # never pulled from under its request
+
+    h.hold["busy"].set()
+    assert h.reply("busy").ok
+    wait_for(lambda: m.entry("ocr-det").in_flight == 0)
+    with pytest.raises(InferdError):  # the failure is remembered for a while ...
+        h.submit("ocr-rec")
+    m.load("ocr-rec")                 # ... but an explicit load retries: ocr-det idles now
+    assert h.state("ocr-det") is State.UNLOADED
+    assert h.state("ocr-rec") is State.READY
+
+
+@pytest.mark.slow
+def test_single_flight_many_concurrent_first_requests_one_load(
+        models_dir: Path, short_tmp: Path, harness: Callable[..., Harness]) -> None:
+    h = harness(make_repo(short_tmp / "repo", models_dir, {"ocr-cls": {1: "ocr-cls"}}))
+    rids = [h.submit("ocr-cls") for _ in range(50)]
+    assert all(h.reply(r).ok for r in rids)
+    row = h.row("ocr-cls")
+    assert row["loads"] == 1
+    assert row["requests"] == 50
+
+
+def test_failed_load_is_remembered_with_its_reason_then_retried(
+        short_tmp: Path, harness: Callable[..., Harness]) -> None:
+    repo = short_tmp / "repo"
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx file")
+    h = harness(repo, failed_load_hold_s=0.3)
+    first = h.reply(_submit_x(h, "first"))
+    assert first.error is not None and "cannot load" in first.error[1]
+    assert h.manager.entry("broken").loads == 1
+    # A storm meanwhile gets the reason at once, without a new load.
+    for _ in range(20):
+        with pytest.raises(InferdError) as e:
+            _submit_x(h, None)
+        assert "failed to load" in e.value.message and "cannot load" in e.value.message
+    assert h.manager.entry("broken").loads == 1
+    assert h.row("broken")["state"] == "failed"
+    # Once the hold has passed, the next request tries again.
+    wait_for(lambda: time.monotonic() - h.manager.entry("broken").failed_at > 0.3)
+    again = h.reply(_submit_x(h, "again"))
+    assert again.error is not None
+    assert h.manager.entry("broken").loads == 2
+
+
+def _submit_x(h: Harness, rid: str | None) -> str:
+    rid = rid or f"x{next(h._seq)}"
+    request = Request(rid, Op.INFER, "broken", None, {"x": np.zeros(1, np.float32)})
+    h.manager.submit(request, Ticket(next(h._seq), rid, time.monotonic(), None))
+    return rid
+
+
+@pytest.mark.slow
+def test_idle_models_unload_after_keep_alive_unless_pinned_or_extended(
+        models_dir: Path, short_tmp: Path, harness: Callable[..., Harness]) -> None:
+    repo = make_repo(short_tmp / "repo", models_dir, FOUR, settings={
+        "ocr-det": "keep_alive = 0.05\n", "vad": "keep_alive = 0.05\n",
+        "ocr-cls": "pin = true\nkeep_alive = 0\n"})
+    h = harness(repo, keep_alive="forever")
+    h.manager.start()
+    assert h.manager.preload() == ["ocr-cls"]  # pin = true in model.toml
+    assert h.infer("ocr-rec").ok                   # config default: forever
+    assert h.infer("vad", keep_alive="1h").ok      # the request extends its keep-alive
+    assert h.infer("ocr-det").ok
+    wait_for(lambda: h.state("ocr-det") is State.UNLOADED)
+    assert h.state("vad") is State.READY
+    assert h.state("ocr-rec") is State.READY
+    assert h.state("ocr-cls") is State.READY
+    assert h.row("ocr-rec")["keep_alive_s"] is None  # forever
+    with pytest.raises(InferdError) as e:
+        h.submit("vad", keep_alive="soon")
+    assert e.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+def test_versions_highest_by_default_pinned_kept_and_named(
+        models_dir: Path, short_tmp: Path, harness: Callable[..., Harness]) -> None:
+    cls3 = {1: "ocr-cls", 2: "ocr-cls", 3: "ocr-cls"}
+    repo = make_repo(short_tmp / "repo", models_dir,
+                     {"a": cls3, "b": cls3, "c": cls3},
+                     settings={"b": "version = 2\n", "c": "keep_versions = 2\n"})
+    specs = Repository(repo).scan()
+    assert (specs["a"].default, specs["a"].versions) == (3, (1, 2, 3))
+    assert (specs["b"].default, specs["b"].versions) == (2, (1, 2, 3))
+    assert (specs["c"].default, specs["c"].versions) == (3, (2, 3))
+    h = harness(repo)
+    assert h.manager.entry("a").version == 3
+    assert h.manager.entry("b").version == 2
+    r = h.reply(_submit_named(h, "c", 2))
+    assert r.ok
+    assert h.manager.entry("c", 2).state is State.READY
+    assert h.manager.entry("c").state is State.UNLOADED  # version 3 untouched
+    with pytest.raises(InferdError) as e:
+        _submit_named(h, "c", 1)  # not kept
+    assert e.value.code is ErrorCode.NOT_FOUND and "available: 2, 3" in e.value.message
+
+
+def _submit_named(h: Harness, model: str, version: int | None) -> str:
+    rid = f"n{next(h._seq)}"
+    request = Request(rid, Op.INFER, model, version, INPUTS["ocr-cls"])
+    h.manager.submit(request, Ticket(next(h._seq), rid, time.monotonic(), None))
+    return rid
+
+
+def test_bad_version_policy_is_reported_not_fatal(models_dir: Path, short_tmp: Path,
+                                                  harness: Callable[..., Harness]) -> None:
+    repo = make_repo(short_tmp / "repo", models_dir,
+                     {"good": {1: "ocr-cls"}, "bad": {1: "ocr-cls"}},
+                     settings={"bad": "version = 7\n"})
+    h = harness(repo)
+    rows = {m["name"]: m for m in h.manager.describe()}
+    assert rows["bad"]["state"] == "failed"
+    assert "pins version 7" in rows["bad"]["error"]
+    assert rows["good"]["state"] == "unloaded"
+
+
+@pytest.mark.slow
+def test_warmup_runs_zeros_or_files_and_a_failing_warmup_fails_the_load(
+        models_dir: Path, short_tmp: Path, harness: Callable[..., Harness]) -> None:
+    repo = make_repo(short_tmp / "repo", models_dir,
+                     {"ocr-det": {1: "ocr-det"}, "vad": {1: "vad"}, "bad": {1: "ocr-rec"}},
+                     settings={"ocr-det": "warmup = true\n", "vad": "warmup = true\n",
+                               "bad": "warmup = true\nwarmup_shapes = {x = [1, 3, 48]}\n"})
+    warm = repo / "vad" / "1" / "warmup"
+    warm.mkdir()
+    for name, value in INPUTS["vad"].items():
+        np.save(warm / f"{name}.npy", value)
+    h = harness(repo)
+    assert h.manager.load("ocr-det").state is State.READY
+    assert h.manager.load("vad").state is State.READY
+    with pytest.raises(InferdError) as e:
+        h.manager.load("bad")
+    assert "warm-up failed" in e.value.message
+    assert h.row("bad")["state"] == "failed"
+
+
+def test_unknown_model_lists_what_exists(models_dir: Path, short_tmp: Path,
+                                         harness: Callable[..., Harness]) -> None:
+    h = harness(make_repo(short_tmp / "repo", models_dir, {"ocr-cls": {1: "ocr-cls"}}))
+    with pytest.raises(InferdError) as e:
+        h.submit("ocr-cls", version=4)
+    assert e.value.code is ErrorCode.NOT_FOUND
+    with pytest.raises(InferdError) as e:
+        h.manager.entry("nope")
+    assert e.value.code is ErrorCode.NOT_FOUND and "available: ocr-cls" in e.value.message
