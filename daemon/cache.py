@@ -3,10 +3,9 @@ model costs, estimating it before the first load, and choosing what to evict.
 
 A model's cost is measured, not guessed: the daemon's resident-memory delta across the
 load and its warm-up (freed heap is handed back to the system first, so a delta is not
-hidden by memory an earlier model left in malloc's free lists), or what the backend
-reports, whichever is larger (a GPU or NPU backend reports device memory that RSS does
-not show; a CPU backend's report and the RSS delta count the same bytes, so they are
-not added up).
+hidden by memory an earlier model left in malloc's free lists), plus what a GPU or NPU
+backend reports (device memory that RSS does not show). A CPU backend's report counts
+the same bytes as the RSS delta, so for it the larger of the two is taken instead.
 """
 
 from __future__ import annotations
@@ -105,9 +104,19 @@ class MemoryMeter:
         return int(self._proc.memory_info().rss)
 
 
-def model_cost(rss_delta: int, reported: int | None) -> int:
-    """What a loaded model counts against the budget (see the module docstring)."""
-    return max(rss_delta, reported or 0, 0)
+def model_cost(rss_delta: int, reported: int | None, device_memory: bool) -> int:
+    """What a loaded model counts against the budget (see the module docstring).
+
+    Args:
+        rss_delta: resident-memory growth of the daemon across load and warm-up.
+        reported: what the backend says the model uses, if it can tell.
+        device_memory: True when the backend's report is memory outside the process
+            (a GPU or NPU backend), False when it is host memory (a CPU backend).
+    """
+    rss_delta = max(rss_delta, 0)
+    if device_memory:
+        return rss_delta + (reported or 0)
+    return max(rss_delta, reported or 0)
 
 
 @dataclass(frozen=True)

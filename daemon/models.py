@@ -39,7 +39,7 @@ from inferd.daemon.worker import STOP, ReplyFn, WorkItem, Workers, error_for
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Request
 from inferd.ipc.server import Ticket
-from inferd.libbackends.contract import LoadedModel, LoadOptions
+from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
 from inferd.libbackends.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -360,7 +360,7 @@ class ModelManager:
                     self.config.cache.warmup_dim)
             rss = self._meter.rss() - before
             reported = model.memory_bytes()
-            cost = model_cost(rss, reported)
+            cost = model_cost(rss, reported, backend.kind is not DeviceKind.CPU)
             self._measured[key] = cost
             with entry.lock:
                 entry.reserved = cost

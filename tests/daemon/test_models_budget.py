@@ -69,10 +69,12 @@ def test_victims_least_recently_used_first_and_only_as_many_as_needed():
     assert choose_victims(c, 0) == []
 
 
-def test_cost_is_the_larger_of_rss_delta_and_backend_report():
-    assert model_cost(100, None) == 100
-    assert model_cost(100, 400) == 400   # device memory RSS does not show
-    assert model_cost(-50, None) == 0    # the heap shrank meanwhile
+def test_cost_adds_device_memory_but_not_host_memory_twice():
+    assert model_cost(100, None, device_memory=False) == 100
+    assert model_cost(100, 80, device_memory=False) == 100   # same bytes as the delta
+    assert model_cost(100, 400, device_memory=False) == 400
+    assert model_cost(100, 400, device_memory=True) == 500   # RSS does not show it
+    assert model_cost(-50, None, device_memory=False) == 0   # the heap shrank meanwhile
 
 
 def test_meter_sees_an_allocation():
