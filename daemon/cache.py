@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 
 from inferd.daemon.config import parse_size
+from inferd.ipc.errors import ErrorCode, ModelError
 
 UNLIMITED = ("unlimited", "none", "0")
 FOREVER = ("forever", "never", "inf")
@@ -72,6 +73,22 @@ def parse_duration(value: Any) -> float:
         if m:
             return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
     raise ValueError
+
+
+def request_keep_alive(params: dict[str, Any]) -> float | None:
+    """The ``keep_alive`` a request's header asks for, in seconds, or None.
+
+    Raises:
+        ModelError (INVALID_ARGUMENT): not a duration.
+    """
+    value = params.get("keep_alive")
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError:
+        raise ModelError(f"keep_alive = {value!r}: expected seconds or a duration such "
+                         f"as '5m', or 'forever'", ErrorCode.INVALID_ARGUMENT) from None
 
 
 def format_bytes(n: int | None) -> str:

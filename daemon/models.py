@@ -20,22 +20,21 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from inferd.daemon.cache import (
     Candidate, MemoryMeter, choose_victims, estimate_cost, format_bytes, model_cost,
-    parse_duration,
+    parse_duration, request_keep_alive,
 )
+from inferd.daemon.model_entry import Key, ModelEntry, Settings, State
+from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import ModelSpec, Repository, check_name
 from inferd.daemon.warmup import warm_up
-from inferd.daemon.worker import STOP, ReplyFn, WorkItem, Workers, error_for
+from inferd.daemon.worker import ReplyFn, WorkItem, Workers, error_for
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Request
 from inferd.ipc.server import Ticket
@@ -43,104 +42,6 @@ from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
 from inferd.libbackends.registry import Registry
 
 log = logging.getLogger(__name__)
-
-Key = tuple[str, int]
-
-
-class State(StrEnum):
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-    DRAINING = "draining"
-
-
-@dataclass
-class Settings:
-    """Per-model settings: config defaults overridden by the model's model.toml."""
-
-    instances: int
-    queue_size: int
-    backends: list[str] | None
-    keep_alive: float
-    pin: bool
-
-
-class ModelEntry:
-    """One version of one model. Guarded by ``lock``; the queue is thread-safe.
-
-    ``in_flight`` counts the requests queued or running: a model with any is busy and
-    is not evicted or unloaded for idleness.
-    """
-
-    def __init__(self, name: str, version: int, queue_size: int) -> None:
-        self.name = name
-        self.version = version
-        self.label = f"{name} version {version}"
-        self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)
-        self.state = State.UNLOADED
-        self.queue: queue.Queue[WorkItem | None] = queue.Queue(queue_size)
-        self.backend: str | None = None
-        self.model: LoadedModel | None = None
-        self.workers: Workers | None = None
-        self.error: str | None = None
-        self.error_code: ErrorCode = ErrorCode.INTERNAL
-        self.failed_at = 0.0
-        self.memory_bytes: int | None = None
-        self.memory_rss_bytes: int | None = None
-        self.memory_reported_bytes: int | None = None
-        self.reserved = 0
-        self.load_future: Future[ModelEntry] | None = None
-        self.loads = 0
-        self.served = 0
-        self.failed_requests = 0
-        self.in_flight = 0
-        self.last_used: float | None = None
-        self.used_at = time.monotonic()
-        self.keep_until = 0.0
-        self.keep_alive = math.inf
-
-    def set_state(self, state: State) -> None:
-        """Change state (caller holds ``lock``) and wake whoever waits on a change."""
-        self.state = state
-        self.changed.notify_all()
-
-    def touch(self, keep_alive: float | None = None) -> None:
-        """Mark as used now (caller holds ``lock``); a request's keep-alive extends."""
-        now = time.monotonic()
-        self.used_at = now
-        self.last_used = time.time()
-        if keep_alive is not None:
-            self.keep_until = max(self.keep_until, now + keep_alive)
-
-    def cost(self) -> int:
-        """Bytes this entry holds against the budget now."""
-        if self.state is State.LOADING:
-            return self.reserved
-        if self.state in (State.READY, State.DRAINING):
-            return self.memory_bytes or 0
-        return 0
-
-    def describe(self) -> dict[str, Any]:
-        m = self.model
-        return {
-            "name": self.name, "state": str(self.state), "version": self.version,
-            "backend": self.backend, "error": self.error,
-            "inputs": [s.to_json() for s in m.inputs] if m else [],
-            "outputs": [s.to_json() for s in m.outputs] if m else [],
-            "memory_bytes": self.memory_bytes,
-            "memory_rss_bytes": self.memory_rss_bytes,
-            "memory_reported_bytes": self.memory_reported_bytes,
-            "requests": self.served, "failed_requests": self.failed_requests,
-            "loads": self.loads, "in_flight": self.in_flight,
-            "queued": self.queue.qsize(), "last_used": self.last_used,
-            "idle_s": (round(time.monotonic() - self.used_at, 3)
-                       if self.state is State.READY and not self.in_flight else None),
-            "keep_alive_s": None if math.isinf(self.keep_alive) else self.keep_alive,
-            "threads": [t.name for t in self.workers.threads] if self.workers else [],
-        }
-
 
 class ModelManager:
     """The model cache of one runtime.
@@ -254,7 +155,7 @@ class ModelManager:
         """Queue an infer request (I/O thread). Raises InferdError to refuse it."""
         if request.model is None:
             raise ModelError("infer needs 'model'")
-        keep_alive = _request_keep_alive(request)
+        keep_alive = request_keep_alive(request.params)
         entry = self.entry(request.model, request.version)
         self._enqueue(entry, WorkItem(request, ticket), keep_alive)
 
@@ -379,8 +280,7 @@ class ModelManager:
             entry.failed_at = time.monotonic()
             entry.memory_bytes = entry.memory_rss_bytes = entry.memory_reported_bytes = None
             entry.reserved = 0
-            waiting = _drain(entry.queue)
-            entry.in_flight -= len(waiting)
+            waiting = entry.take_queued()
             entry.set_state(State.FAILED)
         for item in waiting:
             self._reply(item.ticket, error_for(
@@ -472,8 +372,7 @@ class ModelManager:
                 if self._servable(entry):
                     self._start_load(entry)
                 else:
-                    leftovers = _drain(entry.queue)
-                    entry.in_flight -= len(leftovers)
+                    leftovers = entry.take_queued()
         log.info("model %s unloaded: %s", entry.label, reason, extra={"MODEL": entry.name})
         for item in leftovers:
             self._reroute(entry, item)
@@ -571,52 +470,49 @@ class ModelManager:
 
     def preload(self) -> list[str]:
         """Load every pinned model (before the daemon reports ready); the loaded ones."""
+        self.load_pinned()
+        return self.loaded()
+
+    def load_pinned(self) -> list[str]:
+        """Load every pinned model not loaded yet; the names that failed (logged)."""
+        failed = []
         for name in self.pinned_names():
             try:
                 self.load(name)
             except InferdError as e:
-                log.error("preload of model %s failed: %s", name, e.message,
+                log.error("pinned model %s failed to load: %s", name, e.message,
                           extra={"MODEL": name})
-        return self.loaded()
+                failed.append(name)
+        return failed
 
     def reload(self, config: Any) -> dict[str, list[str]]:
-        """Take a new configuration and re-read the repository, failing no request.
-
-        New models become available; removed ones are drained and unloaded; a model
-        whose default version changed and is loaded gets the new version loaded beside
-        the old, swapped in when ready, then the old one drained (if both do not fit in
-        the budget, the old one is drained first and requests wait for the new one).
-        Returns what changed, by kind.
-        """
+        """Take a new configuration and re-read the repository, failing no request
+        (see :func:`inferd.daemon.reload.reload_catalog`). Returns what changed."""
         with self._reload_lock:
-            return self._reload(config)
+            return reload_catalog(self, config)
 
-    def _reload(self, config: Any) -> dict[str, list[str]]:
+    # Used by reload_catalog: each step keeps every request answered.
+
+    def use_config(self, config: Any) -> dict[str, ModelSpec]:
+        """Adopt ``config`` (its repository too); the repository's models as of now."""
         self.config = config
         root = Path(config.models.repository).resolve()
         if root != self.repo.root:
             self.repo = Repository(root)
-        new, old = self.repo.scan(), self._catalog
-        summary: dict[str, list[str]] = {"added": sorted(new.keys() - old.keys()),
-                                         "removed": sorted(old.keys() - new.keys()),
-                                         "changed": [], "failed": []}
-        installed, swaps = dict(new), []
-        for name, spec in new.items():
-            prev = old.get(name)
-            if prev is None or prev.default == spec.default:
-                continue
-            if self._state((name, prev.default)) in (State.READY, State.LOADING):
-                # Serve the old version until the new one is ready.
-                installed[name] = replace(spec, default=prev.default, versions=tuple(
-                    sorted(set(spec.versions) | {prev.default})))
-                swaps.append((name, prev.default, spec))
-            else:
-                summary["changed"].append(f"{name}: version {prev.default} -> {spec.default}")
+        return self.repo.scan()
+
+    @property
+    def catalog(self) -> dict[str, ModelSpec]:
+        return dict(self._catalog)
+
+    def install(self, specs: dict[str, ModelSpec]) -> None:
+        """Offer ``specs`` (by name, over what was offered); refresh the keep-alives of
+        loaded models from the settings now in force."""
         with self._lock:
-            self._catalog = installed
+            self._catalog.update(specs)
             entries = list(self._entries.values())
         for e in entries:  # keep_alive may have changed in the config or a model.toml
-            spec = installed.get(e.name)
+            spec = self._catalog.get(e.name)
             try:
                 keep_alive = self._settings(spec).keep_alive if spec and not spec.error \
                     else None
@@ -625,67 +521,20 @@ class ModelManager:
             with e.lock:
                 if keep_alive is not None and e.state is State.READY:
                     e.keep_alive = keep_alive
-        for name in summary["removed"]:
-            self._retire(name, None, "removed from the repository")
-        for name, old_version, spec in swaps:
-            if self._swap(name, old_version, spec):
-                summary["changed"].append(f"{name}: version {old_version} -> {spec.default}")
-            else:
-                summary["failed"].append(name)
-        with self._lock:
-            stale = [e for (n, v), e in self._entries.items()
-                     if n in self._catalog and v not in self._catalog[n].versions]
-        for e in stale:
-            self._unload_wait(e, "version no longer offered by the repository", None)
-        self.enforce_budget()
-        for name in self.pinned_names():
-            try:
-                self.load(name)
-            except InferdError as e:
-                log.error("pinned model %s failed to load: %s", name, e.message,
-                          extra={"MODEL": name})
-                summary["failed"].append(name)
-        log.info("reload: %s", "; ".join(f"{k} {', '.join(v)}" for k, v in summary.items()
-                                          if v) or "nothing changed")
-        return summary
 
-    def _swap(self, name: str, old_version: int, spec: ModelSpec) -> bool:
-        """Load ``spec.default`` beside ``old_version``, make it the default, retire the
-        old one. False (old one kept) if the new version cannot load."""
-        try:
-            self.load(name, spec.default)
-        except InferdError as e:
-            if e.code is not ErrorCode.RESOURCE_EXHAUSTED:
-                log.error("model %s: version %d failed to load, still serving version %d: "
-                          "%s", name, spec.default, old_version, e.message,
-                          extra={"MODEL": name})
-                return False
-            log.info("model %s: versions %d and %d do not fit together; draining %d "
-                     "before loading %d", name, old_version, spec.default, old_version,
-                     spec.default, extra={"MODEL": name})
-            return self._swap_in_place(name, old_version, spec)
+    def forget(self, names: list[str]) -> None:
+        """Stop offering ``names``: new requests for them get NOT_FOUND."""
         with self._lock:
-            self._catalog[name] = spec
-        self._retire(name, old_version, f"replaced by version {spec.default}")
-        return True
+            for name in names:
+                self._catalog.pop(name, None)
 
-    def _swap_in_place(self, name: str, old_version: int, spec: ModelSpec) -> bool:
-        new = self.entry(name, spec.default)
-        future: Future[ModelEntry] = Future()
-        with new.lock:  # requests queue on the new version without starting a load
-            new.load_future = future
-            new.set_state(State.LOADING)
-        with self._lock:
-            self._catalog[name] = spec
-        self._retire(name, old_version, f"replaced by version {spec.default}")
-        try:
-            future.set_result(self._load(new))
-        except InferdError as e:
-            future.set_exception(e)
-            return False
-        return True
+    def version_state(self, name: str, version: int) -> State:
+        e = self._entries.get((name, version))
+        return e.state if e is not None else State.UNLOADED
 
-    def _retire(self, name: str, version: int | None, reason: str) -> None:
+    def retire(self, name: str, version: int | None, reason: str) -> None:
+        """Drain and unload ``name`` (one version or all) and forget entries no longer
+        offered."""
         with self._lock:
             entries = [e for (n, v), e in self._entries.items()
                        if n == name and (version is None or v == version)]
@@ -695,9 +544,33 @@ class ModelManager:
                 if not self._servable(e) and e.state is State.UNLOADED:
                     self._entries.pop((e.name, e.version), None)
 
-    def _state(self, key: Key) -> State:
-        e = self._entries.get(key)
-        return e.state if e is not None else State.UNLOADED
+    def retire_stale(self) -> None:
+        """Retire every loaded version its model no longer offers."""
+        with self._lock:
+            stale = [k for k in self._entries
+                     if k[0] in self._catalog and k[1] not in self._catalog[k[0]].versions]
+        for name, version in stale:
+            self.retire(name, version, "version no longer offered by the repository")
+
+    def load_after(self, name: str, version: int, first: Any) -> ModelEntry:
+        """Mark ``version`` loading (requests for it wait in its queue), run ``first()``,
+        then load it on this thread.
+
+        Raises:
+            InferdError: the load failed (its queued requests got the reason).
+        """
+        entry = self.entry(name, version)
+        future: Future[ModelEntry] = Future()
+        with entry.lock:
+            entry.load_future = future
+            entry.set_state(State.LOADING)
+        first()
+        try:
+            future.set_result(self._load(entry))
+        except InferdError as e:
+            future.set_exception(e)
+            raise
+        return entry
 
     def stop(self, timeout: float) -> bool:
         """Finish queued work and unload every model; True if all threads ended."""
@@ -762,25 +635,3 @@ class ModelManager:
 
 _NOBODY = ModelEntry("-", 0, 1)
 """Stands for "no model" when only the budget itself is checked."""
-
-
-def _request_keep_alive(request: Request) -> float | None:
-    value = request.params.get("keep_alive")
-    if value is None:
-        return None
-    try:
-        return parse_duration(value)
-    except ValueError:
-        raise ModelError(f"keep_alive = {value!r}: expected seconds or a duration such "
-                         f"as '5m', or 'forever'", ErrorCode.INVALID_ARGUMENT) from None
-
-
-def _drain(q: queue.Queue[WorkItem | None]) -> list[WorkItem]:
-    items = []
-    while True:
-        try:
-            item = q.get_nowait()
-        except queue.Empty:
-            return items
-        if item is not STOP:
-            items.append(item)

@@ -1,0 +1,130 @@
+"""One cache entry: the state of one version of one model, its queue, its counters."""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from inferd.daemon.worker import STOP, WorkItem, Workers
+from inferd.ipc.errors import ErrorCode
+from inferd.libbackends.contract import LoadedModel
+
+Key = tuple[str, int]
+"""(model name, version)"""
+
+
+class State(StrEnum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+
+
+@dataclass
+class Settings:
+    """Per-model settings: config defaults overridden by the model's model.toml."""
+
+    instances: int
+    queue_size: int
+    backends: list[str] | None
+    keep_alive: float
+    pin: bool
+
+
+class ModelEntry:
+    """One version of one model. Guarded by ``lock``; the queue is thread-safe.
+
+    ``in_flight`` counts the requests queued or running: a model with any is busy and
+    is not evicted or unloaded for idleness.
+    """
+
+    def __init__(self, name: str, version: int, queue_size: int) -> None:
+        self.name = name
+        self.version = version
+        self.label = f"{name} version {version}"
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.state = State.UNLOADED
+        self.queue: queue.Queue[WorkItem | None] = queue.Queue(queue_size)
+        self.backend: str | None = None
+        self.model: LoadedModel | None = None
+        self.workers: Workers | None = None
+        self.error: str | None = None
+        self.error_code: ErrorCode = ErrorCode.INTERNAL
+        self.failed_at = 0.0
+        self.memory_bytes: int | None = None
+        self.memory_rss_bytes: int | None = None
+        self.memory_reported_bytes: int | None = None
+        self.reserved = 0
+        self.load_future: Future[ModelEntry] | None = None
+        self.loads = 0
+        self.served = 0
+        self.failed_requests = 0
+        self.in_flight = 0
+        self.last_used: float | None = None
+        self.used_at = time.monotonic()
+        self.keep_until = 0.0
+        self.keep_alive = math.inf
+
+    def set_state(self, state: State) -> None:
+        """Change state (caller holds ``lock``) and wake whoever waits on a change."""
+        self.state = state
+        self.changed.notify_all()
+
+    def touch(self, keep_alive: float | None = None) -> None:
+        """Mark as used now (caller holds ``lock``); a request's keep-alive extends."""
+        now = time.monotonic()
+        self.used_at = now
+        self.last_used = time.time()
+        if keep_alive is not None:
+            self.keep_until = max(self.keep_until, now + keep_alive)
+
+    def take_queued(self) -> list[WorkItem]:
+        """Empty the queue (caller holds ``lock``): the requests in it, which the caller
+        must answer or pass on; sentinels are dropped."""
+        items = []
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not STOP:
+                items.append(item)
+        self.in_flight -= len(items)
+        return items
+
+    def cost(self) -> int:
+        """Bytes this entry holds against the budget now."""
+        if self.state is State.LOADING:
+            return self.reserved
+        if self.state in (State.READY, State.DRAINING):
+            return self.memory_bytes or 0
+        return 0
+
+    def describe(self) -> dict[str, Any]:
+        m = self.model
+        return {
+            "name": self.name, "state": str(self.state), "version": self.version,
+            "backend": self.backend, "error": self.error,
+            "inputs": [s.to_json() for s in m.inputs] if m else [],
+            "outputs": [s.to_json() for s in m.outputs] if m else [],
+            "memory_bytes": self.memory_bytes,
+            "memory_rss_bytes": self.memory_rss_bytes,
+            "memory_reported_bytes": self.memory_reported_bytes,
+            "requests": self.served, "failed_requests": self.failed_requests,
+            "loads": self.loads, "in_flight": self.in_flight,
+            "queued": self.queue.qsize(), "last_used": self.last_used,
+            "idle_s": (round(time.monotonic() - self.used_at, 3)
+                       if self.state is State.READY and not self.in_flight else None),
+            "keep_alive_s": None if math.isinf(self.keep_alive) else self.keep_alive,
+            "threads": [t.name for t in self.workers.threads] if self.workers else [],
+        }
+
+
