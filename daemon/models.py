@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor

@@ -7,9 +7,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 

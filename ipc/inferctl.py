@@ -62,16 +62,15 @@ def _ago(t: Any) -> str | None:
 def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
     rows = []
     for m in models:
-        state = m["state"] + (f": {m['error']}" if m.get("error") else "")
         version = f"{m.get('version')}{'*' if m.get('default') else ''}" \
             if m.get("version") is not None else None
-        rows.append([m["name"], version, m.get("backend"),
+        rows.append([m["name"], m["state"], version, m.get("backend"),
                      _size(m.get("memory_bytes")) if m.get("memory_bytes") else None,
                      "yes" if m.get("pinned") else "no", _ago(m.get("last_used")),
-                     m.get("requests", 0), state])
-    # STATE last: a failure's reason may be long.
-    out = _table(rows, ["MODEL", "VERSION", "BACKEND", "MEMORY", "PINNED", "LAST USED",
-                        "REQUESTS", "STATE"])
+                     m.get("requests", 0), m.get("error")])
+    # REASON last: a failure's reason may be long.
+    out = _table(rows, ["MODEL", "STATE", "VERSION", "BACKEND", "MEMORY", "PINNED",
+                        "LAST USED", "REQUESTS", "REASON"])
     if any(m.get("default") for m in models):
         out += "\n(* the version served when a request names none)"
     if verbose:

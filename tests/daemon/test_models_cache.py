@@ -328,3 +328,21 @@ def test_unknown_model_lists_what_exists(models_dir: Path, short_tmp: Path,
     with pytest.raises(InferdError) as e:
         h.manager.entry("nope")
     assert e.value.code is ErrorCode.NOT_FOUND and "available: ocr-cls" in e.value.message
+
+
+def test_full_queue_refuses_with_resource_exhausted(models_dir: Path, short_tmp: Path,
+                                                    harness: Callable[..., Harness]) -> None:
+    repo = make_repo(short_tmp / "repo", models_dir, {"ocr-cls": {1: "ocr-cls"}},
+                     settings={"ocr-cls": "queue_size = 2\n"})
+    h = harness(repo)
+    h.hold["first"] = threading.Event()
+    h.submit("ocr-cls", rid="first")  # runs; its reply blocks the only worker
+    wait_for(lambda: h.manager.entry("ocr-cls").queue.empty()
+             and h.state("ocr-cls") is State.READY)
+    queued = [h.submit("ocr-cls") for _ in range(2)]
+    with pytest.raises(InferdError) as e:
+        h.submit("ocr-cls")
+    assert e.value.code is ErrorCode.RESOURCE_EXHAUSTED and "queue is full" in e.value.message
+    h.hold["first"].set()
+    assert all(h.reply(r).ok for r in ["first", *queued])
+    wait_for(lambda: h.manager.entry("ocr-cls").in_flight == 0)

@@ -49,7 +49,7 @@ def rows(client: Client, name: str) -> list[dict[str, Any]]:
 
 def inferctl(endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--socket", endpoint,
-                           *args], capture_output=True, text=True, timeout=120)
+                           *args], capture_output=True, text=True, timeout=120, check=False)
 
 
 class SteadyClient(threading.Thread):
@@ -97,7 +97,7 @@ def test_reload_adds_removes_and_reversions_under_load_without_a_failed_request(
              == [(2, "ready")])
         assert [m["state"] for m in rows(c, "ocr-rec")] == ["unloaded"]
         before = [t.ok for t in clients]
-        poll(lambda: all(t.ok >= n + 5 for t, n in zip(clients, before)))
+        poll(lambda: all(t.ok >= n + 5 for t, n in zip(clients, before, strict=True)))
         assert rows(c, "ocr-cls")[0]["requests"] > 0  # version 2 serves now
 
     # 2. inferctl reload: ocr-det is gone from the repository.
@@ -112,7 +112,7 @@ def test_reload_adds_removes_and_reversions_under_load_without_a_failed_request(
         assert e.value.code is ErrorCode.NOT_FOUND
         assert c.infer("ocr-rec", INPUTS["ocr-rec"])  # the added model serves
         before = [t.ok for t in clients]
-        poll(lambda: all(t.ok >= n + 5 for t, n in zip(clients, before)))
+        poll(lambda: all(t.ok >= n + 5 for t, n in zip(clients, before, strict=True)))
 
     for t in clients:
         t.halt.set()
@@ -144,12 +144,14 @@ def test_fifty_concurrent_first_requests_share_one_load_and_models_shows_it(
     table = inferctl(d.endpoint, "models")
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["MODEL", "VERSION", "BACKEND", "MEMORY", "PINNED", "LAST",
-                                "USED", "REQUESTS", "STATE"]
+    assert lines[0].split() == ["MODEL", "STATE", "VERSION", "BACKEND", "MEMORY", "PINNED",
+                                "LAST", "USED", "REQUESTS", "REASON"]
     cls = next(line.split() for line in lines if line.startswith("ocr-cls"))
-    assert cls[1:3] == ["1*", "onnxruntime"] and cls[-2:] == ["50", "ready"]
+    # MEMORY is two words ("1.6 MiB"), LAST USED three ("0s ago" is two).
+    assert cls[:4] == ["ocr-cls", "ready", "1*", "onnxruntime"]
+    assert cls[-2:] == ["50", "-"]
     vad = next(line.split() for line in lines if line.startswith("vad"))
-    assert vad[5] == "yes"  # pinned by --preload
+    assert vad[6] == "yes"  # pinned by --preload
     unload = inferctl(d.endpoint, "unload", "ocr-cls")
     assert unload.returncode == 0 and "ocr-cls: unloaded" in unload.stdout
     assert d.stop() == 0
