@@ -28,10 +28,10 @@ FOREVER = ("forever", "never", "inf")
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", re.IGNORECASE)
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
-# Before a model's first load its cost is unknown; the demo models cost 3-7x their file
+# Before a model's first load its cost is unknown; the demo models cost 2-5x their file
 # size in onnxruntime (measured, see bench/bench_cache.py). The estimate only decides
 # how much to evict up front; the measured cost is checked against the budget after.
-ESTIMATE_FACTOR = 3
+ESTIMATE_FACTOR = 2
 ESTIMATE_OVERHEAD = 4 * 2**20
 
 

@@ -23,7 +23,9 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
 from inferd.libbackends.registry import Registry
 
 log = logging.getLogger(__name__)
+
 
 class ModelManager:
     """The model cache of one runtime.
@@ -70,6 +73,7 @@ class ModelManager:
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inferd-loader")
         self._meter = MemoryMeter()
         self._measured: dict[Key, int] = {}
+        self._held: set[Key] = set()
         self._stopping = threading.Event()
         self._idle_thread: threading.Thread | None = None
 
@@ -246,9 +250,15 @@ class ModelManager:
         source = self.repo.resolve(entry.name, entry.version)
         backend = self.registry.choose(entry.name, source.path, settings.backends)
         known = self._measured.get(key)
-        need = known or estimate_cost(source.path.stat().st_size)
-        self._make_room(entry, need, "measured at its last load" if known
-                        else "estimated from its file size")
+        if known:
+            need = known
+            self._make_room(entry, need, "measured at its last load")
+        else:
+            # Only a guess: if it does not fit, room for the file itself will do; the
+            # measured cost is checked against the budget once loaded.
+            size = source.path.stat().st_size
+            need = self._make_room(entry, estimate_cost(size), "estimated from its file "
+                                   "size", floor=size)
         with entry.lock:
             entry.reserved = need
             entry.loads += 1
@@ -291,29 +301,47 @@ class ModelManager:
 
     def _evictable(self, entry: ModelEntry) -> bool:
         return (entry.state is State.READY and not entry.in_flight
-                and not self._pinned(entry))
+                and not self._pinned(entry) and (entry.name, entry.version) not in self._held)
 
-    def _make_room(self, entry: ModelEntry, need: int, how: str) -> None:
+    @contextmanager
+    def hold(self, name: str, version: int) -> Iterator[None]:
+        """Keep ``version`` from eviction while the block runs (the old version during
+        a swap: loading the new one must not push out the one still serving)."""
+        self._held.add((name, version))
+        try:
+            yield
+        finally:
+            self._held.discard((name, version))
+
+    def _make_room(self, entry: ModelEntry, need: int, how: str,
+                   floor: int | None = None) -> int:
         """Unload idle unpinned models, least recently used first, until ``need`` more
-        bytes fit in the budget beside every other entry.
+        bytes fit in the budget beside every other entry (or, failing that, ``floor``).
+
+        Returns:
+            The bytes made room for: ``need``, or ``floor``.
 
         Raises:
             InferdError (RESOURCE_EXHAUSTED): nothing evictable makes enough room.
         """
         budget = self.config.cache.max_memory
         if budget is None:
-            return
+            return need
+        wanted = need
         while True:
             with self._lock:
                 others = [e for e in self._entries.values() if e is not entry]
             used = sum(e.cost() for e in others)
             if used + need <= budget:
-                return
+                return need
             candidates = [Candidate(e, e.cost(), e.used_at) for e in others
                           if self._evictable(e)]
             victims = choose_victims(candidates, used + need - budget)
+            if victims is None and floor is not None and floor < need:
+                need = floor
+                continue
             if victims is None:
-                raise InferdError(self._no_room(entry, need, how, budget, used, others),
+                raise InferdError(self._no_room(entry, wanted, how, budget, used, others),
                                   ErrorCode.RESOURCE_EXHAUSTED)
             for v in victims:
                 self._unload_entry(v.key, f"evicted to make room for {entry.label}",
@@ -329,7 +357,8 @@ class ModelManager:
         busy = [e for e in holding if e not in pinned and not self._evictable(e)]
         return (f"model {entry.label} needs {format_bytes(need)} ({how}) but the cache "
                 f"budget is {format_bytes(budget)} with {format_bytes(used)} in use; "
-                f"pinned: {names(pinned)}; busy or loading: {names(busy)}")
+                f"pinned: {names(pinned)}; busy, loading or being replaced: "
+                f"{names(busy)}")
 
     def enforce_budget(self) -> None:
         """Evict idle unpinned models until the loaded ones fit the budget (after the
@@ -352,7 +381,7 @@ class ModelManager:
         with entry.lock:
             if entry.state is not State.READY:
                 return False
-            if only_if_idle and (entry.in_flight or self._pinned(entry)):
+            if only_if_idle and not self._evictable(entry):
                 return False
             entry.set_state(State.DRAINING)
             workers, model = entry.workers, entry.model

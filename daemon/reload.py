@@ -77,7 +77,8 @@ def _swap(manager: ModelManager, name: str, old_version: int, spec: ModelSpec) -
         manager.retire(name, old_version, f"replaced by version {spec.default}")
 
     try:
-        manager.load(name, spec.default)
+        with manager.hold(name, old_version):
+            manager.load(name, spec.default)
     except InferdError as e:
         if e.code is not ErrorCode.RESOURCE_EXHAUSTED:
             log.error("model %s: version %d failed to load, still serving version %d: %s",

@@ -6,6 +6,7 @@ of sent over a socket. Memory is really measured, so budgets are set from measur
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -182,7 +183,7 @@ def test_busy_model_is_not_evicted_and_no_room_says_what_is_needed_and_pinned(
     assert code is ErrorCode.RESOURCE_EXHAUSTED
     assert "model ocr-rec version 1 needs" in message and "MiB" in message
     assert "pinned: ocr-cls version 1" in message
-    assert "busy or loading: ocr-det version 1" in message
+    assert "busy, loading or being replaced: ocr-det version 1" in message
     assert h.state("ocr-det") is State.READY  # never pulled from under its request
 
     h.hold["busy"].set()
@@ -346,3 +347,62 @@ def test_full_queue_refuses_with_resource_exhausted(models_dir: Path, short_tmp:
     h.hold["first"].set()
     assert all(h.reply(r).ok for r in ["first", *queued])
     wait_for(lambda: h.manager.entry("ocr-cls").in_flight == 0)
+
+
+class Load(threading.Thread):
+    """Requests to one model back to back through the harness; every failure kept."""
+
+    def __init__(self, h: Harness, model: str) -> None:
+        super().__init__(daemon=True)
+        self.h, self.model = h, model
+        self.ok, self.failures = 0, []  # type: ignore[var-annotated]
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                reply = self.h.infer(self.model)
+            except InferdError as e:
+                self.failures.append(e.message)
+                continue
+            if reply.ok:
+                self.ok += 1
+            else:
+                self.failures.append(reply.error)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fits_both", [True, False])
+def test_reload_swaps_a_new_version_in_under_load(
+        models_dir: Path, short_tmp: Path, harness: Callable[..., Harness],
+        fits_both: bool, caplog: pytest.LogCaptureFixture) -> None:
+    repo = make_repo(short_tmp / "repo", models_dir,
+                     {"ocr-det": {1: "ocr-det"}, "vad": {1: "vad"}})
+    h = harness(repo, max_memory="unlimited", preload=["vad"])
+    m = h.manager
+    det = m.load("ocr-det").memory_bytes
+    vad = m.load("vad").memory_bytes
+    assert det and vad
+    # Either room for two versions of ocr-det beside vad, or for one only.
+    budget = vad + (3 * det if fits_both else det + det // 2)
+    load = Load(h, "ocr-det")
+    load.start()
+    wait_for(lambda: load.ok >= 3)
+    (repo / "ocr-det" / "2").mkdir()
+    (repo / "ocr-det" / "2" / "model.onnx").symlink_to(
+        models_dir / "ocr-det" / "1" / "model.onnx")
+    config = load_config(None, {"models.repository": str(repo), "models.preload": ["vad"],
+                                "cache.max_memory": budget})
+    before = load.ok
+    caplog.set_level(logging.INFO, "inferd.daemon.reload")
+    assert m.reload(config)["changed"] == ["ocr-det: version 1 -> 2"]
+    wait_for(lambda: load.ok >= before + 3)
+    load.halt.set()
+    load.join(30)
+    assert load.failures == []
+    assert h.row("ocr-det")["version"] == 2 and h.row("ocr-det")["requests"] > 0
+    assert h.state("ocr-det", 2) is State.READY
+    assert [r["version"] for r in m.describe() if r["name"] == "ocr-det"] == [2]
+    assert h.state("vad") is State.READY  # pinned
+    replaced = "versions 1 and 2 do not fit together" in caplog.text
+    assert replaced is not fits_both
