@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -42,24 +43,37 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:8.1f} ms"
 
 
+def timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def cold_and_warm(reset: Callable[[], object], first: Callable[[], object],
+                  again: Callable[[], object]) -> tuple[float, float]:
+    """Median seconds of ``first()`` after ``reset()``, and of ``again()`` after it."""
+    colds, warms = [], []
+    for _ in range(ROUNDS):
+        reset()
+        colds.append(timed(first))
+        warms += [timed(again) for _ in range(WARM)]
+    return statistics.median(colds), statistics.median(warms)
+
+
 def bare_onnxruntime(path: Path, inputs: dict[str, np.ndarray]) -> tuple[float, float]:
-    """(session creation + first run, median warm run) with onnxruntime alone."""
+    """(session creation + first run, warm run) with onnxruntime alone."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.intra_op_num_threads = so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    colds, warms = [], []
-    for _ in range(ROUNDS):
-        t = time.perf_counter()
-        s = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        s.run(None, inputs)
-        colds.append(time.perf_counter() - t)
-        for _ in range(WARM):
-            t = time.perf_counter()
-            s.run(None, inputs)
-            warms.append(time.perf_counter() - t)
-        del s
-    return statistics.median(colds), statistics.median(warms)
+    session: list[object] = []
+
+    def first() -> None:
+        session[:] = [ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])]
+        session[0].run(None, inputs)  # type: ignore[attr-defined]
+
+    return cold_and_warm(session.clear, first,
+                         lambda: session[0].run(None, inputs))  # type: ignore[attr-defined]
 
 
 def wait_ready(endpoint: str, proc: subprocess.Popen[bytes]) -> None:
@@ -103,20 +117,21 @@ def main() -> int:
               f"{'bare cold':>11} {'bare warm':>11} {'cold/bare':>9}")
         memory = {}
         with Client(endpoint, timeout=60) as c:
-            for name, inputs in INPUTS.items():
-                colds, warms = [], []
-                for _ in range(ROUNDS):
-                    c.unload(name)
-                    t = time.perf_counter()
-                    c.infer(name, inputs)
-                    colds.append(time.perf_counter() - t)
-                    for _ in range(WARM):
-                        t = time.perf_counter()
-                        c.infer(name, inputs)
-                        warms.append(time.perf_counter() - t)
-                    row = next(m for m in c.models() if m["name"] == name)
+            def measured(name: str) -> None:
+                row = next(m for m in c.models() if m["name"] == name)
+                if row["memory_bytes"]:
                     memory.setdefault(name, []).append(row["memory_bytes"])
-                cold, warm = statistics.median(colds), statistics.median(warms)
+
+            for name, inputs in INPUTS.items():
+                def reset(name: str = name) -> None:
+                    measured(name)  # what the previous round's load cost
+                    c.unload(name)
+
+                def infer(name: str = name, inputs: dict = inputs) -> None:
+                    c.infer(name, inputs)
+
+                cold, warm = cold_and_warm(reset, infer, infer)
+                measured(name)
                 path = repo / name / "1" / "model.onnx"
                 bare_cold, bare_warm = bare_onnxruntime(path, inputs)
                 print(f"{name:8} {ms(cold)} {ms(warm)} {cold / warm:8.1f}x   "

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from inferd.ipc import Client, RequestError
@@ -107,3 +108,15 @@ def start_daemon(short_tmp: Path) -> Iterator:
     for d in started:
         if d.proc.poll() is None:
             d.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_inputs() -> dict[str, dict[str, np.ndarray]]:
+    """Small valid inputs for each demo model, by model name."""
+    return {
+        "ocr-cls": {"x": np.zeros((1, 3, 48, 192), np.float32)},
+        "ocr-det": {"x": np.zeros((1, 3, 64, 64), np.float32)},
+        "ocr-rec": {"x": np.zeros((1, 3, 48, 64), np.float32)},
+        "vad": {"input": np.zeros((1, 512), np.float32),
+                "state": np.zeros((2, 1, 128), np.float32), "sr": np.array(16000, np.int64)},
+    }

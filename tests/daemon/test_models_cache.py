@@ -25,13 +25,6 @@ from inferd.ipc.server import Ticket
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
 from inferd.libbackends.registry import Registry
 
-INPUTS = {
-    "ocr-cls": {"x": np.zeros((1, 3, 48, 192), np.float32)},
-    "ocr-det": {"x": np.zeros((1, 3, 64, 64), np.float32)},
-    "ocr-rec": {"x": np.zeros((1, 3, 48, 64), np.float32)},
-    "vad": {"input": np.zeros((1, 512), np.float32), "state": np.zeros((2, 1, 128), np.float32),
-            "sr": np.array(16000, np.int64)},
-}
 
 
 def make_repo(root: Path, models_dir: Path, layout: dict[str, dict[int, str]],
@@ -50,7 +43,8 @@ def make_repo(root: Path, models_dir: Path, layout: dict[str, dict[int, str]],
 class Harness:
     """A ModelManager plus the replies it sent, by request id."""
 
-    def __init__(self, repo: Path, **cache: Any) -> None:
+    def __init__(self, repo: Path, inputs: dict[str, Any], **cache: Any) -> None:
+        self.inputs = inputs
         overrides = {"models.repository": str(repo), "cache.idle_check_s": 0.02,
                      **{f"cache.{k}": v for k, v in cache.items() if k != "preload"}}
         if "preload" in cache:
@@ -77,7 +71,7 @@ class Harness:
     def submit(self, model: str, rid: str | None = None, version: int | None = None,
                **params: Any) -> str:
         rid = rid or f"r{next(self._seq)}"
-        request = Request(rid, Op.INFER, model, version, INPUTS[model], params=params)
+        request = Request(rid, Op.INFER, model, version, self.inputs[model], params=params)
         self.manager.submit(request, Ticket(next(self._seq), rid, time.monotonic(), None))
         return rid
 
@@ -115,9 +109,9 @@ def harnesses() -> Iterator[list[Harness]]:
 
 
 @pytest.fixture
-def harness(harnesses: list[Harness]) -> Callable[..., Harness]:
+def harness(harnesses: list[Harness], demo_inputs: dict[str, Any]) -> Callable[..., Harness]:
     def make(repo: Path, **cache: Any) -> Harness:
-        h = Harness(repo, **cache)
+        h = Harness(repo, demo_inputs, **cache)
         harnesses.append(h)
         return h
     return make
@@ -127,11 +121,16 @@ FOUR = {"ocr-cls": {1: "ocr-cls"}, "ocr-det": {1: "ocr-det"}, "ocr-rec": {1: "oc
         "vad": {1: "vad"}}
 
 
+@pytest.fixture
+def four(models_dir: Path, short_tmp: Path, harness: Callable[..., Harness]) -> Harness:
+    """The four demo models, ocr-cls pinned, no budget yet."""
+    return harness(make_repo(short_tmp / "repo", models_dir, FOUR), max_memory="unlimited",
+                   preload=["ocr-cls"])
+
+
 @pytest.mark.slow
-def test_budget_evicts_least_recently_used_idle_model_and_keeps_pinned(
-        models_dir: Path, short_tmp: Path, harness: Callable[..., Harness]) -> None:
-    h = harness(make_repo(short_tmp / "repo", models_dir, FOUR), max_memory="unlimited",
-                preload=["ocr-cls"])
+def test_budget_evicts_least_recently_used_idle_model_and_keeps_pinned(four: Harness) -> None:
+    h = four
     m = h.manager
     assert m.preload() == ["ocr-cls"]
     # Measure each model's cost once (unlimited budget), then unload the unpinned ones.
@@ -162,9 +161,8 @@ def test_budget_evicts_least_recently_used_idle_model_and_keeps_pinned(
 
 @pytest.mark.slow
 def test_busy_model_is_not_evicted_and_no_room_says_what_is_needed_and_pinned(
-        models_dir: Path, short_tmp: Path, harness: Callable[..., Harness]) -> None:
-    h = harness(make_repo(short_tmp / "repo", models_dir, FOUR), max_memory="unlimited",
-                preload=["ocr-cls"])
+        four: Harness) -> None:
+    h = four
     m = h.manager
     m.preload()
     rec = m.load("ocr-rec").memory_bytes
@@ -283,7 +281,7 @@ def test_versions_highest_by_default_pinned_kept_and_named(
 
 def _submit_named(h: Harness, model: str, version: int | None) -> str:
     rid = f"n{next(h._seq)}"
-    request = Request(rid, Op.INFER, model, version, INPUTS["ocr-cls"])
+    request = Request(rid, Op.INFER, model, version, h.inputs["ocr-cls"])
     h.manager.submit(request, Ticket(next(h._seq), rid, time.monotonic(), None))
     return rid
 
@@ -307,11 +305,11 @@ def test_warmup_runs_zeros_or_files_and_a_failing_warmup_fails_the_load(
                      {"ocr-det": {1: "ocr-det"}, "vad": {1: "vad"}, "bad": {1: "ocr-rec"}},
                      settings={"ocr-det": "warmup = true\n", "vad": "warmup = true\n",
                                "bad": "warmup = true\nwarmup_shapes = {x = [1, 3, 48]}\n"})
+    h = harness(repo)
     warm = repo / "vad" / "1" / "warmup"
     warm.mkdir()
-    for name, value in INPUTS["vad"].items():
+    for name, value in h.inputs["vad"].items():
         np.save(warm / f"{name}.npy", value)
-    h = harness(repo)
     assert h.manager.load("ocr-det").state is State.READY
     assert h.manager.load("vad").state is State.READY
     with pytest.raises(InferdError) as e:

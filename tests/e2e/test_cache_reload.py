@@ -13,20 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from inferd.ipc import Client, RequestError
 from inferd.ipc.errors import ErrorCode
 from inferd.ipc.protocol import Op
 
-INPUTS = {
-    "ocr-cls": {"x": np.zeros((1, 3, 48, 192), np.float32)},
-    "ocr-rec": {"x": np.zeros((1, 3, 48, 64), np.float32)},
-    "ocr-det": {"x": np.zeros((1, 3, 64, 64), np.float32)},
-    "vad": {"input": np.zeros((1, 512), np.float32), "state": np.zeros((2, 1, 128), np.float32),
-            "sr": np.array(16000, np.int64)},
-}
 
 
 def add_version(repo: Path, models_dir: Path, name: str, version: int,
@@ -55,9 +47,9 @@ def inferctl(endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
 class SteadyClient(threading.Thread):
     """Sends requests to one model back to back, recording every failure."""
 
-    def __init__(self, endpoint: str, model: str) -> None:
+    def __init__(self, endpoint: str, model: str, inputs: dict[str, Any]) -> None:
         super().__init__(name=f"client-{model}", daemon=True)
-        self.endpoint, self.model = endpoint, model
+        self.endpoint, self.model, self.inputs = endpoint, model, inputs
         self.ok = 0
         self.failures: list[str] = []
         self.halt = threading.Event()
@@ -66,7 +58,7 @@ class SteadyClient(threading.Thread):
         with Client(self.endpoint, timeout=60) as c:
             while not self.halt.is_set():
                 try:
-                    c.infer(self.model, INPUTS[self.model])
+                    c.infer(self.model, self.inputs)
                     self.ok += 1
                 except RequestError as e:
                     self.failures.append(f"{self.model}: {e.code}: {e.message}")
@@ -74,7 +66,8 @@ class SteadyClient(threading.Thread):
 
 @pytest.mark.slow
 def test_reload_adds_removes_and_reversions_under_load_without_a_failed_request(
-        models_dir: Path, short_tmp: Path, start_daemon: Any) -> None:
+        models_dir: Path, short_tmp: Path, start_daemon: Any,
+        demo_inputs: dict[str, Any]) -> None:
     repo = short_tmp / "repo"
     for name in ("ocr-cls", "vad", "ocr-det"):
         add_version(repo, models_dir, name, 1)
@@ -83,7 +76,8 @@ def test_reload_adds_removes_and_reversions_under_load_without_a_failed_request(
     d = start_daemon("--config", str(config), "--models", str(repo))
     with d.client() as c:
         c.load("ocr-det")
-    clients = [SteadyClient(d.endpoint, m) for m in ("ocr-cls", "ocr-cls", "vad", "vad")]
+    clients = [SteadyClient(d.endpoint, m, demo_inputs[m])
+               for m in ("ocr-cls", "ocr-cls", "vad", "vad")]
     for t in clients:
         t.start()
     poll(lambda: all(t.ok >= 5 for t in clients))
@@ -108,9 +102,9 @@ def test_reload_adds_removes_and_reversions_under_load_without_a_failed_request(
     with d.client() as c:
         assert rows(c, "ocr-det") == []
         with pytest.raises(RequestError) as e:
-            c.infer("ocr-det", INPUTS["ocr-det"])
+            c.infer("ocr-det", demo_inputs["ocr-det"])
         assert e.value.code is ErrorCode.NOT_FOUND
-        assert c.infer("ocr-rec", INPUTS["ocr-rec"])  # the added model serves
+        assert c.infer("ocr-rec", demo_inputs["ocr-rec"])  # the added model serves
         before = [t.ok for t in clients]
         poll(lambda: all(t.ok >= n + 5 for t, n in zip(clients, before, strict=True)))
 
@@ -128,13 +122,14 @@ def test_reload_adds_removes_and_reversions_under_load_without_a_failed_request(
 
 @pytest.mark.slow
 def test_fifty_concurrent_first_requests_share_one_load_and_models_shows_it(
-        models_dir: Path, short_tmp: Path, start_daemon: Any) -> None:
+        models_dir: Path, short_tmp: Path, start_daemon: Any,
+        demo_inputs: dict[str, Any]) -> None:
     repo = short_tmp / "repo"
     add_version(repo, models_dir, "ocr-cls", 1)
     add_version(repo, models_dir, "vad", 1)
     d = start_daemon("--models", str(repo), "--preload", "vad")
     with d.client() as c:
-        pending = [c.submit(Op.INFER, "ocr-cls", INPUTS["ocr-cls"]) for _ in range(50)]
+        pending = [c.submit(Op.INFER, "ocr-cls", demo_inputs["ocr-cls"]) for _ in range(50)]
         assert all(p.result() for p in pending)
         # A request is counted just after its reply is sent.
         poll(lambda: rows(c, "ocr-cls")[0]["requests"] == 50)
