@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,8 @@ class ModelManager:
         self._enqueue(entry, WorkItem(request, ticket), keep_alive)
 
     def _enqueue(self, entry: ModelEntry, item: WorkItem, keep_alive: float | None) -> None:
+        if self._stopping.is_set():
+            raise InferdError("inferd is shutting down", ErrorCode.UNAVAILABLE)
         with entry.lock:
             if entry.state is State.FAILED:
                 held = self.config.cache.failed_load_hold_s
@@ -399,7 +401,7 @@ class ModelManager:
             entry.memory_bytes = entry.memory_rss_bytes = entry.memory_reported_bytes = None
             entry.set_state(State.UNLOADED)
             if finished and not entry.queue.empty():
-                if self._servable(entry):
+                if self._servable(entry) and not self._stopping.is_set():
                     self._start_load(entry)
                 else:
                     leftovers = entry.take_queued()
@@ -490,8 +492,8 @@ class ModelManager:
         if future is not None:
             try:
                 future.result()
-            except InferdError:
-                pass  # the failed load already answered its requests
+            except (InferdError, CancelledError):
+                pass  # a failed load answered its requests; a cancelled one, the server
         with entry.lock:
             entry.changed.wait_for(lambda: entry.state is not State.DRAINING, timeout)
             if entry.state is State.FAILED:

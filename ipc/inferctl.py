@@ -39,11 +39,20 @@ def _tensors(specs: list[dict[str, Any]]) -> str:
     return ", ".join(f"{s['name']}:{s['dtype']}{s['shape']}" for s in specs) or "-"
 
 
+def _cache_line(cache: dict[str, Any] | None) -> list[str]:
+    if not cache:
+        return []
+    budget = cache["max_memory_bytes"]
+    return [f"cache:    {_size(cache['used_bytes'])} used by models, budget "
+            f"{_size(budget) if budget else 'unlimited'}"]
+
+
 def show_status(s: dict[str, Any]) -> str:
     lines = [f"inferd {s['version']} (pid {s['pid']}) on {s['endpoint']}",
              f"ready:    {'yes' if s['ready'] else 'no'}",
              f"uptime:   {s['uptime_s']:.0f} s",
              f"memory:   {_size(s['memory']['rss_bytes'])} resident",
+             *_cache_line(s.get("cache")),
              f"models:   {', '.join(s['loaded_models']) or 'none loaded'} "
              f"(repository {s['repository']})",
              "backends: " + ", ".join(f"{b['id']} ({b['kind']}, {b['status']})"

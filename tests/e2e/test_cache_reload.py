@@ -108,6 +108,11 @@ def test_reload_adds_removes_and_reversions_under_load_without_a_failed_request(
         before = [t.ok for t in clients]
         poll(lambda: all(t.ok >= n + 5 for t, n in zip(clients, before, strict=True)))
 
+    # 3. A config that does not validate is refused; the running one stays.
+    config.write_text('[cache]\nmax_memory = "plenty"\n')
+    refused = inferctl(d.endpoint, "reload")
+    assert refused.returncode == 1 and "max_memory = 'plenty'" in refused.stderr
+
     for t in clients:
         t.halt.set()
     for t in clients:
