@@ -78,11 +78,13 @@ class ModelEntry:
         self.state = state
         self.changed.notify_all()
 
-    def touch(self, keep_alive: float | None = None) -> None:
-        """Mark as used now (caller holds ``lock``); a request's keep-alive extends."""
+    def touch(self, keep_alive: float | None = None, request: bool = True) -> None:
+        """Restart the idle clock (caller holds ``lock``); ``request``: a request used
+        it (shown as last used); a request's keep-alive extends how long it stays."""
         now = time.monotonic()
         self.used_at = now
-        self.last_used = time.time()
+        if request:
+            self.last_used = time.time()
         if keep_alive is not None:
             self.keep_until = max(self.keep_until, now + keep_alive)
 

@@ -225,7 +225,7 @@ class ModelManager:
         with entry.lock:
             entry.model, entry.workers, entry.backend = model, workers, backend_id
             entry.keep_alive = settings.keep_alive
-            entry.touch()
+            entry.touch(request=False)
             entry.set_state(State.READY)
         workers.start()
         log.info("model %s loaded on %s in %.0f ms, %s", entry.label, backend_id,
@@ -458,7 +458,7 @@ class ModelManager:
         entry = self.entry(name, version)
         with entry.lock:
             entry.changed.wait_for(lambda: entry.state is not State.DRAINING)
-            entry.touch()
+            entry.touch(request=False)
             if entry.state is State.FAILED:
                 entry.set_state(State.UNLOADED)
             if entry.state is State.UNLOADED:
