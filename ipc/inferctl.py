@@ -71,8 +71,9 @@ def _ago(t: Any) -> str | None:
 def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
     rows = []
     for m in models:
-        version = f"{m.get('version')}{'*' if m.get('default') else ''}" \
-            if m.get("version") is not None else None
+        version = m.get("version")
+        if version is not None and m.get("default") is False:
+            version = f"{version} (not default)"  # a named or outgoing version
         rows.append([m["name"], m["state"], version, m.get("backend"),
                      _size(m.get("memory_bytes")) if m.get("memory_bytes") else None,
                      "yes" if m.get("pinned") else "no", _ago(m.get("last_used")),
@@ -80,8 +81,6 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
     # REASON last: a failure's reason may be long.
     out = _table(rows, ["MODEL", "STATE", "VERSION", "BACKEND", "MEMORY", "PINNED",
                         "LAST USED", "REQUESTS", "REASON"])
-    if any(m.get("default") for m in models):
-        out += "\n(* the version served when a request names none)"
     if verbose:
         for m in models:
             if m.get("inputs"):

@@ -148,7 +148,7 @@ def test_fifty_concurrent_first_requests_share_one_load_and_models_shows_it(
                                 "LAST", "USED", "REQUESTS", "REASON"]
     cls = next(line.split() for line in lines if line.startswith("ocr-cls"))
     # MEMORY is two words ("1.6 MiB"), LAST USED three ("0s ago" is two).
-    assert cls[:4] == ["ocr-cls", "ready", "1*", "onnxruntime"]
+    assert cls[:4] == ["ocr-cls", "ready", "1", "onnxruntime"]
     assert cls[-2:] == ["50", "-"]
     vad = next(line.split() for line in lines if line.startswith("vad"))
     assert vad[6] == "yes"  # pinned by --preload
