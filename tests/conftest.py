@@ -50,9 +50,13 @@ class Daemon:
         self._log = open(self.log_path, "ab")
         # Keep the host's /etc/inferd/inferd.toml (an installed package) out of tests:
         # without --config the daemon reads an empty file of the test's own.
+        # Likewise the host's /usr/lib/inferd/backends: an empty backends dir by default.
         isolated = workdir / "empty-inferd.toml"
         isolated.touch()
-        env = {"INFERD_CONFIG": str(isolated), **(env or {})}
+        no_backends = workdir / "no-backends"
+        no_backends.mkdir(exist_ok=True)
+        env = {"INFERD_CONFIG": str(isolated), "INFERD_BACKENDS_PATH": str(no_backends),
+               **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **env}, cwd=workdir)
 
