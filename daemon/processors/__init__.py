@@ -1,0 +1,176 @@
+"""Processors: the steps that run before and after inference, and the processor nodes of
+graphs.
+
+A processor is built once from its parameters and then called with a dict of named
+values (numpy arrays or, inside a graph, any Python object) and returns a dict of named
+values. Built-in processors are registered explicitly in :data:`BUILTINS`; user
+processors are Python files in a processors directory (``[processors] directory``,
+default ``/usr/lib/inferd/processors``), each exporting ``PROCESSORS = {name: factory}``
+where ``factory(**params)`` returns the step callable. A user file that cannot be
+imported or breaks the contract is logged (one WARNING line: path, stage, reason) and
+skipped; the daemon starts without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from inferd.ipc.errors import ErrorCode, ModelError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DIRECTORY = "/usr/lib/inferd/processors"
+
+Values = dict[str, Any]
+Step = Callable[[Values], Values]
+Factory = Callable[..., Step]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a processor may need besides its parameters at build time.
+
+    Args:
+        model_path: returns the path of a model's file in the repository by name
+            (processors that read a model's metadata, such as the CTC dictionary).
+        owner: the model or graph the step belongs to (for messages).
+    """
+
+    model_path: Callable[[str], Path] | None = None
+    owner: str = ""
+
+
+BUILTINS: dict[str, Factory] = {}
+"""name -> factory(context, **params); filled by :func:`builtin` in builtin.py and ocr.py."""
+
+
+def builtin(name: str) -> Callable[[Factory], Factory]:
+    """Register a built-in processor factory under ``name`` (explicit, no scanning)."""
+    def register(factory: Factory) -> Factory:
+        if name in BUILTINS:
+            raise RuntimeError(f"built-in processor {name!r} registered twice")
+        BUILTINS[name] = factory
+        return factory
+    return register
+
+
+class ProcessorRegistry:
+    """Built-in processors plus the user processors found in a directory."""
+
+    def __init__(self) -> None:
+        _import_builtins()
+        self._user: dict[str, tuple[Callable[..., Step], Path]] = {}
+
+    def names(self) -> list[str]:
+        return sorted(set(BUILTINS) | set(self._user))
+
+    def load_directory(self, directory: str | Path) -> list[str]:
+        """Load every ``*.py`` file in ``directory``; returns the names registered.
+
+        A missing directory is not an error (nothing to load); every failing file is
+        logged once and skipped.
+        """
+        root = Path(directory)
+        if not root.is_dir():
+            log.info("processors directory %s does not exist; no user processors", root)
+            return []
+        added: list[str] = []
+        for path in sorted(root.glob("*.py")):
+            added += self._load_file(path)
+        return added
+
+    def _load_file(self, path: Path) -> list[str]:
+        def skip(stage: str, reason: str) -> list[str]:
+            log.warning("processor file %s skipped at %s: %s", path, stage, reason,
+                        extra={"PLUGIN_PATH": str(path), "STAGE": stage})
+            return []
+
+        module_name = f"inferd_user_processors.{path.stem}"
+        try:
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            if spec is None or spec.loader is None:
+                return skip("import", "not a loadable Python file")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+        except Exception as e:  # contained here: a user file must not stop the daemon
+            sys.modules.pop(module_name, None)
+            return skip("import", f"{type(e).__name__}: {e}")
+        table = getattr(module, "PROCESSORS", None)
+        if not isinstance(table, Mapping):
+            return skip("contract", "it defines no PROCESSORS dict (name -> factory)")
+        bad = [n for n, f in table.items() if not isinstance(n, str) or not callable(f)]
+        if bad:
+            return skip("contract", f"PROCESSORS entries {bad!r} are not name -> callable")
+        clash = [n for n in table if n in BUILTINS or n in self._user]
+        if clash:
+            return skip("register", f"names {clash} are already registered")
+        for name, factory in table.items():
+            self._user[name] = (factory, path)
+        log.info("processor file %s: registered %s", path, ", ".join(table),
+                 extra={"PLUGIN_PATH": str(path)})
+        return list(table)
+
+    def build(self, spec: Any, context: Context, where: str) -> Step:
+        """Build one step from its table (``{op = "name", ...params}``).
+
+        Raises:
+            ModelError (INVALID_ARGUMENT): unknown name (listing those available), or
+                parameters the processor refuses.
+        """
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("op"), str):
+            raise ModelError(f"{where}: a step is a table with 'op' = processor name, got "
+                             f"{spec!r}", ErrorCode.INVALID_ARGUMENT)
+        params = {k: v for k, v in spec.items() if k != "op"}
+        name = spec["op"]
+        try:
+            if name in BUILTINS:
+                return BUILTINS[name](context, **params)
+            if name in self._user:
+                return _wrap_user(name, self._user[name][0](**params))
+        except ModelError as e:
+            raise ModelError(f"{where}: processor {name}: {e.message}", e.code) from e
+        except (TypeError, ValueError, KeyError) as e:
+            raise ModelError(f"{where}: processor {name} refused its parameters {params}: "
+                             f"{e}", ErrorCode.INVALID_ARGUMENT) from e
+        raise ModelError(f"{where}: unknown processor {name!r}; available: "
+                         f"{', '.join(self.names())}", ErrorCode.INVALID_ARGUMENT)
+
+
+def _wrap_user(name: str, step: Any) -> Step:
+    if not callable(step):
+        raise ModelError(f"user processor {name}: its factory returned {type(step).__name__},"
+                         f" not a callable", ErrorCode.INVALID_ARGUMENT)
+
+    def run(values: Values) -> Values:
+        out = step(values)
+        if not isinstance(out, dict):
+            raise ModelError(f"user processor {name} returned {type(out).__name__}, not a "
+                             f"dict of named values", ErrorCode.INTERNAL)
+        return out
+    return run
+
+
+def run_steps(steps: list[tuple[str, Step]], values: Values, owner: str) -> Values:
+    """Run ``steps`` in order; a failure names the owner and the step."""
+    for name, step in steps:
+        try:
+            values = step(values)
+        except ModelError as e:
+            raise ModelError(f"{owner}: step {name}: {e.message}", e.code) from e
+        except Exception as e:
+            raise ModelError(f"{owner}: step {name} failed: {type(e).__name__}: {e}",
+                             ErrorCode.INVALID_ARGUMENT) from e
+    return values
+
+
+def _import_builtins() -> None:
+    # Imported for their registrations; kept out of module import so that a broken
+    # optional dependency (cv2) only matters to the OCR steps.
+    from inferd.daemon.processors import builtin, ocr  # noqa: F401
