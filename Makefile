@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
-models/.complete: examples/demo_models.py $(wildcard examples/models/*/model.toml) | $(STAMP)
+models/.complete: examples/demo_models.py $(wildcard examples/models/*/model.toml) $(wildcard examples/models/*/graph.toml) | $(STAMP)
 	$(PY) examples/demo_models.py --dest models --cache .cache/wheels
 	touch $@
 

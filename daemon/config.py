@@ -120,6 +120,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "paths": Key([], _string_list, "a list of absolute directory paths"),
         "probe_timeout_s": Key(10.0, _positive_float, "a positive number of seconds"),
     },
+    "processors": {
+        "directory": Key("/usr/lib/inferd/processors", _string, "a directory path"),
+    },
     "onnxruntime": {
         "intra_op_threads": Key(1, _positive_int, "a positive integer"),
         "inter_op_threads": Key(1, _positive_int, "a positive integer"),

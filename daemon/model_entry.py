@@ -127,6 +127,7 @@ class ModelEntry:
                        if self.state is State.READY and not self.in_flight else None),
             "keep_alive_s": None if math.isinf(self.keep_alive) else self.keep_alive,
             "threads": [t.name for t in self.workers.threads] if self.workers else [],
+            "placement": self.workers.placement() if self.workers else [],
         }
 
 

@@ -34,6 +34,8 @@ from inferd.daemon.cache import (
     parse_duration, request_keep_alive,
 )
 from inferd.daemon.model_entry import Key, ModelEntry, Settings, State
+from inferd.daemon.pipeline import PipelineSpec, parse_spec
+from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import ModelSpec, Repository, check_name
 from inferd.daemon.warmup import warm_up
@@ -76,6 +78,8 @@ class ModelManager:
         self._held: set[Key] = set()
         self._stopping = threading.Event()
         self._idle_thread: threading.Thread | None = None
+        self.processors: ProcessorRegistry | None = None  # set by the runtime
+        self._pipelines: dict[Key, PipelineSpec] = {}  # built by a load, used by its workers
 
     def start(self) -> None:
         """Start the idle-unload thread (``inferd-cache-idle``)."""
@@ -221,7 +225,7 @@ class ModelManager:
                       extra={"MODEL": entry.name, "CODE": str(code)})
             self._fail(entry, code, message)
             raise InferdError(message, code) from e
-        workers = self._start_workers(entry, model, settings)
+        workers = self._start_workers(entry, model, settings, backend_id)
         with entry.lock:
             entry.model, entry.workers, entry.backend = model, workers, backend_id
             entry.keep_alive = settings.keep_alive
@@ -234,10 +238,12 @@ class ModelManager:
         return entry
 
     def _start_workers(self, entry: ModelEntry, model: LoadedModel,
-                       settings: Settings) -> Workers:
-        # The one place workers are built (pipeline stages plug in here).
+                       settings: Settings, backend_id: str) -> Workers:
+        # The one place workers are built: pre/infer/post stages (daemon/worker.py).
+        pipeline = self._pipelines.pop((entry.name, entry.version), None)
         return Workers(entry.name, model, entry.queue, self._reply, self._release,
-                       settings.instances, on_done=lambda ok: self._done(entry, ok))
+                       settings.instances, on_done=lambda ok: self._done(entry, ok),
+                       spec=pipeline, backend=backend_id)
 
     def _load_measured(self, entry: ModelEntry) -> tuple[Settings, str, LoadedModel]:
         """Make room, load, warm up and measure (caller holds ``_load_lock``)."""
@@ -249,6 +255,10 @@ class ModelManager:
         if spec.error:
             raise ModelError(spec.error, ErrorCode.INTERNAL)
         settings = self._settings(spec)
+        # model.toml's stages, batching and pinning (daemon/pipeline.py): a bad one fails
+        # the load here, before anything is loaded
+        self._pipelines[key] = parse_spec(entry.name, spec.settings, self.processors,
+                                          lambda other: self.repo.resolve(other).path)
         source = self.repo.resolve(entry.name, entry.version)
         backend = self.registry.choose(entry.name, source.path, settings.backends)
         known = self._measured.get(key)

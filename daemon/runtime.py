@@ -16,8 +16,11 @@ from typing import Any
 import psutil
 
 from inferd.daemon.config import Config, load_config
+from inferd.daemon.graphs import GraphManager
 from inferd.daemon.models import ModelManager
+from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
+from inferd.daemon.worker import route_replies
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.server import Server, Ticket
@@ -47,7 +50,12 @@ class Runtime:
                              socket_mode=config.server.socket_mode,
                              grace_s=config.server.shutdown_grace_s)
         self.server.on_stop = self._on_stop
-        self.models = ModelManager(self.repo, self.registry, config, self.server.send_reply,
+        reply = route_replies(self.server.send_reply)  # wire tickets and in-process ones
+        self.models = ModelManager(self.repo, self.registry, config, reply,
+                                   self.server.release_thread)
+        self.processors = ProcessorRegistry()
+        self.models.processors = self.processors
+        self.graphs = GraphManager(self.repo, self.processors, self.models.submit, reply,
                                    self.server.release_thread)
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-control")
         self._stopped = threading.Event()
@@ -59,6 +67,7 @@ class Runtime:
     def start(self) -> None:
         """Register backends, bind the socket and start the preload in the background."""
         load_backends(self.registry, self.config)
+        self.processors.load_directory(self.config.processors.directory)
         self.server.bind()
         self.models.start()
         log.info("inferd %s serving %s (models in %s, pid %d)", VERSION,
@@ -123,7 +132,9 @@ class Runtime:
     def _on_stop(self) -> None:
         # On the I/O thread: drain the models elsewhere so replies keep flowing.
         def drain() -> None:
-            self._workers_done = self.models.stop(self.config.server.shutdown_grace_s)
+            grace = self.config.server.shutdown_grace_s
+            graphs_done = self.graphs.stop(grace)  # graph frames still need their models
+            self._workers_done = self.models.stop(grace) and graphs_done
             self._stopped.set()
         threading.Thread(target=drain, name="inferd-drain", daemon=True).start()
 
@@ -133,14 +144,21 @@ class Runtime:
         """Answer one request (I/O thread): inline for cheap ops, later for the rest."""
         op = request.op
         if op is Op.INFER:
-            self.models.submit(request, ticket)
+            if self.graphs.is_graph(request.model):
+                self.graphs.submit(request, ticket)
+            else:
+                self.models.submit(request, ticket)
             return None
         if op is Op.PING:
             return Reply(request.id, result={"pong": True, "ready": self.ready.is_set()})
         if op is Op.STATUS:
             return Reply(request.id, result=self.status())
         if op is Op.MODELS:
-            return Reply(request.id, result={"models": self.models.describe()})
+            models = self.models.describe()
+            if not request.params.get("verbose"):
+                for m in models:
+                    m.pop("placement", None)
+            return Reply(request.id, result={"models": models + self.graphs.describe()})
         if op is Op.BACKENDS:
             return Reply(request.id, result=self.registry.view())
         if op in (Op.LOAD, Op.UNLOAD):

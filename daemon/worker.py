@@ -1,16 +1,34 @@
-"""Per-model worker threads: take requests from the model's bounded queue, run them on
-the loaded model, and hand each reply back to the I/O thread."""
+"""The per-model pipeline: pre-process -> infer -> post-process, each stage its own
+named thread, stages joined by bounded queues, so that while request N is
+post-processed, N+1 is inferred and N+2 pre-processed.
+
+The inference stage has ``instances`` threads and batches dynamically: a thread that
+takes a request waits up to ``max_delay_ms`` for more, merges those whose tensors agree
+(names, dtypes, all dimensions but the first) into one run of at most ``max_batch`` rows
+and splits the outputs back, each reply to its own request. A request that the model
+refuses is answered alone; a failing batch is re-run request by request, so a failure
+reaches only the request that caused it.
+
+Replies go to a :class:`~inferd.ipc.server.Ticket` (a client on the wire) or to a
+:class:`LocalTicket` (a graph node calling the model in-process); :func:`route_replies`
+sends each to the right place.
+"""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from inferd.ipc.errors import ErrorCode, InferdError
+import numpy as np
+
+from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
+from inferd.daemon.processors import run_steps
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Reply, Request
 from inferd.ipc.server import Ticket
 from inferd.libbackends.contract import LoadedModel, check_inputs, check_outputs
@@ -18,89 +36,320 @@ from inferd.libbackends.contract import LoadedModel, check_inputs, check_outputs
 log = logging.getLogger(__name__)
 
 STOP = None
-"""Queue sentinel: one per worker thread ends it after everything queued before it."""
+"""Queue sentinel: ends a stage after everything queued before it."""
+
+
+class LocalTicket:
+    """An in-process reply target: the reply is handed to ``deliver`` (any thread)."""
+
+    def __init__(self, request_id: str, deliver: Callable[[Reply], None],
+                 deadline: float | None = None) -> None:
+        self.request_id = request_id
+        self.received = time.monotonic()
+        self.deadline = deadline
+        self.deliver = deliver
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
 
 
 @dataclass
 class WorkItem:
     request: Request
-    ticket: Ticket
+    ticket: Ticket | LocalTicket
 
 
-ReplyFn = Callable[[Ticket, Reply], None]
+ReplyFn = Callable[[Any, Reply], None]
+
+
+def route_replies(send: ReplyFn) -> ReplyFn:
+    """A reply function that hands LocalTicket replies to their callback and the rest to
+    ``send`` (the server)."""
+    def reply(ticket: Any, r: Reply) -> None:
+        if isinstance(ticket, LocalTicket):
+            ticket.deliver(r)
+        else:
+            send(ticket, r)
+    return reply
 
 
 def error_for(item: WorkItem, code: ErrorCode, message: str) -> Reply:
     return Reply(id=item.request.id, error=(code, message))
 
 
+@dataclass
+class Job:
+    """One request on its way through the stages."""
+
+    item: WorkItem
+    values: dict[str, Any]
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+
 class Workers:
-    """The inference threads of one loaded model.
+    """The pipeline threads of one loaded model.
 
     Args:
-        name: model name, used in thread names (``inferd-<model>-infer-<i>``) and logs.
+        name: model name, used in thread names and logs.
         model: the loaded model.
         work: the model's bounded request queue (shared with the model entry).
         reply: sends a reply for a ticket (any thread).
         release: called by each thread on exit (closes its reply socket).
-        instances: number of threads.
+        instances: number of inference threads.
         on_done: called after each request with whether it succeeded.
+        spec: pre/post steps, batching and CPU affinity (defaults: none, off, any core).
+        backend: the backend id, shown in the placement.
     """
 
     def __init__(self, name: str, model: LoadedModel, work: queue.Queue[WorkItem | None],
                  reply: ReplyFn, release: Callable[[], None], instances: int = 1,
-                 on_done: Callable[[bool], None] | None = None) -> None:
+                 on_done: Callable[[bool], None] | None = None,
+                 spec: PipelineSpec | None = None, backend: str | None = None) -> None:
         self.name = name
         self.model = model
+        self.spec = spec or PipelineSpec()
         self._work = work
         self._reply = reply
         self._release = release
         self._on_done = on_done
-        self.threads = [threading.Thread(target=self._loop, name=f"inferd-{name}-infer-{i}",
-                                         daemon=True)
-                        for i in range(instances)]
+        self._instances = instances
+        self.max_batch = self.spec.max_batch if _batchable(model) else 1
+        if self.spec.max_batch > 1 and self.max_batch == 1:
+            log.warning("model %s: max_batch = %d ignored: its inputs have a fixed first "
+                        "dimension", name, self.spec.max_batch, extra={"MODEL": name})
+        size = self.spec.stage_queue_size
+        self._infer_q: queue.Queue[Job | WorkItem | None] = (
+            queue.Queue(size) if self.spec.pre else work)  # type: ignore[assignment]
+        self._post_q: queue.Queue[Job | None] | None = (
+            queue.Queue(size) if self.spec.post else None)
+        self.placements: list[Placement] = []
+        self.threads: list[threading.Thread] = []
+        if self.spec.pre:
+            self._add("pre", f"inferd-{name}-pre", self._pre_loop)
+        for i in range(instances):
+            self._add("infer", f"inferd-{name}-infer-{i}", self._infer_loop, backend)
+        if self.spec.post:
+            self._add("post", f"inferd-{name}-post", self._post_loop)
+        self.batches = 0
+        self.batched_requests = 0
+
+    def _add(self, stage: str, thread_name: str, target: Callable[[Placement], None],
+             backend: str | None = None) -> None:
+        placement = Placement(thread_name, stage, backend=backend)
+        self.placements.append(placement)
+
+        def run() -> None:
+            pin_current_thread(placement, self.spec.cpu_affinity, self.name)
+            try:
+                target(placement)
+            finally:
+                self._release()
+        self.threads.append(threading.Thread(target=run, name=thread_name, daemon=True))
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Every thread's name, stage, native id, affinity and backend."""
+        return [p.to_json() for p in self.placements]
 
     def start(self) -> None:
         for t in self.threads:
             t.start()
 
     def stop(self, timeout: float | None = None) -> bool:
-        """Queue one sentinel per thread and join; True if all threads ended in time."""
-        for _ in self.threads:
+        """Send the sentinel through the stages and join; True if all ended in time."""
+        first = 1 if self.spec.pre else self._instances
+        for _ in range(first):
             self._work.put(STOP)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for t in self.threads:
-            t.join(timeout)
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in self.threads)
 
-    def _loop(self) -> None:
-        try:
-            while True:
-                item = self._work.get()
-                if item is STOP:
-                    return
-                reply = self.run_one(item)
-                self._reply(item.ticket, reply)
-                if self._on_done:
-                    self._on_done(reply.ok)
-        finally:
-            self._release()
+    # ----------------------------------------------------------------- stages
 
-    def run_one(self, item: WorkItem) -> Reply:
-        """Run one request; every failure becomes that request's error reply."""
+    def _finish(self, item: WorkItem, reply: Reply) -> None:
+        self._reply(item.ticket, reply)
+        if self._on_done:
+            self._on_done(reply.ok)
+
+    def _fail(self, item: WorkItem, e: Exception) -> None:
         req = item.request
+        if isinstance(e, InferdError):
+            self._finish(item, error_for(item, e.code, e.message))
+            return
+        log.exception("model %s: request %s failed", self.name, req.id,
+                      extra={"MODEL": self.name, "REQUEST_ID": req.id})
+        self._finish(item, error_for(item, ErrorCode.INTERNAL,
+                                     f"model {self.name}: {type(e).__name__}: {e}"))
+
+    def _expired(self, item: WorkItem) -> bool:
         if item.ticket.expired():
-            return error_for(item, ErrorCode.DEADLINE_EXCEEDED,
-                             f"model {self.name}: deadline of {req.timeout_ms} ms passed "
-                             f"while the request was queued")
+            self._finish(item, error_for(
+                item, ErrorCode.DEADLINE_EXCEEDED, f"model {self.name}: deadline of "
+                f"{item.request.timeout_ms} ms passed while the request was queued"))
+            return True
+        return False
+
+    def _pre_loop(self, placement: Placement) -> None:
+        while True:
+            item = self._work.get()
+            if item is STOP:
+                for _ in range(self._instances):
+                    self._infer_q.put(STOP)
+                return
+            if self._expired(item):
+                continue
+            try:
+                values = run_steps(self.spec.pre, dict(item.request.inputs),
+                                   f"model {self.name}")
+            except Exception as e:
+                self._fail(item, e)
+                continue
+            self._infer_q.put(Job(item, values))
+
+    def _post_loop(self, placement: Placement) -> None:
+        assert self._post_q is not None
+        ended = 0
+        while True:
+            job = self._post_q.get()
+            if job is STOP:
+                ended += 1
+                if ended == self._instances:
+                    return
+                continue
+            try:
+                out = run_steps(self.spec.post, job.outputs, f"model {self.name}")
+                self._finish(job.item, Reply(job.item.request.id,
+                                             outputs=self._select(job.item, out)))
+            except Exception as e:
+                self._fail(job.item, e)
+
+    def _infer_loop(self, placement: Placement) -> None:
+        delay = self.spec.max_delay_ms / 1000
+        while True:
+            first = self._infer_q.get()
+            if first is STOP:
+                break
+            batch = [first if isinstance(first, Job) else Job(first, first.request.inputs)]
+            stop = False
+            if self.max_batch > 1:
+                rows = _rows(batch[0])
+                until = time.monotonic() + delay
+                while rows < self.max_batch:
+                    left = until - time.monotonic()
+                    try:
+                        nxt = self._infer_q.get(timeout=left) if left > 0 else \
+                            self._infer_q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is STOP:
+                        stop = True
+                        break
+                    job = nxt if isinstance(nxt, Job) else Job(nxt, nxt.request.inputs)
+                    batch.append(job)
+                    rows += _rows(job)
+            self._run_batch(batch)
+            if stop:
+                break
+        if self._post_q is not None:
+            self._post_q.put(STOP)
+
+    # ----------------------------------------------------------------- inference
+
+    def _check(self, job: Job) -> bool:
+        """Refuse a job the model cannot take (answered alone); True if it may run."""
+        if self._expired(job.item):
+            return False
         try:
-            check_inputs(self.name, self.model.inputs, req.inputs)
-            check_outputs(self.name, self.model.outputs, req.outputs)
-            outputs = self.model.run(req.inputs, req.outputs)
+            check_inputs(self.name, self.model.inputs, job.values)
+            if not self.spec.post:
+                check_outputs(self.name, self.model.outputs, job.item.request.outputs)
         except InferdError as e:
-            return error_for(item, e.code, e.message)
-        except Exception as e:  # a backend bug must not kill the worker
-            log.exception("model %s: request %s failed", self.name, req.id,
-                          extra={"MODEL": self.name, "REQUEST_ID": req.id})
-            return error_for(item, ErrorCode.INTERNAL,
-                             f"model {self.name}: {type(e).__name__}: {e}")
-        return Reply(id=req.id, outputs=outputs)
+            self._fail(job.item, e)
+            return False
+        return True
+
+    def _run_batch(self, batch: list[Job]) -> None:
+        ready = [j for j in batch if self._check(j)]
+        groups: dict[tuple[Any, ...], list[Job]] = {}
+        for job in ready:
+            groups.setdefault(_signature(job.values), []).append(job)
+        for jobs in groups.values():
+            chunk: list[Job] = []
+            rows = 0
+            for job in jobs:
+                if chunk and rows + _rows(job) > self.max_batch:
+                    self._run_group(chunk)
+                    chunk, rows = [], 0
+                chunk.append(job)
+                rows += _rows(job)
+            self._run_group(chunk)
+
+    def _run_group(self, jobs: list[Job]) -> None:
+        if len(jobs) == 1:
+            self._run_single(jobs[0])
+            return
+        try:
+            merged = {k: np.concatenate([j.values[k] for j in jobs]) for k in jobs[0].values}
+            outputs = self.model.run(merged, None)
+            counts = [_rows(j) for j in jobs]
+            total = sum(counts)
+            if any(v.ndim == 0 or v.shape[0] != total for v in outputs.values()):
+                raise ModelError(f"model {self.name}: outputs do not keep the batch axis")
+        except Exception as e:  # re-run alone so a failure reaches only its own request
+            log.info("model %s: batch of %d failed (%s); running its requests one by one",
+                     self.name, len(jobs), e, extra={"MODEL": self.name})
+            for job in jobs:
+                self._run_single(job)
+            return
+        self.batches += 1
+        self.batched_requests += len(jobs)
+        start = 0
+        for job, n in zip(jobs, counts):
+            job.outputs = {k: v[start:start + n] for k, v in outputs.items()}
+            start += n
+            self._hand_on(job)
+
+    def _run_single(self, job: Job) -> None:
+        wanted = None if self.spec.post else job.item.request.outputs
+        try:
+            job.outputs = self.model.run(job.values, wanted)
+        except Exception as e:
+            self._fail(job.item, e)
+            return
+        self._hand_on(job)
+
+    def _hand_on(self, job: Job) -> None:
+        if self._post_q is not None:
+            self._post_q.put(job)
+            return
+        try:
+            outputs = self._select(job.item, job.outputs)
+        except Exception as e:
+            self._fail(job.item, e)
+            return
+        self._finish(job.item, Reply(job.item.request.id, outputs=outputs))
+
+    def _select(self, item: WorkItem, outputs: dict[str, Any]) -> dict[str, Any]:
+        wanted = item.request.outputs
+        if wanted:
+            missing = [w for w in wanted if w not in outputs]
+            if missing:
+                raise ModelError(f"model {self.name}: no outputs {missing}; it gives "
+                                 f"{sorted(outputs)}")
+            outputs = {w: outputs[w] for w in wanted}
+        return {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in outputs.items()}
+
+
+def _rows(job: Job) -> int:
+    first = next(iter(job.values.values()), None)
+    return int(first.shape[0]) if isinstance(first, np.ndarray) and first.ndim else 1
+
+
+def _signature(values: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in values.items()))
+
+
+def _batchable(model: LoadedModel) -> bool:
+    """Whether every input's first dimension is free (a batch axis)."""
+    return bool(model.inputs) and all(
+        s.shape and not (isinstance(s.shape[0], int) and s.shape[0] >= 0) for s in model.inputs)

@@ -2,7 +2,8 @@
 
 Downloads (once, cached in .cache/wheels) the wheels that ship the real models and
 copies them to ``<dest>/<name>/1/model.onnx``, with ``examples/models/<name>/model.toml``
-beside them when there is one. A second run downloads nothing. Models are never
+beside them when there is one, and every graph ``examples/models/<graph>/graph.toml`` to
+``<dest>/<graph>/graph.toml``. A second run downloads nothing. Models are never
 committed.
 """
 
@@ -61,6 +62,11 @@ def main() -> int:
         settings = HERE / "models" / name / "model.toml"
         if settings.exists():
             shutil.copyfile(settings, dest / name / "model.toml")
+    # graphs: examples/models/<graph>/graph.toml -> <dest>/<graph>/graph.toml
+    for graph in sorted((HERE / "models").glob("*/graph.toml")):
+        target = dest / graph.parent.name / "graph.toml"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(graph, target)
     return 0
 
 

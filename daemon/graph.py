@@ -1,0 +1,347 @@
+"""Graphs: TOML files in the model repository naming nodes (models and processors) and
+the edges between them; a client calls a graph exactly as it calls a model.
+
+``<repository>/<graph>/graph.toml``::
+
+    executor = "pipeline"          # or "task"
+    inputs = ["image"]             # the graph's input tensors
+    [outputs]                      # graph output -> "node.value"
+    texts = "result.texts"
+
+    [[nodes]]
+    name = "det"                   # letters, digits, '_' and '-'
+    model = "ocr-det"              # a model of the repository ...
+    inputs = { x = "det_pre.x" }   # ... fed from other nodes ("input.<name>": the graph's)
+    rename = { "sigmoid_0.tmp_0" = "pred" }   # optional: output names as others use them
+    foreach = false                # true: the input is a list, one model call per element
+
+    [[nodes]]
+    name = "det_pre"
+    processor = "ocr.det_pre"      # ... or a processor, with its parameters
+    params = { limit_side_len = 736 }
+    inputs = { image = "input.image" }
+
+Edges are the ``inputs`` references. Loading checks the whole graph once: unknown
+processors, nodes that name no model that exists, edges from nodes or graph inputs that
+do not exist, and cycles are load errors that name the culprit. Nodes that feed no graph
+output are dropped after the topological sort.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inferd.daemon.processors import Context, ProcessorRegistry, Step
+from inferd.daemon.repository import Repository, check_name
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+from inferd.ipc.protocol import Reply, Request
+
+log = logging.getLogger(__name__)
+
+GRAPH_FILE = "graph.toml"
+INPUT = "input"
+_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+class Executor:
+    TASK = "task"
+    PIPELINE = "pipeline"
+
+
+@dataclass
+class Node:
+    """One node: a model call or a processor step, with where its inputs come from."""
+
+    name: str
+    model: str | None = None
+    step: Step | None = None
+    processor: str | None = None
+    inputs: dict[str, tuple[str, str]] = field(default_factory=dict)
+    rename: dict[str, str] = field(default_factory=dict)
+    foreach: bool = False
+
+    @property
+    def producers(self) -> set[str]:
+        return {src for src, _ in self.inputs.values()}
+
+
+@dataclass
+class GraphSpec:
+    """A checked graph: live nodes in topological order."""
+
+    name: str
+    executor: str
+    inputs: list[str]
+    outputs: dict[str, tuple[str, str]]
+    nodes: list[Node]
+    dropped: list[str]
+    queue_size: int = 16
+    task_threads: int = 4
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    def consumers(self, name: str) -> list[str]:
+        return [n.name for n in self.nodes if name in n.producers]
+
+
+def _fail(graph: str, message: str, code: ErrorCode = ErrorCode.INVALID_ARGUMENT) -> ModelError:
+    return ModelError(f"graph {graph}: {message}", code)
+
+
+def _ref(graph: str, where: str, ref: Any) -> tuple[str, str]:
+    if not isinstance(ref, str) or "." not in ref:
+        raise _fail(graph, f"{where}: {ref!r} is not a 'node.value' reference")
+    node, value = ref.split(".", 1)
+    return node, value
+
+
+def parse_graph(name: str, raw: dict[str, Any], repo: Repository,
+                registry: ProcessorRegistry) -> GraphSpec:
+    """Check a parsed graph.toml and build its nodes.
+
+    Raises:
+        ModelError: INVALID_ARGUMENT for a malformed graph, a dangling edge, a cycle or
+            an unknown processor; NOT_FOUND for a node naming a missing model.
+    """
+    executor = raw.get("executor", Executor.PIPELINE)
+    if executor not in (Executor.TASK, Executor.PIPELINE):
+        raise _fail(name, f"executor {executor!r}: expected 'task' or 'pipeline'")
+    inputs = raw.get("inputs")
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(i, str) for i in inputs):
+        raise _fail(name, "'inputs' must be a non-empty list of input names")
+    raw_out = raw.get("outputs")
+    if not isinstance(raw_out, dict) or not raw_out:
+        raise _fail(name, "'outputs' must be a table: output name -> 'node.value'")
+    outputs = {k: _ref(name, f"output {k}", v) for k, v in raw_out.items()}
+    raw_nodes = raw.get("nodes")
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise _fail(name, "no [[nodes]]")
+    nodes: dict[str, Node] = {}
+    for i, rn in enumerate(raw_nodes):
+        if not isinstance(rn, dict) or not isinstance(rn.get("name"), str) \
+                or not _NODE.fullmatch(rn["name"]) or rn["name"] == INPUT:
+            raise _fail(name, f"nodes[{i}] needs a 'name' of letters, digits, '_' and '-' "
+                        f"(not '{INPUT}')")
+        nn = rn["name"]
+        if nn in nodes:
+            raise _fail(name, f"node {nn} is defined twice")
+        if ("model" in rn) == ("processor" in rn):
+            raise _fail(name, f"node {nn} needs exactly one of 'model' or 'processor'")
+        node = Node(nn, foreach=bool(rn.get("foreach", False)),
+                    rename=dict(rn.get("rename", {})))
+        raw_in = rn.get("inputs", {})
+        if not isinstance(raw_in, dict) or not raw_in:
+            raise _fail(name, f"node {nn} needs 'inputs' (value name -> 'node.value')")
+        node.inputs = {k: _ref(name, f"node {nn} input {k}", v) for k, v in raw_in.items()}
+        if "model" in rn:
+            node.model = check_name(rn["model"])
+            if not repo.versions(node.model):
+                raise _fail(name, f"node {nn} names model {node.model!r}, which is not in the "
+                            f"repository (models: {', '.join(repo.names()) or 'none'})",
+                            ErrorCode.NOT_FOUND)
+        else:
+            node.processor = rn["processor"]
+            params = rn.get("params", {})
+            if not isinstance(params, dict):
+                raise _fail(name, f"node {nn}: 'params' must be a table")
+            node.step = registry.build({"op": node.processor, **params},
+                                       Context(lambda m: repo.resolve(m).path, name),
+                                       f"graph {name}: node {nn}")
+        nodes[nn] = node
+    # dangling edges: every reference must name a node (or a graph input)
+    for node in nodes.values():
+        for local, (src, value) in node.inputs.items():
+            _check_source(name, src, value, f"{src}.{value} -> {node.name}.{local}", nodes,
+                          inputs)
+    for out, (src, value) in outputs.items():
+        _check_source(name, src, value, f"{src}.{value} -> output {out}", nodes, inputs)
+    order = _toposort(name, nodes)
+    live = _live(outputs, nodes)
+    dropped = [n for n in order if n not in live]
+    if dropped:
+        log.info("graph %s: nodes %s feed no output and are dropped", name,
+                 ", ".join(dropped), extra={"MODEL": name})
+    return GraphSpec(name, executor, list(inputs), outputs,
+                     [nodes[n] for n in order if n in live], dropped,
+                     queue_size=int(raw.get("queue_size", 16)),
+                     task_threads=int(raw.get("task_threads", 4)))
+
+
+def _check_source(graph: str, src: str, value: str, edge: str, nodes: dict[str, Node],
+                  inputs: list[str]) -> None:
+    if src == INPUT:
+        if value not in inputs:
+            raise _fail(graph, f"dangling edge {edge}: the graph has no input {value!r} "
+                        f"(inputs: {', '.join(inputs)})")
+    elif src not in nodes:
+        raise _fail(graph, f"dangling edge {edge}: there is no node {src!r} "
+                    f"(nodes: {', '.join(nodes)})")
+
+
+def _toposort(graph: str, nodes: dict[str, Node]) -> list[str]:
+    pending = {n: {p for p in node.producers if p != INPUT} for n, node in nodes.items()}
+    order: list[str] = []
+    while pending:
+        ready = sorted(n for n, deps in pending.items() if not deps)
+        if not ready:
+            raise _fail(graph, f"cycle among nodes {' -> '.join(_cycle(pending))}")
+        for n in ready:
+            order.append(n)
+            del pending[n]
+        for deps in pending.values():
+            deps.difference_update(ready)
+    return order
+
+
+def _cycle(pending: dict[str, set[str]]) -> list[str]:
+    start = sorted(pending)[0]
+    path, seen = [start], {start}
+    while True:
+        nxt = sorted(pending[path[-1]])[0]
+        if nxt in seen:
+            return path[path.index(nxt):] + [nxt]
+        path.append(nxt)
+        seen.add(nxt)
+
+
+def _live(outputs: dict[str, tuple[str, str]], nodes: dict[str, Node]) -> set[str]:
+    live: set[str] = set()
+    todo = [src for src, _ in outputs.values() if src != INPUT]
+    while todo:
+        n = todo.pop()
+        if n not in live:
+            live.add(n)
+            todo += [p for p in nodes[n].producers if p != INPUT]
+    return live
+
+
+# --------------------------------------------------------------------------- calls
+
+ModelCall = Callable[[str, dict[str, Any], float | None], dict[str, Any]]
+"""(model, inputs, deadline) -> outputs; raises InferdError."""
+
+
+def run_node(spec: GraphSpec, node: Node, values: dict[str, Any], call: ModelCall,
+             deadline: float | None) -> dict[str, Any]:
+    """Run one node on its input values; errors name the graph and the node."""
+    try:
+        if node.step is not None:
+            out = node.step(values)
+            if not isinstance(out, dict):
+                raise ModelError(f"processor returned {type(out).__name__}, not a dict")
+            return out
+        assert node.model is not None
+        if node.foreach:
+            lists = {k: list(v) for k, v in values.items()}
+            n = len(next(iter(lists.values())))
+            results = call_many(call, node.model,
+                                [{k: v[i] for k, v in lists.items()} for i in range(n)],
+                                deadline)
+            merged: dict[str, Any] = {}
+            for r in results:
+                for k, v in r.items():
+                    merged.setdefault(node.rename.get(k, k), []).append(v)
+            return merged
+        out = call(node.model, values, deadline)
+        return {node.rename.get(k, k): v for k, v in out.items()}
+    except InferdError as e:
+        raise InferdError(f"graph {spec.name}: node {node.name}: {e.message}", e.code) from e
+    except Exception as e:
+        log.exception("graph %s: node %s failed", spec.name, node.name,
+                      extra={"MODEL": spec.name})
+        raise InferdError(f"graph {spec.name}: node {node.name}: {type(e).__name__}: {e}",
+                          ErrorCode.INTERNAL) from e
+
+
+def call_many(call: ModelCall, model: str, batch: list[dict[str, Any]],
+              deadline: float | None) -> list[dict[str, Any]]:
+    """Call a model once per element, all in flight together (the model's own pipeline
+    and dynamic batching see them at once)."""
+    starter = getattr(call, "start", None)
+    if starter is None:
+        return [call(model, x, deadline) for x in batch]
+    waits = [starter(model, x, deadline) for x in batch]
+    return [w() for w in waits]
+
+
+def gather(node: Node, packets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A node's input values from its producers' output dicts."""
+    values = {}
+    for local, (src, value) in node.inputs.items():
+        produced = packets[src]
+        if value not in produced:
+            raise InferdError(f"node {node.name}: producer {src} gave no value {value!r} "
+                              f"(it gave {', '.join(sorted(produced))})",
+                              ErrorCode.INVALID_ARGUMENT)
+        values[local] = produced[value]
+    return values
+
+
+def graph_outputs(spec: GraphSpec, packets: dict[str, dict[str, Any]],
+                  request: Request) -> dict[str, Any]:
+    import numpy as np
+
+    out = {}
+    for name, (src, value) in spec.outputs.items():
+        if request.outputs and name not in request.outputs:
+            continue
+        if value not in packets[src]:
+            raise InferdError(f"graph {spec.name}: output {name}: node {src} gave no value "
+                              f"{value!r}", ErrorCode.INTERNAL)
+        v = packets[src][value]
+        out[name] = v if isinstance(v, np.ndarray) else np.asarray(v)
+    if request.outputs:
+        missing = [o for o in request.outputs if o not in spec.outputs]
+        if missing:
+            raise InferdError(f"graph {spec.name}: no outputs {missing}; it gives "
+                              f"{sorted(spec.outputs)}", ErrorCode.INVALID_ARGUMENT)
+    return out
+
+
+def check_graph_inputs(spec: GraphSpec, request: Request) -> None:
+    missing = [i for i in spec.inputs if i not in request.inputs]
+    extra = [i for i in request.inputs if i not in spec.inputs]
+    if missing or extra:
+        raise InferdError(f"graph {spec.name}: takes inputs {spec.inputs}; missing {missing}, "
+                          f"unknown {extra}", ErrorCode.INVALID_ARGUMENT)
+
+
+def error_reply(request: Request, e: Exception) -> Reply:
+    if isinstance(e, InferdError):
+        return Reply(request.id, error=(e.code, e.message))
+    return Reply(request.id, error=(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))
+
+
+def load_graph_file(repo: Repository, name: str,
+                    registry: ProcessorRegistry) -> GraphSpec | None:
+    """The graph ``name`` from ``<repo>/<name>/graph.toml``, or None if there is none."""
+    path = Path(repo.root) / check_name(name) / GRAPH_FILE
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise _fail(name, f"cannot read {path}: {e}") from e
+    started = time.monotonic()
+    spec = parse_graph(name, raw, repo, registry)
+    log.info("graph %s loaded from %s (%s executor, %d nodes) in %.0f ms", name, path,
+             spec.executor, len(spec.nodes), (time.monotonic() - started) * 1000,
+             extra={"MODEL": name})
+    return spec
+
+
+def graph_names(repo: Repository) -> list[str]:
+    root = Path(repo.root)
+    if not root.is_dir():
+        return []
+    return sorted(p.parent.name for p in root.glob(f"*/{GRAPH_FILE}"))
+

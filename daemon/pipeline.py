@@ -1,0 +1,131 @@
+"""Per-model pipeline settings read from ``model.toml``, and thread placement.
+
+The keys this module owns (``instances``, ``backends`` and ``queue_size`` are read by
+the model manager)::
+
+    cpu_affinity = [0, 1]          # cores every thread of the model may run on
+    max_batch = 8                  # dynamic batching: rows merged into one run (1 = off)
+    max_delay_ms = 2.0             # how long the first request waits for company
+    stage_queue_size = 8           # bounded queue between two stages
+    pre = [{ op = "image.resize", height = 48, width = 192 }, ...]
+    post = [{ op = "softmax", input = "prob" }, ...]
+
+A model with ``pre`` steps gets a ``inferd-<model>-pre`` thread, one with ``post`` steps
+a ``inferd-<model>-post`` thread; the ``instances`` inference threads are
+``inferd-<model>-infer-<i>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inferd.daemon.processors import Context, ProcessorRegistry, Step
+from inferd.ipc.errors import ErrorCode, ModelError
+
+log = logging.getLogger(__name__)
+
+PIPELINE_KEYS = ("cpu_affinity", "max_batch", "max_delay_ms", "stage_queue_size", "pre",
+                 "post")
+
+
+@dataclass
+class PipelineSpec:
+    """What a model's threads do besides inference, and where they run."""
+
+    pre: list[tuple[str, Step]] = field(default_factory=list)
+    post: list[tuple[str, Step]] = field(default_factory=list)
+    cpu_affinity: list[int] | None = None
+    max_batch: int = 1
+    max_delay_ms: float = 0.0
+    stage_queue_size: int = 8
+
+
+def _int(name: str, key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ModelError(f"model {name}: model.toml '{key}' = {value!r}: expected an integer "
+                         f">= {minimum}", ErrorCode.INTERNAL)
+    return value
+
+
+def parse_spec(name: str, raw: dict[str, Any], registry: ProcessorRegistry | None,
+               model_path: Callable[[str], Path] | None = None) -> PipelineSpec:
+    """Build the pipeline spec of model ``name`` from its parsed model.toml.
+
+    Raises:
+        ModelError: a bad value, naming the model, the key and what was expected.
+    """
+    spec = PipelineSpec()
+    cores = raw.get("cpu_affinity")
+    if cores is not None:
+        if (not isinstance(cores, list) or not cores
+                or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                           for c in cores)):
+            raise ModelError(f"model {name}: model.toml 'cpu_affinity' = {cores!r}: expected a "
+                             f"non-empty list of core numbers", ErrorCode.INTERNAL)
+        available = os.sched_getaffinity(0)
+        missing = sorted(set(cores) - available)
+        if missing:
+            raise ModelError(f"model {name}: cpu_affinity names cores {missing} that this "
+                             f"process cannot use (it may use {sorted(available)})",
+                             ErrorCode.INTERNAL)
+        spec.cpu_affinity = sorted(set(cores))
+    spec.max_batch = _int(name, "max_batch", raw.get("max_batch", 1), 1)
+    delay = raw.get("max_delay_ms", 0.0)
+    if isinstance(delay, bool) or not isinstance(delay, int | float) or delay < 0:
+        raise ModelError(f"model {name}: model.toml 'max_delay_ms' = {delay!r}: expected a "
+                         f"number >= 0", ErrorCode.INTERNAL)
+    spec.max_delay_ms = float(delay)
+    spec.stage_queue_size = _int(name, "stage_queue_size", raw.get("stage_queue_size", 8), 1)
+    for key in ("pre", "post"):
+        steps = raw.get(key, [])
+        if not isinstance(steps, list):
+            raise ModelError(f"model {name}: model.toml '{key}' must be a list of step tables",
+                             ErrorCode.INTERNAL)
+        if steps and registry is None:
+            raise ModelError(f"model {name}: '{key}' steps given but no processors",
+                             ErrorCode.INTERNAL)
+        built = []
+        for i, step in enumerate(steps):
+            where = f"model {name}: {key}[{i}]"
+            assert registry is not None
+            built.append((f"{key}[{i}] {step.get('op') if isinstance(step, dict) else '?'}",
+                          registry.build(step, Context(model_path, name), where)))
+        setattr(spec, key, built)
+    return spec
+
+
+@dataclass
+class Placement:
+    """Where one pipeline thread runs, as read back from the kernel."""
+
+    thread: str
+    stage: str
+    native_id: int | None = None
+    affinity: list[int] = field(default_factory=list)
+    backend: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"thread": self.thread, "stage": self.stage, "native_id": self.native_id,
+                "affinity": self.affinity, "backend": self.backend, "error": self.error}
+
+
+def pin_current_thread(placement: Placement, cores: list[int] | None, model: str) -> None:
+    """Apply ``cores`` to the calling thread through its native id and record the
+    affinity the kernel reports back."""
+    tid = threading.get_native_id()
+    placement.native_id = tid
+    if cores:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError as e:
+            placement.error = f"sched_setaffinity({cores}) failed: {e.strerror}"
+            log.warning("model %s: thread %s: %s", model, placement.thread, placement.error,
+                        extra={"MODEL": model})
+    placement.affinity = sorted(os.sched_getaffinity(tid))
