@@ -245,7 +245,7 @@ def run_node(spec: GraphSpec, node: Node, values: dict[str, Any], call: ModelCal
             results = call_many(call, node.model,
                                 [{k: v[i] for k, v in lists.items()} for i in range(n)],
                                 deadline)
-            merged: dict[str, Any] = {}
+            merged: dict[str, Any] = {} if results else EmptyLists()
             for r in results:
                 for k, v in r.items():
                     merged.setdefault(node.rename.get(k, k), []).append(v)
@@ -261,6 +261,18 @@ def run_node(spec: GraphSpec, node: Node, values: dict[str, Any], call: ModelCal
                           ErrorCode.INTERNAL) from e
 
 
+class EmptyLists(dict[str, Any]):
+    """The outputs of a foreach node that ran on an empty list: whatever output a
+    consumer asks for is an empty list (the model was never called, so its output names
+    are not known here)."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __missing__(self, key: str) -> list[Any]:
+        return []
+
+
 def call_many(call: ModelCall, model: str, batch: list[dict[str, Any]],
               deadline: float | None) -> list[dict[str, Any]]:
     """Call a model once per element, all in flight together (the model's own pipeline
@@ -272,13 +284,14 @@ def call_many(call: ModelCall, model: str, batch: list[dict[str, Any]],
     return [w() for w in waits]
 
 
-def gather(node: Node, packets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def gather(graph: str, node: Node, packets: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A node's input values from its producers' output dicts."""
     values = {}
     for local, (src, value) in node.inputs.items():
         produced = packets[src]
         if value not in produced:
-            raise InferdError(f"node {node.name}: producer {src} gave no value {value!r} "
+            raise InferdError(f"graph {graph}: node {node.name}: producer {src} gave no "
+                              f"value {value!r} "
                               f"(it gave {', '.join(sorted(produced))})",
                               ErrorCode.INVALID_ARGUMENT)
         values[local] = produced[value]

@@ -154,7 +154,7 @@ class _TaskRun:
             if self.ticket.expired():
                 raise InferdError(f"graph {spec.name}: deadline passed before node {name}",
                                   ErrorCode.DEADLINE_EXCEEDED)
-            out = run_node(spec, node, gather(node, self.packets), self.ex._call,
+            out = run_node(spec, node, gather(spec.name, node, self.packets), self.ex._call,
                            _deadline(self.ticket))
         except Exception as e:
             self._end(error_reply(self.request, e))
@@ -314,7 +314,8 @@ class PipelineExecutor:
                     if first.ticket.expired():
                         raise InferdError(f"graph {self.spec.name}: deadline passed before "
                                           f"node {name}", ErrorCode.DEADLINE_EXCEEDED)
-                    values = gather(node, {s: p.values for s, p in zip(sources, packets)})
+                    values = gather(self.spec.name, node,
+                                    {s: p.values for s, p in zip(sources, packets)})
                     result = run_node(self.spec, node, values, self._call,
                                       _deadline(first.ticket))
                     out.put(Packet(first.request, first.ticket, result))
@@ -419,8 +420,8 @@ class GraphManager:
                             nodes=[{"name": n.name, "model": n.model,
                                     "processor": n.processor} for n in ex.spec.nodes],
                             dropped=ex.spec.dropped, threads=ex.threads(),
-                            inputs=[{"name": i} for i in ex.spec.inputs],
-                            outputs=[{"name": o} for o in ex.spec.outputs])
+                            graph_inputs=list(ex.spec.inputs),
+                            graph_outputs=list(ex.spec.outputs))
             out.append(info)
         return out
 

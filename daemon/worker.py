@@ -123,6 +123,7 @@ class Workers:
         self._post_q: queue.Queue[Job | None] | None = (
             queue.Queue(size) if self.spec.post else None)
         self.placements: list[Placement] = []
+        self._placed = threading.Semaphore(0)
         self.threads: list[threading.Thread] = []
         if self.spec.pre:
             self._add("pre", f"inferd-{name}-pre", self._pre_loop)
@@ -140,6 +141,7 @@ class Workers:
 
         def run() -> None:
             pin_current_thread(placement, self.spec.cpu_affinity, self.name)
+            self._placed.release()
             try:
                 target(placement)
             finally:
@@ -151,8 +153,11 @@ class Workers:
         return [p.to_json() for p in self.placements]
 
     def start(self) -> None:
+        """Start every thread and return once each has applied its placement."""
         for t in self.threads:
             t.start()
+        for _ in self.threads:
+            self._placed.acquire(timeout=10)
 
     def stop(self, timeout: float | None = None) -> bool:
         """Send the sentinel through the stages and join; True if all ended in time."""

@@ -87,6 +87,15 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
                 out += (f"\n\n{m['name']}\n  inputs:  {_tensors(m['inputs'])}"
                         f"\n  outputs: {_tensors(m['outputs'])}"
                         f"\n  threads: {', '.join(m.get('threads', [])) or '-'}")
+            if m.get("kind") == "graph" and m.get("threads"):
+                out += (f"\n\n{m['name']} (graph, {m['executor']} executor)"
+                        f"\n  inputs:  {', '.join(m['graph_inputs'])}"
+                        f"\n  outputs: {', '.join(m['graph_outputs'])}"
+                        f"\n  threads: {', '.join(m['threads'])}")
+            for p in m.get("placement", []):
+                out += (f"\n    {p['thread']}: stage {p['stage']}, native id {p['native_id']}, "
+                        f"cpus {_cores(p['affinity'])}, backend {p['backend'] or '-'}"
+                        + (f" ({p['error']})" if p.get("error") else ""))
     return out
 
 
@@ -94,6 +103,10 @@ def show_reload(r: dict[str, Any]) -> str:
     lines = [f"{kind}: {', '.join(r[kind])}" for kind in
              ("added", "removed", "changed", "failed", "needs_restart") if r.get(kind)]
     return "\n".join(lines) or "reloaded: nothing changed"
+
+
+def _cores(cores: list[int]) -> str:
+    return ",".join(map(str, cores)) if cores else "-"
 
 
 def show_backends(b: dict[str, Any]) -> str:
@@ -129,13 +142,38 @@ def _wait(args: argparse.Namespace) -> int:
     return 1
 
 
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"}
+
+
+def _load_input(path: str) -> np.ndarray:
+    """A .npy file as saved, or an image file as uint8 HxWx3 BGR (OpenCV's order, what
+    the OCR graph takes), decoded with OpenCV or else Pillow."""
+    if Path(path).suffix.lower() not in IMAGE_SUFFIXES:
+        return np.load(path, allow_pickle=False)
+    try:
+        import cv2
+    except ImportError:
+        cv2 = None
+    if cv2 is not None:
+        img = cv2.imread(path, cv2.IMREAD_COLOR)
+        if img is None:
+            raise SystemExit(f"inferctl: cannot decode image {path}")
+        return img
+    try:
+        from PIL import Image
+    except ImportError:
+        raise SystemExit(f"inferctl: reading {path} needs OpenCV or Pillow") from None
+    with Image.open(path) as im:
+        return np.ascontiguousarray(np.array(im.convert("RGB"))[:, :, ::-1])
+
+
 def _infer(c: Client, args: argparse.Namespace) -> None:
     inputs = {}
     for spec in args.input:
         name, sep, path = spec.partition("=")
         if not sep:
             raise SystemExit(f"inferctl: -i expects NAME=FILE.npy, got {spec!r}")
-        inputs[name] = np.load(path, allow_pickle=False)
+        inputs[name] = _load_input(path)
     outputs = c.infer(args.model, inputs, args.output_names)
     if args.out_dir:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
@@ -183,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--timeout", type=float, default=30.0)
     i = sub.add_parser("infer", help="run a model on .npy inputs")
     i.add_argument("model")
-    i.add_argument("-i", "--input", action="append", default=[], metavar="NAME=FILE.npy")
+    i.add_argument("-i", "--input", action="append", default=[], metavar="NAME=FILE",
+                   help="an input: a .npy file, or an image (.png, .jpg...) as uint8 BGR")
     i.add_argument("-o", "--out-dir", default=None, help="write each output as NAME.npy")
     i.add_argument("--output", action="append", dest="output_names", default=None,
                    help="only this output (repeatable)")

@@ -30,6 +30,10 @@ try:
     import cv2
 except ImportError:  # optional: python3-opencv; the OCR steps refuse to build without it
     cv2 = None
+try:
+    import pyclipper
+except ImportError:  # optional: python3-pyclipper; without it unclip is done with numpy
+    pyclipper = None
 
 
 def _need_cv2(name: str) -> None:
@@ -113,18 +117,24 @@ def _box_score(pred: NDArray[Any], box: NDArray[Any]) -> float:
     return float(cv2.mean(pred[ymin:ymax + 1, xmin:xmax + 1], mask)[0])
 
 
-def _unclip(box: NDArray[np.float32], ratio: float) -> NDArray[np.float32]:
-    """Grow a rectangle by DB's offset distance (area * ratio / perimeter) on every side.
+def _unclip(box: NDArray[np.float32], ratio: float) -> NDArray[Any]:
+    """Grow a box by DB's offset distance (area * ratio / perimeter) on every side.
 
-    The round-joined polygon offset of a rectangle has, as its minimum-area rectangle,
-    the same rectangle grown by the distance; so the box after unclip + minAreaRect is
-    computed directly (pyclipper rounds to whole pixels, which this does not)."""
+    With pyclipper this is PaddleOCR's round-joined polygon offset on whole pixels
+    (bit-for-bit what RapidOCR does). Without it, the rectangle is grown directly: the
+    minimum-area rectangle of a rectangle's offset is the rectangle grown by the
+    distance, so only pyclipper's pixel rounding differs (boxes within a pixel, which
+    can flip a borderline space in the recognised text)."""
     area = 0.5 * abs(float(np.dot(box[:, 0], np.roll(box[:, 1], 1))
                            - np.dot(box[:, 1], np.roll(box[:, 0], 1))))
     length = float(np.sum(np.linalg.norm(box - np.roll(box, 1, axis=0), axis=1)))
     if length == 0:
         return box
     d = area * ratio / length
+    if pyclipper is not None:
+        offset = pyclipper.PyclipperOffset()
+        offset.AddPath(box, pyclipper.JT_ROUND, pyclipper.ET_CLOSEDPOLYGON)
+        return np.array(offset.Execute(d)).reshape((-1, 1, 2))
     centre = box.mean(axis=0)
     u = box[1] - box[0]
     v = box[3] - box[0]

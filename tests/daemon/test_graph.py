@@ -1,0 +1,289 @@
+"""Graphs (daemon/graph.py, daemon/graphs.py) in-process over a real model manager with
+real ONNX models: load errors name the culprit, dead nodes are dropped, both executors
+give identical results, the multi-consumer edge keeps packets until all consumers took
+them, and user processor files are logged and skipped when broken."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from inferd.daemon.config import load_config
+from inferd.daemon.graphs import Edge, GraphManager
+from inferd.daemon.models import ModelManager
+from inferd.daemon.processors import ProcessorRegistry
+from inferd.daemon.repository import Repository
+from inferd.daemon.worker import LocalTicket, route_replies
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+from inferd.ipc.protocol import Op, Reply, Request
+from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
+from inferd.libbackends.registry import Registry
+
+CLS_OUT = "save_infer_model/scale_0.tmp_1"
+
+TWO_BRANCHES = f"""
+executor = "{{executor}}"
+inputs = ["x"]
+[outputs]
+top = "join.top"
+probs = "join.probs"
+
+[[nodes]]
+name = "cls"
+model = "ocr-cls"
+inputs = {{{{ x = "input.x" }}}}
+rename = {{{{ "{CLS_OUT}" = "probs" }}}}
+
+[[nodes]]
+name = "top"
+processor = "topk"
+params = {{{{ k = 1, input = "probs", labels = ["0", "180"] }}}}
+inputs = {{{{ probs = "cls.probs" }}}}
+
+[[nodes]]
+name = "scale"
+processor = "image.normalize"
+params = {{{{ input = "x", scale = 2.0 }}}}
+inputs = {{{{ x = "input.x" }}}}
+
+[[nodes]]
+name = "cls2"
+model = "ocr-cls"
+inputs = {{{{ x = "scale.x" }}}}
+rename = {{{{ "{CLS_OUT}" = "probs" }}}}
+
+[[nodes]]
+name = "join"
+processor = "rename"
+params = {{{{ mapping = {{{{ labels = "top" }}}} }}}}
+inputs = {{{{ labels = "top.topk_labels", probs = "cls2.probs" }}}}
+
+[[nodes]]
+name = "unused"
+processor = "softmax"
+inputs = {{{{ x = "input.x" }}}}
+"""
+
+
+class Harness:
+    """A model manager and a graph manager over a temporary repository."""
+
+    def __init__(self, root: Path, models_dir: Path) -> None:
+        root.mkdir(exist_ok=True)
+        for name in ("ocr-cls",):
+            (root / name).mkdir()
+            (root / name / "1").symlink_to(models_dir / name / "1")
+        self.root = root
+        config = load_config(None, {"models.repository": str(root)})
+        repo = Repository(root)
+        registry = Registry()
+        registry.register(OnnxRuntimeCpuBackend())
+        reply = route_replies(self._wire_reply)
+        self.models = ModelManager(repo, registry, config, reply, lambda: None)
+        self.processors = ProcessorRegistry()
+        self.models.processors = self.processors
+        self.graphs = GraphManager(repo, self.processors, self.models.submit, reply,
+                                   lambda: None)
+
+    @staticmethod
+    def _wire_reply(ticket: Any, reply: Reply) -> None:
+        raise AssertionError("no wire tickets in these tests")
+
+    def write(self, name: str, text: str) -> None:
+        (self.root / name).mkdir(exist_ok=True)
+        (self.root / name / "graph.toml").write_text(text)
+
+    def call(self, graph: str, inputs: dict[str, np.ndarray],
+             timeout: float = 60.0) -> Reply:
+        return self.call_many(graph, [inputs], timeout)[0]
+
+    def call_many(self, graph: str, batch: list[dict[str, np.ndarray]],
+                  timeout: float = 60.0) -> list[Reply]:
+        replies: dict[int, Reply] = {}
+        cond = threading.Condition()
+
+        def deliver(i: int) -> Any:
+            def put(reply: Reply) -> None:
+                with cond:
+                    assert i not in replies
+                    replies[i] = reply
+                    cond.notify_all()
+            return put
+        for i, inputs in enumerate(batch):
+            self.graphs.submit(Request(f"q{i}", Op.INFER, model=graph, inputs=inputs),
+                               LocalTicket(f"q{i}", deliver(i)))
+        with cond:
+            assert cond.wait_for(lambda: len(replies) == len(batch), timeout)
+        return [replies[i] for i in range(len(batch))]
+
+    def stop(self) -> None:
+        assert self.graphs.stop(30)
+        assert self.models.stop(30)
+
+
+@pytest.fixture
+def harness(tmp_path: Path, models_dir: Path) -> Iterator[Harness]:
+    h = Harness(tmp_path / "repo", models_dir)
+    yield h
+    h.stop()
+
+
+def images(n: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(7)
+    return [{"x": rng.standard_normal((1 + i % 2, 3, 48, 192)).astype(np.float32)}
+            for i in range(n)]
+
+
+def test_both_executors_give_identical_results_on_the_same_graph(harness: Harness) -> None:
+    harness.write("g_task", TWO_BRANCHES.format(executor="task"))
+    harness.write("g_pipe", TWO_BRANCHES.format(executor="pipeline"))
+    batch = images(6)
+    task = harness.call_many("g_task", batch)
+    pipe = harness.call_many("g_pipe", batch)
+    for t, p, inputs in zip(task, pipe, batch):
+        assert t.ok and p.ok, (t.error, p.error)
+        assert sorted(t.outputs) == ["probs", "top"]
+        assert t.outputs["top"].dtype == object and t.outputs["top"].shape == (len(inputs["x"]), 1)
+        assert t.outputs["top"].tolist() == p.outputs["top"].tolist()
+        np.testing.assert_array_equal(t.outputs["probs"], p.outputs["probs"])
+    described = {g["name"]: g for g in harness.graphs.describe()}
+    assert described["g_pipe"]["dropped"] == ["unused"]
+    assert "inferd-g_pipe-cls" in described["g_pipe"]["threads"]
+    assert not any("unused" in t for t in described["g_pipe"]["threads"])
+
+
+def test_graph_request_errors_reach_only_their_own_request(harness: Harness) -> None:
+    harness.write("g", TWO_BRANCHES.format(executor="pipeline"))
+    good = images(1)[0]
+    bad = {"x": np.zeros((1, 3, 48), np.float32)}  # wrong rank for ocr-cls
+    replies = harness.call_many("g", [good, bad, good])
+    assert replies[0].ok and replies[2].ok
+    assert replies[1].error[0] is ErrorCode.INVALID_ARGUMENT
+    assert "graph g: node cls" in replies[1].error[1] or "node cls2" in replies[1].error[1]
+    with pytest.raises(InferdError) as e:
+        harness.graphs.submit(Request("x", Op.INFER, model="g", inputs={"y": good["x"]}),
+                              LocalTicket("x", lambda r: None))
+    assert e.value.code is ErrorCode.INVALID_ARGUMENT and "missing ['x']" in e.value.message
+
+
+BAD_GRAPHS = {
+    "cycle": ("""inputs = ["x"]
+outputs = { y = "b.x" }
+[[nodes]]
+name = "a"
+processor = "softmax"
+inputs = { x = "b.x", z = "input.x" }
+[[nodes]]
+name = "b"
+processor = "softmax"
+inputs = { x = "a.x" }
+""", ErrorCode.INVALID_ARGUMENT, "cycle among nodes a -> b -> a"),
+    "dangling": ("""inputs = ["x"]
+outputs = { y = "a.x" }
+[[nodes]]
+name = "a"
+processor = "softmax"
+inputs = { x = "ghost.x" }
+""", ErrorCode.INVALID_ARGUMENT, "dangling edge ghost.x -> a.x: there is no node 'ghost'"),
+    "dangling_input": ("""inputs = ["x"]
+outputs = { y = "a.x" }
+[[nodes]]
+name = "a"
+processor = "softmax"
+inputs = { x = "input.image" }
+""", ErrorCode.INVALID_ARGUMENT, "the graph has no input 'image'"),
+    "dangling_output": ("""inputs = ["x"]
+outputs = { y = "nobody.x" }
+[[nodes]]
+name = "a"
+processor = "softmax"
+inputs = { x = "input.x" }
+""", ErrorCode.INVALID_ARGUMENT, "dangling edge nobody.x -> output y"),
+    "missing_model": ("""inputs = ["x"]
+outputs = { y = "a.y" }
+[[nodes]]
+name = "a"
+model = "ocr-nothing"
+inputs = { x = "input.x" }
+""", ErrorCode.NOT_FOUND, "node a names model 'ocr-nothing', which is not in the repository"),
+    "bad_processor": ("""inputs = ["x"]
+outputs = { y = "a.y" }
+[[nodes]]
+name = "a"
+processor = "nope"
+inputs = { x = "input.x" }
+""", ErrorCode.INVALID_ARGUMENT, "unknown processor 'nope'"),
+    "bad_executor": ("""executor = "magic"
+inputs = ["x"]
+outputs = { y = "a.y" }
+""", ErrorCode.INVALID_ARGUMENT, "executor 'magic'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_GRAPHS))
+def test_graph_load_errors_name_the_culprit(harness: Harness, name: str) -> None:
+    text, code, words = BAD_GRAPHS[name]
+    harness.write(name, text)
+    assert harness.graphs.is_graph(name)
+    with pytest.raises(ModelError) as e:
+        harness.graphs.submit(Request("r", Op.INFER, model=name, inputs={}),
+                              LocalTicket("r", lambda r: None))
+    assert e.value.code is code
+    assert f"graph {name}: " in e.value.message and words in e.value.message, e.value.message
+
+
+def test_edge_keeps_a_packet_until_every_consumer_took_it_and_blocks_when_full() -> None:
+    edge = Edge("e", ["a", "b"], capacity=2)
+    assert edge.put(1, block=False) and edge.put(2, block=False)
+    assert not edge.put(3, block=False)  # full: the producer would block
+    assert edge.get("a") == 1 and edge.get("a") == 2
+    assert edge.held() == 2  # b has taken nothing yet
+    assert edge.get("b") == 1
+    assert edge.held() == 1 and edge.put(3, block=False)
+    blocked = threading.Event()
+    done = threading.Event()
+
+    def producer() -> None:
+        blocked.set()
+        edge.put(4)  # blocks until b takes 2
+        done.set()
+    t = threading.Thread(target=producer)
+    t.start()
+    blocked.wait()
+    assert not done.is_set()
+    assert edge.get("b") == 2
+    assert done.wait(10)
+    t.join()
+    assert [edge.get("a"), edge.get("a"), edge.get("b"), edge.get("b")] == [3, 4, 3, 4]
+    assert edge.held() == 0
+
+
+def test_user_processor_files_are_logged_and_skipped_when_broken(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "good.py").write_text(
+        "def double(values):\n    return {k: v * 2 for k, v in values.items()}\n"
+        "PROCESSORS = {'double': lambda: double}\n")
+    (tmp_path / "syntax.py").write_text("def broken(:\n")
+    (tmp_path / "nodict.py").write_text("X = 1\n")
+    (tmp_path / "clash.py").write_text("PROCESSORS = {'softmax': lambda: None}\n")
+    registry = ProcessorRegistry()
+    with caplog.at_level(logging.WARNING, logger="inferd.daemon.processors"):
+        assert registry.load_directory(tmp_path) == ["double"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3
+    by_file = {Path(r.PLUGIN_PATH).name: (r.STAGE, r.getMessage()) for r in warnings}
+    assert by_file["syntax.py"][0] == "import" and "SyntaxError" in by_file["syntax.py"][1]
+    assert by_file["nodict.py"][0] == "contract" and "PROCESSORS" in by_file["nodict.py"][1]
+    assert by_file["clash.py"][0] == "register" and "softmax" in by_file["clash.py"][1]
+    for r in warnings:
+        assert str(tmp_path) in r.getMessage()
+    step = registry.build({"op": "double"}, __import__(
+        "inferd.daemon.processors", fromlist=["Context"]).Context(), "test")
+    assert step({"x": np.ones(2)})["x"].tolist() == [2, 2]
+    assert "double" in registry.names() and "ocr.det_post" in registry.names()

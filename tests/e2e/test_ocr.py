@@ -1,0 +1,117 @@
+"""The OCR graph served by a real daemon against rapidocr-onnxruntime 1.4.4 (default
+settings) on generated images: different fonts, sizes, a tilted and an upside-down one.
+Same texts, boxes within a few pixels; both executors agree; inferctl prints the texts
+of a PNG."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from inferd.ipc import RequestError
+from inferd.ipc.errors import ErrorCode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ocr_images import CASES, fonts_available, render  # noqa: E402
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not fonts_available(),
+                                 reason="DejaVu fonts missing (Debian fonts-dejavu-core)")]
+
+BOX_TOLERANCE_PX = 3.0
+
+
+@pytest.fixture(scope="module")
+def rapid() -> Any:
+    rapidocr = pytest.importorskip("rapidocr_onnxruntime")
+    return rapidocr.RapidOCR()
+
+
+def reference(engine: Any, image: np.ndarray) -> tuple[list[str], np.ndarray]:
+    result, _ = engine(image)
+    if not result:
+        return [], np.zeros((0, 4, 2), np.float32)
+    return [r[1] for r in result], np.array([r[0] for r in result], np.float32)
+
+
+@pytest.fixture
+def ocr_repo(short_tmp: Path, models_dir: Path) -> Path:
+    """A repository with the three OCR models, the ocr graph and a task-parallel copy."""
+    repo = short_tmp / "repo"
+    repo.mkdir()
+    for name in ("ocr-det", "ocr-cls", "ocr-rec"):
+        (repo / name).mkdir()
+        (repo / name / "1").symlink_to(models_dir / name / "1")
+        if (models_dir / name / "model.toml").exists():
+            shutil.copy(models_dir / name / "model.toml", repo / name)
+    graph = (models_dir / "ocr" / "graph.toml").read_text()
+    for name, executor in (("ocr", "pipeline"), ("ocr-task", "task")):
+        (repo / name).mkdir()
+        (repo / name / "graph.toml").write_text(
+            graph.replace('executor = "pipeline"', f'executor = "{executor}"'))
+    return repo
+
+
+def test_ocr_graph_matches_rapidocr_on_generated_images(start_daemon: Any, ocr_repo: Path,
+                                                        rapid: Any) -> None:
+    daemon = start_daemon("--models", str(ocr_repo))
+    with daemon.client(timeout=120) as c:
+        for lines, font, size, rotation in CASES:
+            image = render(lines, font, size, rotation)
+            want_texts, want_boxes = reference(rapid, image)
+            assert want_texts, f"RapidOCR read nothing in {lines}"
+            got = c.infer("ocr", {"image": image})
+            case = f"{lines} {font} {size}px rotated {rotation}"
+            assert sorted(got) == ["boxes", "scores", "texts"]
+            assert got["texts"].tolist() == want_texts, case
+            assert all(isinstance(t, str) for t in got["texts"].tolist())
+            assert got["boxes"].dtype == np.float32 and got["boxes"].shape == (
+                len(want_texts), 4, 2)
+            assert got["scores"].dtype == np.float32 and got["scores"].shape == (
+                len(want_texts),)
+            assert np.all(got["scores"] >= 0.5)
+            worst = float(np.abs(got["boxes"] - want_boxes).max())
+            assert worst <= BOX_TOLERANCE_PX, f"{case}: boxes differ by {worst} px"
+        blank = np.full((200, 400, 3), 255, np.uint8)
+        empty = c.infer("ocr", {"image": blank})
+        assert empty["texts"].shape == (0,) and empty["boxes"].shape == (0, 4, 2)
+
+
+def test_both_executors_agree_on_the_ocr_graph(start_daemon: Any, ocr_repo: Path) -> None:
+    daemon = start_daemon("--models", str(ocr_repo))
+    with daemon.client(timeout=120) as c:
+        images = [render(*case) for case in CASES[:3]]
+        pending = [(c.submit("infer", "ocr", inputs={"image": im}),
+                    c.submit("infer", "ocr-task", inputs={"image": im})) for im in images]
+        for p, t in pending:
+            a, b = p.result(), t.result()
+            assert a["texts"].tolist() == b["texts"].tolist()
+            np.testing.assert_array_equal(a["boxes"], b["boxes"])
+            np.testing.assert_array_equal(a["scores"], b["scores"])
+        models = {m["name"]: m for m in c.models(verbose=True)}
+        assert models["ocr"]["kind"] == "graph" and models["ocr"]["executor"] == "pipeline"
+        assert models["ocr-task"]["executor"] == "task"
+        assert "inferd-ocr-det" in models["ocr"]["threads"]
+        with pytest.raises(RequestError) as e:
+            c.infer("ocr", {"image": np.zeros((4, 4), np.float32)})
+        assert e.value.code is ErrorCode.INVALID_ARGUMENT and "uint8" in e.value.message
+
+
+def test_inferctl_infer_ocr_prints_the_texts_of_a_png(start_daemon: Any, ocr_repo: Path,
+                                                      short_tmp: Path) -> None:
+    from PIL import Image
+
+    daemon = start_daemon("--models", str(ocr_repo))
+    png = short_tmp / "photo.png"
+    Image.fromarray(render(["Hello world 123"], "DejaVuSans.ttf", 32)[:, :, ::-1]).save(png)
+    out = subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--socket",
+                          daemon.endpoint, "infer", "ocr", "-i", f"image={png}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "texts:\n  Hello world 123" in out.stdout, out.stdout
