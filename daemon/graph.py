@@ -4,6 +4,9 @@ the edges between them; a client calls a graph exactly as it calls a model.
 ``<repository>/<graph>/graph.toml``::
 
     executor = "pipeline"          # or "task"
+    queue_size = 16                # pipeline: frames held per edge before backpressure
+    input_queue_size = 64          # frames that may wait to enter (then RESOURCE_EXHAUSTED)
+    task_threads = 4               # task: the pool's threads
     inputs = ["image"]             # the graph's input tensors
     [outputs]                      # graph output -> "node.value"
     texts = "result.texts"
@@ -83,6 +86,7 @@ class GraphSpec:
     nodes: list[Node]
     dropped: list[str]
     queue_size: int = 16
+    input_queue_size: int = 64
     task_threads: int = 4
 
     def node(self, name: str) -> Node:
@@ -171,8 +175,16 @@ def parse_graph(name: str, raw: dict[str, Any], repo: Repository,
                  ", ".join(dropped), extra={"MODEL": name})
     return GraphSpec(name, executor, list(inputs), outputs,
                      [nodes[n] for n in order if n in live], dropped,
-                     queue_size=int(raw.get("queue_size", 16)),
-                     task_threads=int(raw.get("task_threads", 4)))
+                     queue_size=_positive(name, raw, "queue_size", 16),
+                     input_queue_size=_positive(name, raw, "input_queue_size", 64),
+                     task_threads=_positive(name, raw, "task_threads", 4))
+
+
+def _positive(graph: str, raw: dict[str, Any], key: str, default: int) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(graph, f"{key!r} = {value!r}: expected a positive integer")
+    return value
 
 
 def _check_source(graph: str, src: str, value: str, edge: str, nodes: dict[str, Node],

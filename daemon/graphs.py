@@ -260,7 +260,8 @@ class PipelineExecutor:
         self.edges: dict[str, Edge] = {}
         for producer in [INPUT, *[n.name for n in spec.nodes]]:
             consumers = spec.consumers(producer) + ([SINK] if producer in sinks else [])
-            self.edges[producer] = Edge(producer, consumers, spec.queue_size)
+            self.edges[producer] = Edge(producer, consumers, spec.input_queue_size
+                                        if producer == INPUT else spec.queue_size)
         self._sink_sources = sorted(sinks)
         self._threads = [threading.Thread(target=self._node_loop, args=(n.name,),
                                           name=f"inferd-{spec.name}-{n.name}", daemon=True)
@@ -283,7 +284,7 @@ class PipelineExecutor:
             if not self.edges[INPUT].put(Packet(request, ticket, dict(request.inputs)),
                                          block=False):
                 raise InferdError(f"graph {self.spec.name}: queue is full "
-                                  f"({self.spec.queue_size} frames waiting)",
+                                  f"({self.spec.input_queue_size} frames waiting)",
                                   ErrorCode.RESOURCE_EXHAUSTED)
 
     def stop(self, timeout: float) -> bool:

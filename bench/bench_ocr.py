@@ -1,0 +1,170 @@
+"""OCR and dynamic batching through a real daemon:
+
+1. the OCR graph: 50 generated images streamed through the daemon (all submitted at
+   once, answered as the pipeline finishes them) vs RapidOCR 1.4.4's own sequential
+   pipeline in-process on the same images (its defaults: onnxruntime with all cores);
+   images/s ratio, target >= 1.3, and how many images gave the same texts;
+2. dynamic batching on vs off for ocr-cls with 16 concurrent clients (each its own
+   connection, one 1x3x48x192 request at a time): requests/s ratio, target >= 1.5.
+
+The daemon runs with its defaults (onnxruntime intra-op threads = 1 per model). The
+two engines never run at the same time. Run: .venv/bin/python bench/bench_ocr.py
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import multiprocessing
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+from ocr_images import render  # noqa: E402
+
+from inferd.ipc import Client, RequestError  # noqa: E402
+
+MODELS = ROOT / "models"
+FONTS = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSans-Bold.ttf"]
+WORDS = ("edge daemon model graph pipeline thread batch tensor socket kernel device "
+         "invoice total amount serial number camera sensor frame label order").split()
+
+
+def images(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(2026)
+    out = []
+    for i in range(n):
+        lines = [" ".join(rng.choice(WORDS, 3)) + f" {rng.integers(10, 9999)}"
+                 for _ in range(1 + i % 3)]
+        out.append(render(lines, FONTS[i % len(FONTS)], int(rng.integers(22, 40)),
+                          rotation=[0, 0, 0, 3, 180][i % 5]))
+    return out
+
+
+class Daemon:
+    def __init__(self, repo: Path, workdir: Path, *args: str) -> None:
+        self.endpoint = f"ipc://{workdir}/inferd.sock"
+        self.log_path = workdir / "inferd.log"
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "inferd.daemon.main", "--socket", self.endpoint,
+             "--models", str(repo), "--log-level", "warning", *args],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with Client(self.endpoint, timeout=1) as c:
+                    if c.ping()["ready"]:
+                        return
+            except (RequestError, OSError):
+                time.sleep(0.1)
+            if self.proc.poll() is not None:
+                break
+        self.proc.kill()
+        raise SystemExit(f"daemon did not become ready:\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+def ocr(tmp: Path) -> None:
+    from rapidocr_onnxruntime import RapidOCR
+
+    batch = images(50)
+    engine = RapidOCR()
+    engine(batch[0])
+    t0 = time.perf_counter()
+    reference = []
+    for im in batch:
+        result, _ = engine(im)
+        reference.append([r[1] for r in result] if result else [])
+    rapid_s = time.perf_counter() - t0
+    del engine
+
+    daemon = Daemon(MODELS, tmp, "--preload", "ocr-det", "--preload", "ocr-cls",
+                    "--preload", "ocr-rec")
+    try:
+        with Client(daemon.endpoint, timeout=300) as c:
+            for im in batch[:2]:
+                c.infer("ocr", {"image": im})
+            t0 = time.perf_counter()
+            pending = [c.submit("infer", "ocr", inputs={"image": im}) for im in batch]
+            texts = [p.result()["texts"].tolist() for p in pending]
+            inferd_s = time.perf_counter() - t0
+    finally:
+        daemon.stop()
+    same = sum(a == b for a, b in zip(texts, reference))
+    ratio = rapid_s / inferd_s
+    print(f"OCR, {len(batch)} images: RapidOCR sequential {len(batch) / rapid_s:.2f} img/s, "
+          f"inferd graph streamed {len(batch) / inferd_s:.2f} img/s")
+    print(f"  ratio {ratio:.2f} (target >= 1.3: {'met' if ratio >= 1.3 else 'MISSED'}); "
+          f"same texts on {same}/{len(batch)} images")
+    for i, (a, b) in enumerate(zip(texts, reference)):
+        if a != b:
+            print(f"  image {i}: inferd {a} vs RapidOCR {b}")
+
+
+def _client(endpoint: str, x: np.ndarray, n: int, barrier: Any) -> None:
+    with Client(endpoint, timeout=60) as c:
+        c.infer("ocr-cls", {"x": x})
+        barrier.wait()
+        for _ in range(n):
+            c.infer("ocr-cls", {"x": x})
+
+
+def batching(tmp: Path) -> None:
+    clients, per_client = 16, 60
+    x = np.random.default_rng(0).standard_normal((1, 3, 48, 192)).astype(np.float32)
+    rates = {}
+    for mode, toml in (("off", ""), ("on", "max_batch = 16\nmax_delay_ms = 2.0\n")):
+        repo = tmp / f"repo-{mode}"
+        (repo / "ocr-cls").mkdir(parents=True)
+        (repo / "ocr-cls" / "1").symlink_to(MODELS / "ocr-cls" / "1")
+        (repo / "ocr-cls" / "model.toml").write_text(toml)
+        work = tmp / f"d-{mode}"
+        work.mkdir()
+        daemon = Daemon(repo, work, "--preload", "ocr-cls")
+        try:
+            # 16 client processes (16 threads of one Python process would measure the
+            # client's GIL more than the daemon)
+            ctx = multiprocessing.get_context("fork")
+            barrier = ctx.Barrier(clients + 1)
+            procs = [ctx.Process(target=_client, args=(daemon.endpoint, x, per_client,
+                                                        barrier)) for _ in range(clients)]
+            for p in procs:
+                p.start()
+            barrier.wait()
+            t0 = time.perf_counter()
+            for p in procs:
+                p.join()
+            elapsed = time.perf_counter() - t0
+            if any(p.exitcode != 0 for p in procs):
+                raise SystemExit("a benchmark client failed")
+        finally:
+            daemon.stop()
+        rates[mode] = clients * per_client / elapsed
+    ratio = rates["on"] / rates["off"]
+    print(f"ocr-cls, {clients} concurrent clients x {per_client} requests: batching off "
+          f"{rates['off']:.0f} req/s, on (max_batch 16, max_delay_ms 2) {rates['on']:.0f} "
+          f"req/s")
+    print(f"  ratio {ratio:.2f} (target >= 1.5: {'met' if ratio >= 1.5 else 'MISSED'})")
+
+
+if __name__ == "__main__":
+    tmp = Path(tempfile.mkdtemp(prefix="inferd-b", dir="/tmp"))
+    try:
+        if "batching" not in sys.argv[1:]:
+            ocr(tmp)
+        if "ocr" not in sys.argv[1:]:
+            batching(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

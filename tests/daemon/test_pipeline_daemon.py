@@ -1,0 +1,95 @@
+"""A model's pipeline settings in a real daemon: model.toml stages, instances and
+cpu_affinity; the placement `inferctl models --verbose` shows is what the kernel says
+(/proc/<pid>/task/<tid>/status); post steps' string outputs reach the client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def cpus_allowed(pid: int, tid: int) -> str:
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    return next(line.split(":", 1)[1].strip() for line in status.splitlines()
+                if line.startswith("Cpus_allowed_list"))
+
+
+def test_placement_of_every_thread_is_applied_and_shown(start_daemon: Any, short_tmp: Path,
+                                                        models_dir: Path) -> None:
+    core = sorted(os.sched_getaffinity(0))[-1]
+    repo = short_tmp / "repo"
+    (repo / "cls").mkdir(parents=True)
+    (repo / "cls" / "1").symlink_to(models_dir / "ocr-cls" / "1")
+    (repo / "cls" / "model.toml").write_text(f"""
+instances = 2
+cpu_affinity = [{core}]
+max_batch = 4
+max_delay_ms = 1
+[[pre]]
+op = "image.resize"
+input = "image"
+height = 48
+width = 192
+[[pre]]
+op = "image.normalize"
+input = "image"
+scale = 0.00784313725
+mean = 1.0
+[[pre]]
+op = "image.layout"
+input = "image"
+source = "HWC"
+target = "NCHW"
+[[pre]]
+op = "rename"
+mapping = {{ image = "x" }}
+[[post]]
+op = "topk"
+k = 1
+input = "save_infer_model/scale_0.tmp_1"
+labels = ["0", "180"]
+""")
+    daemon = start_daemon("--models", str(repo), "--preload", "cls")
+    image = np.full((30, 100, 3), 255, np.uint8)
+    with daemon.client() as c:
+        out = c.infer("cls", {"image": image}, outputs=["topk_labels", "topk_values"])
+        assert out["topk_labels"].tolist() in ([["0"]], [["180"]])
+        assert out["topk_values"].dtype == np.float32
+        models = {m["name"]: m for m in c.models(verbose=True)}
+        plain = {m["name"]: m for m in c.models()}
+    assert "placement" not in plain["cls"]
+    placement = models["cls"]["placement"]
+    assert [p["thread"] for p in placement] == ["inferd-cls-pre", "inferd-cls-infer-0",
+                                                "inferd-cls-infer-1", "inferd-cls-post"]
+    for p in placement:
+        assert cpus_allowed(daemon.proc.pid, p["native_id"]) == str(core), p
+        assert p["affinity"] == [core]
+    shown = subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--socket",
+                            daemon.endpoint, "models", "--verbose"],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    for p in placement:
+        assert (f"{p['thread']}: stage {p['stage']}, native id {p['native_id']}, cpus {core}"
+                in shown.stdout), shown.stdout
+    assert "backend onnxruntime" in shown.stdout
+
+
+def test_bad_pipeline_settings_fail_the_load_with_the_key_named(
+        start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
+    repo = short_tmp / "repo"
+    (repo / "cls").mkdir(parents=True)
+    (repo / "cls" / "1").symlink_to(models_dir / "ocr-cls" / "1")
+    (repo / "cls" / "model.toml").write_text('pre = [{ op = "no.such" }]\n')
+    daemon = start_daemon("--models", str(repo))
+    from inferd.ipc import RequestError
+    with daemon.client() as c, pytest.raises(RequestError) as e:
+        c.infer("cls", {"x": np.zeros((1, 3, 48, 192), np.float32)})
+    assert "unknown processor 'no.such'" in e.value.message
