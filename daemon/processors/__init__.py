@@ -47,10 +47,10 @@ class Context:
 
 
 BUILTINS: dict[str, Factory] = {}
-"""name -> factory(context, **params); filled by :func:`builtin` in builtin.py and ocr.py."""
+"""name -> factory(context, **params); filled by :func:`register_builtin` in builtin.py and ocr.py."""
 
 
-def builtin(name: str) -> Callable[[Factory], Factory]:
+def register_builtin(name: str) -> Callable[[Factory], Factory]:
     """Register a built-in processor factory under ``name`` (explicit, no scanning)."""
     def register(factory: Factory) -> Factory:
         if name in BUILTINS:

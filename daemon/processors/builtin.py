@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from inferd.daemon.processors import Context, Step, Values, builtin
+from inferd.daemon.processors import Context, Step, Values, register_builtin
 from inferd.ipc.errors import ErrorCode, ModelError
 
 try:
@@ -37,7 +37,7 @@ def _put(values: Values, name: str, value: Any) -> Values:
     return out
 
 
-@builtin("image.decode")
+@register_builtin("image.decode")
 def image_decode(ctx: Context, input: str = "image", output: str | None = None) -> Step:
     """Encoded image bytes (uint8 1-D: PNG, JPEG...) -> uint8 HWC BGR."""
     if cv2 is None:
@@ -72,7 +72,7 @@ def resize_bilinear(img: NDArray[Any], height: int, width: int) -> NDArray[Any]:
     return np.rint(out).astype(img.dtype) if img.dtype == np.uint8 else out.astype(img.dtype)
 
 
-@builtin("image.resize")
+@register_builtin("image.resize")
 def image_resize(ctx: Context, height: int, width: int, input: str = "image",
                  output: str | None = None) -> Step:
     """HWC (or HW) image -> the same resized to height x width (bilinear)."""
@@ -85,7 +85,7 @@ def image_resize(ctx: Context, height: int, width: int, input: str = "image",
     return step
 
 
-@builtin("image.normalize")
+@register_builtin("image.normalize")
 def image_normalize(ctx: Context, input: str = "image", output: str | None = None,
                     scale: float = 1 / 255, mean: list[float] | float = 0.0,
                     std: list[float] | float = 1.0) -> Step:
@@ -105,7 +105,7 @@ def image_normalize(ctx: Context, input: str = "image", output: str | None = Non
 _LAYOUTS = {"HWC", "CHW", "NHWC", "NCHW"}
 
 
-@builtin("image.layout")
+@register_builtin("image.layout")
 def image_layout(ctx: Context, input: str = "image", output: str | None = None,
                  source: str = "HWC", target: str = "NCHW") -> Step:
     """Change the axis layout (HWC/CHW/NHWC/NCHW), adding or dropping the batch axis."""
@@ -137,7 +137,7 @@ def softmax(x: NDArray[Any], axis: int = -1) -> NDArray[np.float32]:
     return (e / np.sum(e, axis=axis, keepdims=True)).astype(np.float32)
 
 
-@builtin("softmax")
+@register_builtin("softmax")
 def softmax_step(ctx: Context, input: str = "x", output: str | None = None,
                  axis: int = -1) -> Step:
     def step(values: Values) -> Values:
@@ -145,7 +145,7 @@ def softmax_step(ctx: Context, input: str = "x", output: str | None = None,
     return step
 
 
-@builtin("argmax")
+@register_builtin("argmax")
 def argmax_step(ctx: Context, input: str = "x", output: str | None = None,
                 axis: int = -1) -> Step:
     """Indices (int64) of the largest value along ``axis``."""
@@ -155,7 +155,7 @@ def argmax_step(ctx: Context, input: str = "x", output: str | None = None,
     return step
 
 
-@builtin("topk")
+@register_builtin("topk")
 def topk_step(ctx: Context, k: int, input: str = "x", values_output: str = "topk_values",
               indices_output: str = "topk_indices", labels: list[str] | None = None,
               labels_output: str = "topk_labels") -> Step:
@@ -225,7 +225,7 @@ def ctc_greedy(probs: NDArray[Any], chars: list[str]) -> tuple[list[str], list[f
     return texts, scores
 
 
-@builtin("ctc_greedy_decode")
+@register_builtin("ctc_greedy_decode")
 def ctc_step(ctx: Context, input: str = "x", texts_output: str = "texts",
              scores_output: str = "scores", characters: list[str] | None = None,
              dictionary_model: str | None = None, metadata_key: str = "character") -> Step:
@@ -245,7 +245,7 @@ def ctc_step(ctx: Context, input: str = "x", texts_output: str = "texts",
     return step
 
 
-@builtin("rename")
+@register_builtin("rename")
 def rename_step(ctx: Context, mapping: dict[str, str]) -> Step:
     """Rename values (``mapping`` old -> new); the rest pass through."""
     def step(values: Values) -> Values:
@@ -253,7 +253,7 @@ def rename_step(ctx: Context, mapping: dict[str, str]) -> Step:
     return step
 
 
-@builtin("sleep")
+@register_builtin("sleep")
 def sleep_step(ctx: Context, ms: float) -> Step:
     """Busy-free wait of ``ms`` milliseconds (a stand-in cost for tests and benchmarks of
     stage overlap; it releases the GIL as real native work does)."""

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from inferd.daemon.processors import Context, Step, Values, builtin
+from inferd.daemon.processors import Context, Step, Values, register_builtin
 from inferd.daemon.processors.builtin import ctc_characters, ctc_greedy
 from inferd.ipc.errors import ErrorCode, ModelError
 
@@ -53,7 +53,7 @@ def _resize32(img: NDArray[Any], ratio: float) -> NDArray[Any]:
 # ----------------------------------------------------------------- detection
 
 
-@builtin("ocr.det_pre")
+@register_builtin("ocr.det_pre")
 def det_pre(ctx: Context, limit_side_len: int = 736, max_side_len: int = 2000,
             min_side_len: int = 30, min_height: int = 30, width_height_ratio: float = 8,
             mean: float = 0.5, std: float = 0.5) -> Step:
@@ -169,7 +169,7 @@ def sort_boxes(boxes: list[NDArray[Any]]) -> list[NDArray[Any]]:
     return out
 
 
-@builtin("ocr.det_post")
+@register_builtin("ocr.det_post")
 def det_post(ctx: Context, thresh: float = 0.3, box_thresh: float = 0.5,
              max_candidates: int = 1000, unclip_ratio: float = 1.6,
              use_dilation: bool = True) -> Step:
@@ -228,7 +228,7 @@ def crop_box(img: NDArray[Any], points: NDArray[np.float32]) -> NDArray[Any]:
     return crop
 
 
-@builtin("ocr.crop")
+@register_builtin("ocr.crop")
 def crop(ctx: Context) -> Step:
     """``image`` and ``boxes`` -> ``crops`` (one straightened image per box)."""
     _need_cv2("ocr.crop")
@@ -252,7 +252,7 @@ def _batches(n: int, order: list[int], size: int) -> list[list[int]]:
     return [order[i:i + size] for i in range(0, n, size)]
 
 
-@builtin("ocr.cls_pre")
+@register_builtin("ocr.cls_pre")
 def cls_pre(ctx: Context, height: int = 48, width: int = 192, batch: int = 6) -> Step:
     """``crops`` -> ``batches`` (list of [n,3,48,192] float32, n <= batch) and
     ``order`` (the crop indices of each batch row, narrowest crops first)."""
@@ -268,7 +268,7 @@ def cls_pre(ctx: Context, height: int = 48, width: int = 192, batch: int = 6) ->
     return step
 
 
-@builtin("ocr.cls_post")
+@register_builtin("ocr.cls_post")
 def cls_post(ctx: Context, thresh: float = 0.9, labels: list[str] | None = None) -> Step:
     """``crops``, ``probs`` (per batch [n,2]) and ``order`` -> ``crops`` with those the
     classifier calls upside down (label "180", score > thresh) rotated by 180 degrees."""
@@ -289,7 +289,7 @@ def cls_post(ctx: Context, thresh: float = 0.9, labels: list[str] | None = None)
 # ----------------------------------------------------------------- recognition
 
 
-@builtin("ocr.rec_pre")
+@register_builtin("ocr.rec_pre")
 def rec_pre(ctx: Context, height: int = 48, width: int = 320, batch: int = 6) -> Step:
     """``crops`` -> ``batches`` ([n,3,48,W] float32, W from the widest crop of the batch
     but at least 320) and ``order``."""
@@ -308,7 +308,7 @@ def rec_pre(ctx: Context, height: int = 48, width: int = 320, batch: int = 6) ->
     return step
 
 
-@builtin("ocr.rec_post")
+@register_builtin("ocr.rec_post")
 def rec_post(ctx: Context, characters: list[str] | None = None,
              dictionary_model: str | None = None, metadata_key: str = "character") -> Step:
     """``probs`` (per batch [n,T,C]) and ``order`` -> ``texts`` and ``scores`` in crop
@@ -326,7 +326,7 @@ def rec_post(ctx: Context, characters: list[str] | None = None,
     return step
 
 
-@builtin("ocr.result")
+@register_builtin("ocr.result")
 def result(ctx: Context, text_score: float = 0.5) -> Step:
     """``boxes``, ``texts``, ``scores``, ``meta`` -> the graph's outputs: ``boxes``
     float32 [N,4,2] in the caller's image pixels, ``texts`` string [N], ``scores``
