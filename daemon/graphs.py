@@ -426,6 +426,13 @@ class GraphManager:
             out.append(info)
         return out
 
+    def unload(self, name: str, timeout: float) -> bool:
+        """Finish ``name``'s frames in flight and end its threads (the next request
+        loads it again, re-reading graph.toml)."""
+        with self._lock:
+            ex = self._graphs.pop(name, None)
+        return ex.stop(timeout) if ex is not None else True
+
     def stop(self, timeout: float) -> bool:
         """Finish the frames in flight and end every graph's threads."""
         deadline = time.monotonic() + timeout

@@ -164,6 +164,9 @@ class Runtime:
         if op in (Op.LOAD, Op.UNLOAD):
             if not request.model:
                 raise ModelError(f"{op} needs 'model'")
+            if self.graphs.is_graph(request.model):
+                self._control.submit(self._graph_op, request, ticket)
+                return None
             self.models.entry(request.model)  # refuse bad or unknown names right away
             self._control.submit(self._control_op, request, ticket)
             return None
@@ -171,6 +174,19 @@ class Runtime:
             self._control.submit(self._control_op, request, ticket)
             return None
         raise InferdError(f"op {op} is not supported by this daemon", ErrorCode.UNSUPPORTED)
+
+    def _graph_op(self, request: Request, ticket: Ticket) -> None:
+        name = request.model or ""
+        try:
+            if request.op is Op.LOAD:
+                self.graphs.executor(name)
+            else:
+                self.graphs.unload(name, self.config.server.shutdown_grace_s)
+            result = next(g for g in self.graphs.describe() if g["name"] == name)
+            reply = Reply(request.id, result=result)
+        except InferdError as e:
+            reply = Reply(request.id, error=(e.code, e.message))
+        self.server.send_reply(ticket, reply)
 
     def _control_op(self, request: Request, ticket: Ticket) -> None:
         try:

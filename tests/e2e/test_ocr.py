@@ -89,8 +89,10 @@ def test_both_executors_agree_on_the_ocr_graph(start_daemon: Any, ocr_repo: Path
         images = [render(*case) for case in CASES[:3]]
         pending = [(c.submit("infer", "ocr", inputs={"image": im}),
                     c.submit("infer", "ocr-task", inputs={"image": im})) for im in images]
+        first = None
         for p, t in pending:
             a, b = p.result(), t.result()
+            first = first or a["texts"].tolist()
             assert a["texts"].tolist() == b["texts"].tolist()
             np.testing.assert_array_equal(a["boxes"], b["boxes"])
             np.testing.assert_array_equal(a["scores"], b["scores"])
@@ -98,6 +100,10 @@ def test_both_executors_agree_on_the_ocr_graph(start_daemon: Any, ocr_repo: Path
         assert models["ocr"]["kind"] == "graph" and models["ocr"]["executor"] == "pipeline"
         assert models["ocr-task"]["executor"] == "task"
         assert "inferd-ocr-det" in models["ocr"]["threads"]
+        assert c.unload("ocr")["state"] == "unloaded"
+        assert c.load("ocr")["state"] == "ready"
+        again = c.infer("ocr", {"image": images[0]})
+        assert again["texts"].tolist() == first
         with pytest.raises(RequestError) as e:
             c.infer("ocr", {"image": np.zeros((4, 4), np.float32)})
         assert e.value.code is ErrorCode.INVALID_ARGUMENT and "uint8" in e.value.message
