@@ -13,11 +13,11 @@ two engines never run at the same time. Run: .venv/bin/python bench/bench_ocr.py
 
 from __future__ import annotations
 
+import multiprocessing
 import shutil
 import subprocess
 import sys
 import tempfile
-import multiprocessing
 import time
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
-from ocr_images import render  # noqa: E402
-
 from inferd.ipc import Client, RequestError  # noqa: E402
+from ocr_images import render  # noqa: E402
 
 MODELS = ROOT / "models"
 FONTS = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSans-Bold.ttf"]

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "tests" / "daemon"))
 
 from inferd.daemon.pipeline import parse_spec  # noqa: E402
 from inferd.daemon.processors import ProcessorRegistry  # noqa: E402
-from inferd.daemon.worker import LocalTicket, WorkItem, Workers  # noqa: E402
+from inferd.daemon.worker import LocalTicket, Workers, WorkItem  # noqa: E402
 from inferd.ipc.protocol import Op, Request  # noqa: E402
 from inferd.libbackends.contract import LoadOptions  # noqa: E402
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend  # noqa: E402
@@ -120,7 +120,7 @@ def two_branches() -> None:
         finally:
             h.stop()
     seq, par = min(times["sequential"]), min(times["parallel"])
-    print(f"two independent branches (ocr-det 480x480 | ocr-rec 48x640), 8 requests each:")
+    print("two independent branches (ocr-det 480x480 | ocr-rec 48x640), 8 requests each:")
     print(f"  sequential {seq * 1000:.0f} ms/request, task-parallel {par * 1000:.0f} "
           f"ms/request; speed-up {seq / par:.2f}x (no target; at most 2x on 2 cores)")
 

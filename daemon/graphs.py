@@ -25,8 +25,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferd.daemon.graph import (
-    GRAPH_FILE, INPUT, GraphSpec, check_graph_inputs, error_reply, gather, graph_names, graph_outputs,
-    load_graph_file, run_node,
+    GRAPH_FILE,
+    INPUT,
+    GraphSpec,
+    check_graph_inputs,
+    error_reply,
+    gather,
+    graph_names,
+    graph_outputs,
+    load_graph_file,
+    run_node,
 )
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository, check_name

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
 from inferd.daemon.processors import run_steps
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError

@@ -47,7 +47,8 @@ class Context:
 
 
 BUILTINS: dict[str, Factory] = {}
-"""name -> factory(context, **params); filled by :func:`register_builtin` in builtin.py and ocr.py."""
+"""name -> factory(context, **params); filled by :func:`register_builtin` in builtin.py
+and ocr.py."""
 
 
 def register_builtin(name: str) -> Callable[[Factory], Factory]:

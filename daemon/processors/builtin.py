@@ -13,15 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
-
 from inferd.daemon.processors import Context, Step, Values, register_builtin
 from inferd.ipc.errors import ErrorCode, ModelError
+from numpy.typing import NDArray
 
 try:
     import cv2
 except ImportError:  # optional: python3-opencv
-    cv2 = None
+    cv2 = None  # type: ignore[assignment]
 
 
 def _get(values: Values, name: str) -> Any:

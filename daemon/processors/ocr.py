@@ -20,20 +20,19 @@ import math
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
-
 from inferd.daemon.processors import Context, Step, Values, register_builtin
 from inferd.daemon.processors.builtin import ctc_characters, ctc_greedy
 from inferd.ipc.errors import ErrorCode, ModelError
+from numpy.typing import NDArray
 
 try:
     import cv2
 except ImportError:  # optional: python3-opencv; the OCR steps refuse to build without it
-    cv2 = None
+    cv2 = None  # type: ignore[assignment]
 try:
     import pyclipper
 except ImportError:  # optional: python3-pyclipper; without it unclip is done with numpy
-    pyclipper = None
+    pyclipper = None  # type: ignore[assignment]
 
 
 def _need_cv2(name: str) -> None:
@@ -113,7 +112,7 @@ def _box_score(pred: NDArray[Any], box: NDArray[Any]) -> float:
     ymax = int(np.clip(np.ceil(box[:, 1].max()), 0, h - 1))
     mask = np.zeros((ymax - ymin + 1, xmax - xmin + 1), dtype=np.uint8)
     shifted = box - np.array([xmin, ymin], dtype=np.float32)
-    cv2.fillPoly(mask, shifted.reshape(1, -1, 2).astype(np.int32), 1)
+    cv2.fillPoly(mask, [shifted.reshape(-1, 2).astype(np.int32)], 1)
     return float(cv2.mean(pred[ymin:ymax + 1, xmin:xmax + 1], mask)[0])
 
 

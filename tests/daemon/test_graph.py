@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from inferd.daemon.config import load_config
 from inferd.daemon.graphs import Edge, GraphManager
 from inferd.daemon.models import ModelManager

@@ -15,15 +15,14 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
-
 from inferd.daemon.pipeline import parse_spec
 from inferd.daemon.processors import ProcessorRegistry
-from inferd.daemon.worker import LocalTicket, WorkItem, Workers
+from inferd.daemon.worker import LocalTicket, Workers, WorkItem
 from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.libbackends.contract import LoadOptions
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
+from onnx import TensorProto, helper
 
 
 class Collector:

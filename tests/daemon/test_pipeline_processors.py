@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from inferd.daemon.processors import Context, ProcessorRegistry
 from inferd.daemon.processors import builtin as B
 from inferd.daemon.processors import ocr as O

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from inferd.ipc import RequestError
 from inferd.ipc.errors import ErrorCode
 
