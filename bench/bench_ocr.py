@@ -53,7 +53,8 @@ class Daemon:
         self.log_path = workdir / "inferd.log"
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inferd.daemon.main", "--socket", self.endpoint,
+            [sys.executable, "-m", "inferd.daemon.main", "--config",
+             str(ROOT / "config" / "inferd.toml"), "--socket", self.endpoint,
              "--models", str(repo), "--log-level", "warning", *args],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -88,6 +89,16 @@ def ocr(tmp: Path) -> None:
         reference.append([r[1] for r in result] if result else [])
     rapid_s = time.perf_counter() - t0
     del engine
+    # a second baseline, for honesty: RapidOCR with onnxruntime on one thread (its
+    # default uses every core, which spins badly on a busy 2-vCPU machine); first 10
+    # images only, to keep the benchmark short
+    engine = RapidOCR(intra_op_num_threads=1, inter_op_num_threads=1)
+    engine(batch[0])
+    t0 = time.perf_counter()
+    for im in batch[:10]:
+        engine(im)
+    rapid1_rate = 10 / (time.perf_counter() - t0)
+    del engine
 
     daemon = Daemon(MODELS, tmp, "--preload", "ocr-det", "--preload", "ocr-cls",
                     "--preload", "ocr-rec")
@@ -107,6 +118,8 @@ def ocr(tmp: Path) -> None:
           f"inferd graph streamed {len(batch) / inferd_s:.2f} img/s")
     print(f"  ratio {ratio:.2f} (target >= 1.3: {'met' if ratio >= 1.3 else 'MISSED'}); "
           f"same texts on {same}/{len(batch)} images")
+    print(f"  RapidOCR with 1 onnxruntime thread: {rapid1_rate:.2f} img/s (10 images); "
+          f"inferd / that = {len(batch) / inferd_s / rapid1_rate:.2f}")
     for i, (a, b) in enumerate(zip(texts, reference)):
         if a != b:
             print(f"  image {i}: inferd {a} vs RapidOCR {b}")
@@ -121,41 +134,43 @@ def _client(endpoint: str, x: np.ndarray, n: int, barrier: Any) -> None:
 
 
 def batching(tmp: Path) -> None:
-    clients, per_client = 16, 60
+    clients, per_client = 16, 80
     x = np.random.default_rng(0).standard_normal((1, 3, 48, 192)).astype(np.float32)
-    rates = {}
-    for mode, toml in (("off", ""), ("on", "max_batch = 16\nmax_delay_ms = 2.0\n")):
-        repo = tmp / f"repo-{mode}"
-        (repo / "ocr-cls").mkdir(parents=True)
-        (repo / "ocr-cls" / "1").symlink_to(MODELS / "ocr-cls" / "1")
-        (repo / "ocr-cls" / "model.toml").write_text(toml)
-        work = tmp / f"d-{mode}"
-        work.mkdir()
-        daemon = Daemon(repo, work, "--preload", "ocr-cls")
-        try:
-            # 16 client processes (16 threads of one Python process would measure the
-            # client's GIL more than the daemon)
-            ctx = multiprocessing.get_context("fork")
-            barrier = ctx.Barrier(clients + 1)
-            procs = [ctx.Process(target=_client, args=(daemon.endpoint, x, per_client,
-                                                        barrier)) for _ in range(clients)]
-            for p in procs:
-                p.start()
-            barrier.wait()
-            t0 = time.perf_counter()
-            for p in procs:
-                p.join()
-            elapsed = time.perf_counter() - t0
-            if any(p.exitcode != 0 for p in procs):
-                raise SystemExit("a benchmark client failed")
-        finally:
-            daemon.stop()
-        rates[mode] = clients * per_client / elapsed
-    ratio = rates["on"] / rates["off"]
-    print(f"ocr-cls, {clients} concurrent clients x {per_client} requests: batching off "
-          f"{rates['off']:.0f} req/s, on (max_batch 16, max_delay_ms 2) {rates['on']:.0f} "
-          f"req/s")
-    print(f"  ratio {ratio:.2f} (target >= 1.5: {'met' if ratio >= 1.5 else 'MISSED'})")
+    modes = {"off": "", "on, delay 0": "max_batch = 16\nmax_delay_ms = 0\n",
+             "on, delay 2 ms": "max_batch = 16\nmax_delay_ms = 2.0\n"}
+    rates: dict[str, float] = {}
+    for round_ in range(2):  # alternate the modes; the best of two rounds each
+        for i, (mode, toml) in enumerate(modes.items()):
+            repo = tmp / f"repo-{round_}-{i}"
+            (repo / "ocr-cls").mkdir(parents=True)
+            (repo / "ocr-cls" / "1").symlink_to(MODELS / "ocr-cls" / "1")
+            (repo / "ocr-cls" / "model.toml").write_text(toml)
+            daemon = Daemon(repo, repo, "--preload", "ocr-cls")
+            try:
+                # 16 client processes (16 threads of one Python process would measure
+                # the client's GIL more than the daemon)
+                ctx = multiprocessing.get_context("fork")
+                barrier = ctx.Barrier(clients + 1)
+                procs = [ctx.Process(target=_client, args=(daemon.endpoint, x, per_client,
+                                                            barrier)) for _ in range(clients)]
+                for p in procs:
+                    p.start()
+                barrier.wait()
+                t0 = time.perf_counter()
+                for p in procs:
+                    p.join()
+                elapsed = time.perf_counter() - t0
+                if any(p.exitcode != 0 for p in procs):
+                    raise SystemExit("a benchmark client failed")
+            finally:
+                daemon.stop()
+            rates[mode] = max(rates.get(mode, 0.0), clients * per_client / elapsed)
+    print(f"ocr-cls, {clients} concurrent clients x {per_client} requests (best of 2): "
+          + ", ".join(f"batching {m} {r:.0f} req/s" for m, r in rates.items()))
+    for mode in list(modes)[1:]:
+        ratio = rates[mode] / rates["off"]
+        print(f"  {mode}: ratio {ratio:.2f} (target >= 1.5: "
+              f"{'met' if ratio >= 1.5 else 'MISSED'})")
 
 
 if __name__ == "__main__":
