@@ -36,6 +36,7 @@ from inferd.daemon.graph import (
     load_graph_file,
     run_node,
 )
+from inferd.daemon.pipeline import Placement, pin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.worker import LocalTicket
@@ -104,13 +105,22 @@ class TaskExecutor:
         self.spec = spec
         self._call = call
         self._reply = reply
+        self.placements: list[Placement] = []
         self._pool = ThreadPoolExecutor(spec.task_threads,
-                                        thread_name_prefix=f"inferd-{spec.name}-task")
+                                        thread_name_prefix=f"inferd-{spec.name}-task",
+                                        initializer=self._place)
         self._inflight = 0
         self._cond = threading.Condition()
 
+    def _place(self) -> None:
+        placement = Placement(threading.current_thread().name, "task")
+        pin_current_thread(placement, None, self.spec.name)
+        with self._cond:
+            self.placements.append(placement)
+
     def threads(self) -> list[str]:
-        return [t.name for t in self._pool._threads]
+        with self._cond:
+            return [p.thread for p in self.placements]
 
     def submit(self, request: Request, ticket: Any) -> None:
         check_graph_inputs(self.spec, request)
@@ -271,11 +281,13 @@ class PipelineExecutor:
             self.edges[producer] = Edge(producer, consumers, spec.input_queue_size
                                         if producer == INPUT else spec.queue_size)
         self._sink_sources = sorted(sinks)
-        self._threads = [threading.Thread(target=self._node_loop, args=(n.name,),
+        self._threads = [threading.Thread(target=self._placed, args=(self._node_loop, n.name),
                                           name=f"inferd-{spec.name}-{n.name}", daemon=True)
                          for n in spec.nodes]
-        self._threads.append(threading.Thread(target=self._sink_loop,
+        self._threads.append(threading.Thread(target=self._placed, args=(self._sink_loop,),
                                               name=f"inferd-{spec.name}-output", daemon=True))
+        self.placements = [Placement(t.name, "node") for t in self._threads]
+        self.placements[-1].stage = "output"
         self._lock = threading.Lock()
         self._stopping = False
         for t in self._threads:
@@ -283,6 +295,12 @@ class PipelineExecutor:
 
     def threads(self) -> list[str]:
         return [t.name for t in self._threads]
+
+    def _placed(self, loop: Callable[..., None], *args: Any) -> None:
+        me = threading.current_thread().name
+        pin_current_thread(next(p for p in self.placements if p.thread == me), None,
+                           self.spec.name)
+        loop(*args)
 
     def submit(self, request: Request, ticket: Any) -> None:
         check_graph_inputs(self.spec, request)
@@ -429,6 +447,7 @@ class GraphManager:
                             nodes=[{"name": n.name, "model": n.model,
                                     "processor": n.processor} for n in ex.spec.nodes],
                             dropped=ex.spec.dropped, threads=ex.threads(),
+                            placement=[p.to_json() for p in ex.placements],
                             graph_inputs=list(ex.spec.inputs),
                             graph_outputs=list(ex.spec.outputs))
             out.append(info)

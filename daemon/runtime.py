@@ -154,11 +154,11 @@ class Runtime:
         if op is Op.STATUS:
             return Reply(request.id, result=self.status())
         if op is Op.MODELS:
-            models = self.models.describe()
+            models = self.models.describe() + self.graphs.describe()
             if not request.params.get("verbose"):
                 for m in models:
                     m.pop("placement", None)
-            return Reply(request.id, result={"models": models + self.graphs.describe()})
+            return Reply(request.id, result={"models": models})
         if op is Op.BACKENDS:
             return Reply(request.id, result=self.registry.view())
         if op in (Op.LOAD, Op.UNLOAD):

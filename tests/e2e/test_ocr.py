@@ -99,6 +99,11 @@ def test_both_executors_agree_on_the_ocr_graph(start_daemon: Any, ocr_repo: Path
         assert models["ocr"]["kind"] == "graph" and models["ocr"]["executor"] == "pipeline"
         assert models["ocr-task"]["executor"] == "task"
         assert "inferd-ocr-det" in models["ocr"]["threads"]
+        for graph in ("ocr", "ocr-task"):
+            placed = models[graph]["placement"]
+            assert placed and all(p["native_id"] for p in placed), placed
+            for p in placed:
+                assert Path(f"/proc/{daemon.proc.pid}/task/{p['native_id']}").is_dir()
         assert c.unload("ocr")["state"] == "unloaded"
         assert c.load("ocr")["state"] == "ready"
         again = c.infer("ocr", {"image": images[0]})
