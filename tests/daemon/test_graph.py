@@ -73,9 +73,10 @@ inputs = {{{{ x = "input.x" }}}}
 class Harness:
     """A model manager and a graph manager over a temporary repository."""
 
-    def __init__(self, root: Path, models_dir: Path) -> None:
+    def __init__(self, root: Path, models_dir: Path,
+                 models: tuple[str, ...] = ("ocr-cls",)) -> None:
         root.mkdir(exist_ok=True)
-        for name in ("ocr-cls",):
+        for name in models:
             (root / name).mkdir()
             (root / name / "1").symlink_to(models_dir / name / "1")
         self.root = root
