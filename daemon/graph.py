@@ -7,6 +7,7 @@ the edges between them; a client calls a graph exactly as it calls a model.
     queue_size = 16                # pipeline: frames held per edge before backpressure
     input_queue_size = 64          # frames that may wait to enter (then RESOURCE_EXHAUSTED)
     task_threads = 4               # task: the pool's threads
+    cpu_affinity = [0, 1]          # optional: cores the graph's own threads may run on
     inputs = ["image"]             # the graph's input tensors
     [outputs]                      # graph output -> "node.value"
     texts = "result.texts"
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inferd.daemon.pipeline import parse_affinity
 from inferd.daemon.processors import Context, ProcessorRegistry, Step
 from inferd.daemon.repository import Repository, check_name
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
@@ -88,6 +90,7 @@ class GraphSpec:
     queue_size: int = 16
     input_queue_size: int = 64
     task_threads: int = 4
+    cpu_affinity: list[int] | None = None
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -177,7 +180,17 @@ def parse_graph(name: str, raw: dict[str, Any], repo: Repository,
                      [nodes[n] for n in order if n in live], dropped,
                      queue_size=_positive(name, raw, "queue_size", 16),
                      input_queue_size=_positive(name, raw, "input_queue_size", 64),
-                     task_threads=_positive(name, raw, "task_threads", 4))
+                     task_threads=_positive(name, raw, "task_threads", 4),
+                     cpu_affinity=_cores(name, raw.get("cpu_affinity")))
+
+
+def _cores(graph: str, cores: Any) -> list[int] | None:
+    if cores is None:
+        return None
+    try:
+        return parse_affinity(cores)
+    except ValueError as e:
+        raise _fail(graph, f"cpu_affinity = {cores!r}: {e}") from None
 
 
 def _positive(graph: str, raw: dict[str, Any], key: str, default: int) -> int:

@@ -114,7 +114,7 @@ class TaskExecutor:
 
     def _place(self) -> None:
         placement = Placement(threading.current_thread().name, "task")
-        pin_current_thread(placement, None, self.spec.name)
+        pin_current_thread(placement, self.spec.cpu_affinity, self.spec.name)
         with self._cond:
             self.placements.append(placement)
 
@@ -298,8 +298,8 @@ class PipelineExecutor:
 
     def _placed(self, loop: Callable[..., None], *args: Any) -> None:
         me = threading.current_thread().name
-        pin_current_thread(next(p for p in self.placements if p.thread == me), None,
-                           self.spec.name)
+        pin_current_thread(next(p for p in self.placements if p.thread == me),
+                           self.spec.cpu_affinity, self.spec.name)
         loop(*args)
 
     def submit(self, request: Request, ticket: Any) -> None:

@@ -53,6 +53,20 @@ def _int(name: str, key: str, value: Any, minimum: int) -> int:
     return value
 
 
+def parse_affinity(cores: Any) -> list[int]:
+    """A checked, sorted core list; raises ValueError saying what is wrong."""
+    if (not isinstance(cores, list) or not cores
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                       for c in cores)):
+        raise ValueError("expected a non-empty list of core numbers")
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(cores) - available)
+    if missing:
+        raise ValueError(f"cores {missing} are not usable by this process (it may use "
+                         f"{sorted(available)})")
+    return sorted(set(cores))
+
+
 def parse_spec(name: str, raw: dict[str, Any], registry: ProcessorRegistry | None,
                model_path: Callable[[str], Path] | None = None) -> PipelineSpec:
     """Build the pipeline spec of model ``name`` from its parsed model.toml.
@@ -63,18 +77,11 @@ def parse_spec(name: str, raw: dict[str, Any], registry: ProcessorRegistry | Non
     spec = PipelineSpec()
     cores = raw.get("cpu_affinity")
     if cores is not None:
-        if (not isinstance(cores, list) or not cores
-                or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
-                           for c in cores)):
-            raise ModelError(f"model {name}: model.toml 'cpu_affinity' = {cores!r}: expected a "
-                             f"non-empty list of core numbers", ErrorCode.INTERNAL)
-        available = os.sched_getaffinity(0)
-        missing = sorted(set(cores) - available)
-        if missing:
-            raise ModelError(f"model {name}: cpu_affinity names cores {missing} that this "
-                             f"process cannot use (it may use {sorted(available)})",
-                             ErrorCode.INTERNAL)
-        spec.cpu_affinity = sorted(set(cores))
+        try:
+            spec.cpu_affinity = parse_affinity(cores)
+        except ValueError as e:
+            raise ModelError(f"model {name}: model.toml 'cpu_affinity' = {cores!r}: {e}",
+                             ErrorCode.INTERNAL) from None
     spec.max_batch = _int(name, "max_batch", raw.get("max_batch", 1), 1)
     delay = raw.get("max_delay_ms", 0.0)
     if isinstance(delay, bool) or not isinstance(delay, int | float) or delay < 0:

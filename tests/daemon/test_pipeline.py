@@ -253,7 +253,7 @@ def test_fixed_batch_dimension_turns_batching_off(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("settings, words", [
     ({"cpu_affinity": []}, "cpu_affinity"),
-    ({"cpu_affinity": [9999]}, "cannot use"),
+    ({"cpu_affinity": [9999]}, "not usable by this process"),
     ({"max_batch": 0}, "max_batch"),
     ({"max_delay_ms": -1}, "max_delay_ms"),
     ({"pre": [{"op": "no.such.step"}]}, "unknown processor 'no.such.step'; available:"),

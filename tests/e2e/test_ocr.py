@@ -5,6 +5,7 @@ of a PNG."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -50,10 +51,12 @@ def ocr_repo(short_tmp: Path, models_dir: Path) -> Path:
         if (models_dir / name / "model.toml").exists():
             shutil.copy(models_dir / name / "model.toml", repo / name)
     graph = (models_dir / "ocr" / "graph.toml").read_text()
+    core = sorted(os.sched_getaffinity(0))[-1]
     for name, executor in (("ocr", "pipeline"), ("ocr-task", "task")):
         (repo / name).mkdir()
         (repo / name / "graph.toml").write_text(
-            graph.replace('executor = "pipeline"', f'executor = "{executor}"'))
+            graph.replace('executor = "pipeline"',
+                          f'executor = "{executor}"\ncpu_affinity = [{core}]'))
     return repo
 
 
@@ -102,8 +105,10 @@ def test_both_executors_agree_on_the_ocr_graph(start_daemon: Any, ocr_repo: Path
         for graph in ("ocr", "ocr-task"):
             placed = models[graph]["placement"]
             assert placed and all(p["native_id"] for p in placed), placed
+            core = str(sorted(os.sched_getaffinity(0))[-1])
             for p in placed:
-                assert Path(f"/proc/{daemon.proc.pid}/task/{p['native_id']}").is_dir()
+                status = Path(f"/proc/{daemon.proc.pid}/task/{p['native_id']}/status")
+                assert f"Cpus_allowed_list:\t{core}\n" in status.read_text(), p
         assert c.unload("ocr")["state"] == "unloaded"
         assert c.load("ocr")["state"] == "ready"
         again = c.infer("ocr", {"image": images[0]})
