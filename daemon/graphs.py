@@ -396,6 +396,7 @@ class GraphManager:
         self._release = release
         self._graphs: dict[str, TaskExecutor | PipelineExecutor] = {}
         self._lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="inferd-graph-loader")
 
     def is_graph(self, name: str | None) -> bool:
         """Whether ``name`` is a graph (loaded, or with a graph.toml and no model)."""
@@ -431,8 +432,24 @@ class GraphManager:
         return ex
 
     def submit(self, request: Request, ticket: Any) -> None:
-        """Queue one infer request for a graph (I/O thread); raises to refuse it."""
-        self.executor(request.model or "").submit(request, ticket)
+        """Queue one infer request for a graph (I/O thread); raises to refuse it.
+
+        A graph not loaded yet is loaded on the graph loader thread (parsing it may read
+        model files), and the request is answered from there if the load fails."""
+        ex = self._graphs.get(request.model or "")
+        if ex is not None:
+            ex.submit(request, ticket)
+            return
+        self._loader.submit(self._load_and_submit, request, ticket)
+
+    def _load_and_submit(self, request: Request, ticket: Any) -> None:
+        try:
+            self.executor(request.model or "").submit(request, ticket)
+        except Exception as e:
+            if not isinstance(e, InferdError):
+                log.exception("graph %s: load failed", request.model,
+                              extra={"MODEL": request.model})
+            self._reply(ticket, error_reply(request, e))
 
     def describe(self) -> list[dict[str, Any]]:
         out = []
@@ -464,6 +481,7 @@ class GraphManager:
         """Finish the frames in flight and end every graph's threads."""
         deadline = time.monotonic() + timeout
         ok = True
+        self._loader.shutdown(wait=True)  # requests waiting for a load get their executor
         with self._lock:
             graphs, self._graphs = list(self._graphs.values()), {}
         for ex in graphs:

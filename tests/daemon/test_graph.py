@@ -232,10 +232,12 @@ def test_graph_load_errors_name_the_culprit(harness: Harness, name: str) -> None
     harness.write(name, text)
     assert harness.graphs.is_graph(name)
     with pytest.raises(ModelError) as e:
-        harness.graphs.submit(Request("r", Op.INFER, model=name, inputs={}),
-                              LocalTicket("r", lambda r: None))
+        harness.graphs.executor(name)
     assert e.value.code is code
     assert f"graph {name}: " in e.value.message and words in e.value.message, e.value.message
+    # through submit (as the daemon does) the load error is the request's reply
+    reply = harness.call(name, {"x": np.zeros(1, np.float32)})
+    assert reply.error == (code, e.value.message)
 
 
 def test_edge_keeps_a_packet_until_every_consumer_took_it_and_blocks_when_full() -> None:
