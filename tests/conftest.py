@@ -41,7 +41,9 @@ def short_tmp() -> Iterator[Path]:
 class Daemon:
     """A real ``inferd`` process on a private socket."""
 
-    def __init__(self, workdir: Path, args: list[str], env: dict[str, str] | None = None):
+    def __init__(self, workdir: Path, args: list[str],
+                 env: dict[str, str | None] | None = None):
+        """``env`` adds to (a None value removes from) the environment."""
         self.workdir = workdir
         self.socket_path = workdir / "inferd.sock"
         self.endpoint = f"ipc://{self.socket_path}"
@@ -57,8 +59,9 @@ class Daemon:
         no_backends.mkdir(exist_ok=True)
         env = {"INFERD_CONFIG": str(isolated), "INFERD_BACKENDS_PATH": str(no_backends),
                **(env or {})}
+        full_env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **env}, cwd=workdir)
+                                     env=full_env, cwd=workdir)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

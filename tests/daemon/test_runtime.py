@@ -24,7 +24,8 @@ def test_two_runtimes_in_one_process_start_serve_stop_without_leaks(models_dir, 
     import onnxruntime  # noqa: F401  (imported once per process; not a leak)
     from zmq.utils.garbage import gc as zmq_gc
 
-    zmq_gc.start()  # pyzmq's process-wide thread for zero-copy frames, started lazily
+    if not zmq_gc.is_alive():
+        zmq_gc.start()  # pyzmq's process-wide thread for zero-copy frames, started lazily
     threads_before = set(threading.enumerate())
     fds_before = _fds()
     runtimes = []
