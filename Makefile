@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 RUNDIR ?= $(or $(XDG_RUNTIME_DIR),/tmp/inferd-$(shell id -u))
 SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
 
-.PHONY: setup run test test-fast bench clean examples
+.PHONY: setup run test test-fast bench clean examples deb deb-test
 
 setup: $(STAMP) models/.complete
 
@@ -41,6 +41,14 @@ bench: setup
 # The example backends (docs/backends.md): examples/backends/build/libelementwise_backend.so
 examples:
 	$(MAKE) -C examples/backends
+
+# Debian packages inferd (all) and inferd-backend-onnxruntime (this arch) in build/deb/.
+deb: $(STAMP)
+	packaging/build-deb.sh
+
+# Needs root: builds, lints, installs, runs and purges the packages (tests/packaging/).
+deb-test: deb models/.complete
+	$(PY) tests/packaging/check_debs.py build/deb models
 
 clean:
 	rm -rf $(VENV) models .cache build *.egg-info examples/backends/build

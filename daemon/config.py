@@ -8,7 +8,9 @@ expected.
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -101,6 +103,37 @@ def _level(v: Any) -> str:
     raise ValueError
 
 
+def _group(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    raise ValueError
+
+
+def _module_levels(v: Any) -> dict[str, str]:
+    if isinstance(v, dict) and all(isinstance(k, str) and k for k in v):
+        return {k: _level(x) for k, x in v.items()}
+    raise ValueError
+
+
+def _ids(lookup: Callable[[str], Any]) -> Callable[[Any], list[int]]:
+    def check(v: Any) -> list[int]:
+        if not isinstance(v, list):
+            raise ValueError
+        out = []
+        for x in v:
+            if isinstance(x, int) and not isinstance(x, bool) and x >= 0:
+                out.append(x)
+            elif isinstance(x, str) and x:
+                try:
+                    out.append(lookup(x))
+                except KeyError:
+                    raise ValueError from None
+            else:
+                raise ValueError
+        return out
+    return check
+
+
 SCHEMA: dict[str, dict[str, Key]] = {
     "server": {
         "socket": Key(DEFAULT_SOCKET, _endpoint, "a ZeroMQ endpoint such as "
@@ -109,6 +142,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_message_bytes": Key("256MiB", parse_size,
                                  "a positive size in bytes, e.g. 268435456 or '256MiB'"),
         "shutdown_grace_s": Key(10.0, _positive_float, "a positive number of seconds"),
+        "socket_group": Key("", _group, "a group name or number, or \"\" to leave the "
+                            "daemon's own group"),
     },
     "models": {
         "repository": Key("/var/lib/inferd/models", _string, "a directory path"),
@@ -138,6 +173,17 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "logging": {
         "level": Key("info", _level, "one of debug, info, warning, error, critical"),
+        "modules": Key({}, _module_levels, "a table of logger name = level, e.g. "
+                       "{ \"inferd.ipc.server\" = \"debug\" }"),
+    },
+    "access": {
+        "uids": Key([], _ids(lambda n: pwd.getpwnam(n).pw_uid),
+                    "a list of user ids or existing user names"),
+        "gids": Key([], _ids(lambda n: grp.getgrnam(n).gr_gid),
+                    "a list of group ids or existing group names"),
+    },
+    "systemd": {
+        "extend_timeout_s": Key(90.0, _positive_float, "a positive number of seconds"),
     },
 }
 
@@ -145,17 +191,19 @@ SCHEMA: dict[str, dict[str, Key]] = {
 class Config(SimpleNamespace):
     """Validated configuration: ``config.server.socket`` and so on.
 
-    ``source`` is the file it came from, or None for the built-in defaults;
+    ``source`` is the main file it came from, or None for the built-in defaults;
+    ``dropins`` the ``conf.d/*.toml`` files merged after it, in the order applied;
     ``overridden`` the ``"section.key"`` names set on the command line.
     """
 
     source: Path | None
+    dropins: list[Path]
     overridden: frozenset[str]
 
 
 def _validate(raw: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]]:
-    values = {s: {k: key.check(key.default) for k, key in keys.items()}
-              for s, keys in SCHEMA.items()}
+    """The keys ``raw`` sets, checked and normalised (defaults are not filled in)."""
+    values: dict[str, dict[str, Any]] = {}
     for section, table in raw.items():
         if section not in SCHEMA:
             raise ConfigError(f"{where}: unknown section [{section}]; known sections: "
@@ -168,7 +216,7 @@ def _validate(raw: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]]:
                 raise ConfigError(f"{where}: unknown key [{section}] {name}; known keys: "
                                   f"{', '.join(SCHEMA[section])}")
             try:
-                values[section][name] = key.check(value)
+                values.setdefault(section, {})[name] = key.check(value)
             except ValueError:
                 raise ConfigError(f"{where}: [{section}] {name} = {value!r}: expected "
                                   f"{key.expected}") from None
@@ -186,32 +234,54 @@ def find_config_file(cli_path: str | None) -> Path | None:
     return SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else None
 
 
+def dropin_files(path: Path) -> list[Path]:
+    """``conf.d/*.toml`` beside the main file ``path``, sorted by name."""
+    folder = path.parent / "conf.d"
+    try:
+        return sorted((p for p in folder.iterdir() if p.suffix == ".toml" and p.is_file()),
+                      key=lambda p: p.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        raise ConfigError(f"{folder}: cannot list drop-in directory: {e.strerror}") from e
+
+
+def _read(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    return _validate(raw, str(path))
+
+
 def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> Config:
     """Read, validate and override a configuration.
 
+    The built-in defaults, then the file ``path``, then each ``conf.d/*.toml`` beside it
+    in name order, then ``overrides``: a key set by a later layer replaces the value of
+    an earlier one (a list or table is replaced whole, not merged).
+
     Args:
-        path: TOML file, or None for the built-in defaults.
+        path: TOML file, or None for the built-in defaults (and no drop-ins).
         overrides: ``"section.key" -> value`` from the command line; validated like the
             file's values and stronger than them.
 
     Raises:
         ConfigError: unreadable file, bad TOML, unknown key or bad value.
     """
-    raw: dict[str, Any] = {}
-    where = str(path) if path else "built-in defaults"
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from e
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from e
-    values = _validate(raw, where)
+    values = {s: {k: key.check(key.default) for k, key in keys.items()}
+              for s, keys in SCHEMA.items()}
+    dropins = dropin_files(path) if path is not None else []
+    for layer in ([path] if path is not None else []) + dropins:
+        for section, table in _read(layer).items():
+            values[section].update(table)
     for dotted, value in (overrides or {}).items():
         section, name = dotted.split(".", 1)
         values = _merge_one(values, section, name, value, "command line")
-    return Config(source=path, overridden=frozenset(overrides or ()),
+    return Config(source=path, dropins=dropins, overridden=frozenset(overrides or ()),
                   **{s: SimpleNamespace(**v) for s, v in values.items()})
 
 

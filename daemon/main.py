@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from inferd.daemon.config import find_config_file, load_config
+from inferd.daemon.logs import setup_logging
 from inferd.daemon.runtime import VERSION, Runtime
 from inferd.ipc.errors import InferdError
 
@@ -41,28 +42,32 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    path, overrides = find_config_file(args.config), _overrides(args)
     try:
-        config = load_config(find_config_file(args.config), _overrides(args))
+        config = load_config(path, overrides)
     except InferdError as e:
         print(f"inferd: invalid configuration: {e.message}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.logging.level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runtime = Runtime(config, _overrides(args))
-    try:
-        runtime.start()
-    except InferdError as e:
-        log.error("cannot start: %s", e.message)
-        return 1
+    handler = setup_logging(config.logging.level, config.logging.modules)
+    log.debug("logging to %s", type(handler).__name__)
+    if config.dropins:
+        log.info("configuration: %s, then drop-ins %s", path,
+                 ", ".join(str(p) for p in config.dropins))
+    runtime = Runtime(config, overrides)
 
     def on_signal(signum: int, _frame: Any) -> None:
-        log.info("received %s: shutting down", signal.Signals(signum).name)
+        # Signal context: only flag and wake the I/O loop; the work happens elsewhere.
         runtime.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     # The handler only queues the reload: it runs on the control thread, never here.
     signal.signal(signal.SIGHUP, lambda _signum, _frame: runtime.request_reload())
+    try:
+        runtime.start()
+    except InferdError as e:
+        log.error("cannot start: %s", e.message, extra={"CODE": str(e.code)})
+        return 1
     # A signal may land on any thread; the wakeup fd makes the I/O loop notice it.
     signal.set_wakeup_fd(runtime.server.wakeup_fd, warn_on_full_buffer=False)
     runtime.serve()

@@ -23,7 +23,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -515,10 +515,19 @@ class ModelManager:
         self.load_pinned()
         return self.loaded()
 
-    def load_pinned(self) -> list[str]:
-        """Load every pinned model not loaded yet; the names that failed (logged)."""
+    def load_pinned(self, before_each: Callable[[int, int, str], None] | None = None
+                    ) -> list[str]:
+        """Load every pinned model not loaded yet; the names that failed (logged).
+
+        Args:
+            before_each: called with (position from 1, count, name) before each load
+                (the runtime tells systemd the preload is progressing).
+        """
         failed = []
-        for name in self.pinned_names():
+        names = self.pinned_names()
+        for i, name in enumerate(names, 1):
+            if before_each is not None:
+                before_each(i, len(names), name)
             try:
                 self.load(name)
             except InferdError as e:

@@ -15,15 +15,17 @@ from typing import Any
 
 import psutil
 
+from inferd.daemon import logs
 from inferd.daemon.config import Config, load_config
 from inferd.daemon.graphs import GraphManager
 from inferd.daemon.models import ModelManager
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
+from inferd.daemon.systemd import Notifier, Watchdog, watchdog_interval
 from inferd.daemon.worker import route_replies
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Op, Reply, Request
-from inferd.ipc.server import Server, Ticket
+from inferd.ipc.server import Access, Server, Ticket
 from inferd.libbackends.loader import load_backends
 from inferd.libbackends.registry import Registry
 
@@ -36,11 +38,19 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 
 class Runtime:
-    """A daemon instance: call :meth:`start`, then :meth:`serve` on the main thread."""
+    """A daemon instance: call :meth:`start`, then :meth:`serve` on the main thread.
+
+    Args:
+        config: the validated configuration.
+        overrides: the command-line values, kept over reloads.
+    """
 
     def __init__(self, config: Config, overrides: Mapping[str, Any] | None = None) -> None:
         self.config = config
         self._overrides = dict(overrides or {})  # command-line values, kept over reloads
+        self.notifier = Notifier.from_env()
+        self._watchdog: Watchdog | None = None
+        self._preload_failed: list[str] = []
         self.started = time.time()
         self.ready = threading.Event()
         self.registry = Registry()
@@ -48,7 +58,9 @@ class Runtime:
         self.server = Server(config.server.socket, self.handle,
                              max_message_bytes=config.server.max_message_bytes,
                              socket_mode=config.server.socket_mode,
-                             grace_s=config.server.shutdown_grace_s)
+                             grace_s=config.server.shutdown_grace_s,
+                             socket_group=config.server.socket_group,
+                             access=Access.of(config.access.uids, config.access.gids))
         self.server.on_stop = self._on_stop
         reply = route_replies(self.server.send_reply)  # wire tickets and in-process ones
         self.models = ModelManager(self.repo, self.registry, config, reply,
@@ -72,13 +84,61 @@ class Runtime:
         self.models.start()
         log.info("inferd %s serving %s (models in %s, pid %d)", VERSION,
                  self.config.server.socket, self.repo.root, os.getpid())
+        interval = watchdog_interval()
+        if interval is not None and self.notifier.enabled:
+            self._watchdog = Watchdog(self.notifier, interval, self._health)
+            self._watchdog.start()
         threading.Thread(target=self._preload, name="inferd-preload", daemon=True).start()
 
     def _preload(self) -> None:
-        self.models.preload()
+        def each(i: int, count: int, name: str) -> None:
+            # Each load may take long on a small board: ask systemd for time per model,
+            # so a preload that progresses is not killed while a stuck one still is.
+            self.notifier.extend_timeout(self.config.systemd.extend_timeout_s,
+                                         f"preloading model {name} ({i}/{count})")
+        self._preload_failed = self.models.load_pinned(before_each=each)
         self.ready.set()
-        log.info("ready: %d models warm (%s)", len(self.models.loaded()),
-                 ", ".join(self.models.loaded()) or "none")
+        line = self.status_line()
+        log.info("%s", line)
+        self.notifier.ready(line)
+
+    def status_line(self) -> str:
+        """One line for ``systemctl status``: backends loaded/failed, models warm."""
+        ok = [r["id"] for r in self.registry.describe() if r["status"] == "registered"]
+        # Every candidate the loader gave up on (or whose device is absent), by name; a
+        # built-in whose id a plugin serves (Debian: onnxruntime from the add-on) is not
+        # a failure worth a word in systemctl status.
+        bad = [Path(c["path"]).name for c in self.registry.view().get("candidates", [])
+               if c["status"] in ("failed", "unavailable")
+               and not (c["path"].startswith("built-in:")
+                        and c["path"].removeprefix("built-in:") in ok)]
+        warm = self.models.loaded()
+        parts = [f"backends: {len(ok)} loaded" + (f" ({', '.join(ok)})" if ok else "")
+                 + f", {len(bad)} failed" + (f" ({', '.join(bad)})" if bad else ""),
+                 f"models warm: {len(warm)}" + (f" ({', '.join(warm)})" if warm else "")]
+        if self._preload_failed:
+            parts.append(f"preload failed: {', '.join(self._preload_failed)}")
+        return ("ready; " if self.ready.is_set() else "starting; ") + "; ".join(parts)
+
+    def _health(self, limit: float) -> str | None:
+        """Watchdog probe: the I/O loop answers a heartbeat, and every worker thread of
+        a ready model is alive. None when healthy, else why not."""
+        beat = threading.Event()
+        self.server.call_soon(beat.set)
+        if not beat.wait(limit):
+            return f"the I/O loop did not answer a heartbeat within {limit:.3g} s"
+        alive = {t.name for t in threading.enumerate()}
+        dead = []
+        for model in self.models.describe():
+            if model.get("state") != "ready":
+                continue
+            for thread in model.get("threads", []):
+                name = thread.get("name") if isinstance(thread, dict) else thread
+                if name not in alive:
+                    dead.append(name)
+        if dead:
+            return f"worker threads are gone: {', '.join(dead)}"
+        return None
 
     def serve(self) -> None:
         """Run the I/O loop on this thread until :meth:`stop`; then shut down."""
@@ -93,8 +153,11 @@ class Runtime:
 
     def reload(self) -> dict[str, Any]:
         """Re-read the config file and the model repository; blocking, failing no
-        request (see :meth:`ModelManager.reload`). Keys that only a restart applies
-        (the socket and its limits, backends, logging) are reported, not applied.
+        request (see :meth:`ModelManager.reload`). Log levels and the ``[access]``
+        allow-list apply at once; keys that only a restart applies (the socket and its
+        limits, backends) are reported, not applied. systemd sees ``RELOADING=1`` with
+        ``MONOTONIC_USEC``, then ``READY=1`` with a fresh status line, also when the
+        reload fails.
 
         Returns:
             What changed: models added, removed, changed, failed; keys needing a restart.
@@ -102,19 +165,33 @@ class Runtime:
         Raises:
             ConfigError: the new config is invalid; the old one stays in force.
         """
+        self.notifier.reloading()
+        try:
+            return self._reload()
+        finally:
+            if self.ready.is_set():
+                self.notifier.ready(self.status_line())
+            else:  # a SIGHUP during the preload: READY=1 is the preload's to send
+                self.notifier.status(self.status_line())
+
+    def _reload(self) -> dict[str, Any]:
         config = load_config(self.config.source, self._overrides)
-        restart = [f"{section}.{key}" for section in ("server", "backends", "logging")
+        restart = [f"{section}.{key}" for section in ("server", "backends")
                    for key, value in vars(getattr(config, section)).items()
                    if getattr(getattr(self.config, section), key) != value]
         for name in restart:
             log.warning("reload: %s changed; it takes effect at the next restart", name)
-        # [server], [backends] and [logging] stay as they were until a restart.
-        for section in ("server", "backends", "logging"):
+        # [server] and [backends] stay as they were until a restart.
+        for section in ("server", "backends"):
             setattr(config, section, getattr(self.config, section))
+        logs.set_levels(config.logging.level, config.logging.modules)
+        self.server.access = Access.of(config.access.uids, config.access.gids)
         self.config = config
         summary: dict[str, Any] = dict(self.models.reload(config))
         self.repo = self.models.repo
         summary["needs_restart"] = restart
+        log.info("configuration reloaded from %s%s", config.source or "built-in defaults",
+                 f" and {len(config.dropins)} drop-ins" if config.dropins else "")
         return summary
 
     def request_reload(self) -> None:
@@ -131,6 +208,10 @@ class Runtime:
 
     def _on_stop(self) -> None:
         # On the I/O thread: drain the models elsewhere so replies keep flowing.
+        self.notifier.stopping("stopping: finishing requests in flight")
+        if self._watchdog is not None:
+            self._watchdog.stop()
+
         def drain() -> None:
             grace = self.config.server.shutdown_grace_s
             graphs_done = self.graphs.stop(grace)  # graph frames still need their models

@@ -37,7 +37,11 @@ def _check_reachable(endpoint: str) -> None:
     path = ipc_path(endpoint)
     if path is None:
         return
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except PermissionError:  # /run/inferd is 0750: outsiders cannot even look inside
+        exists = True
+    if not exists:
         raise RequestError(f"no inferd socket at {path}: is the daemon running? "
                            f"(set $INFERD_SOCKET or --socket for another endpoint)",
                            ErrorCode.UNAVAILABLE)

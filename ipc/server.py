@@ -12,14 +12,17 @@ ends.
 from __future__ import annotations
 
 import fcntl
+import grp
 import logging
 import os
+import pwd
+import signal
 import socket
 import struct
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,62 @@ class Ticket:
 
 
 Handler = Callable[[Request, Ticket], Reply | None]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A client's credentials as the kernel saw them when it connected (SO_PEERCRED,
+    read from libzmq's ``Peer-Address`` metadata: ``localhost:<uid>:<gid>:<pid>``)."""
+
+    uid: int
+    gid: int
+    pid: int
+    groups: frozenset[int]
+
+    @classmethod
+    def parse(cls, address: str | None) -> Peer | None:
+        parts = (address or "").split(":")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
+            return None
+        uid, gid, pid = (int(p) for p in parts[1:])
+        return cls(uid, gid, pid, frozenset(_groups_of(uid, gid)))
+
+    def describe(self) -> str:
+        return f"uid {self.uid} gid {self.gid} pid {self.pid}"
+
+
+def _groups_of(uid: int, gid: int) -> list[int]:
+    # The socket carries only the primary gid; supplementary groups come from the user
+    # database (the daemon cannot read other users' /proc entries under ProtectProc).
+    try:
+        return os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
+    except (KeyError, OSError):
+        return [gid]
+
+
+@dataclass(frozen=True)
+class Access:
+    """The ``[access]`` allow-list: empty lists allow every client that can open the
+    socket; otherwise a client is served if its uid is in ``uids`` or one of its groups
+    is in ``gids``."""
+
+    uids: frozenset[int] = frozenset()
+    gids: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, uids: Iterable[int] = (), gids: Iterable[int] = ()) -> Access:
+        return cls(frozenset(uids), frozenset(gids))
+
+    def allows(self, peer: Peer | None) -> bool:
+        if not self.uids and not self.gids:
+            return True
+        if peer is None:  # no credentials (tcp://): an allow-list cannot be met
+            return False
+        return peer.uid in self.uids or bool(peer.groups & self.gids)
+
+
+PEER_CACHE_SIZE = 4096
+
 
 
 class SocketLock:
@@ -94,6 +153,18 @@ class SocketLock:
             self._fd = None
 
 
+def _chgrp(path: Path, group: str) -> None:
+    try:
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        # Usually the file already has it (the daemon's own group): then no chown, which
+        # the unit's SystemCallFilter=~@privileged would refuse.
+        if os.stat(path).st_gid != gid:
+            os.chown(path, -1, gid)
+    except (KeyError, OSError) as e:
+        raise InferdError(f"cannot give {path} the group {group!r} (server.socket_group): "
+                          f"{e}", ErrorCode.UNAVAILABLE) from e
+
+
 class Server:
     """ROUTER server loop. Create, :meth:`bind`, then :meth:`run` on the I/O thread.
 
@@ -103,15 +174,22 @@ class Server:
         max_message_bytes: requests larger than this (all frames) get RESOURCE_EXHAUSTED;
             libzmq drops the connection of a peer sending one frame over twice this.
         socket_mode: file mode set on an ipc socket file.
+        socket_group: group given to an ipc socket file ("" leaves the process's own).
+        access: the allow-list; replace :attr:`access` to change it (e.g. on reload).
         grace_s: how long :meth:`run` waits for in-flight requests when stopping.
     """
 
     def __init__(self, endpoint: str, handler: Handler, *, max_message_bytes: int,
-                 socket_mode: int = 0o660, grace_s: float = 10.0) -> None:
+                 socket_mode: int = 0o660, grace_s: float = 10.0, socket_group: str = "",
+                 access: Access | None = None) -> None:
         self.endpoint = endpoint
         self._handler = handler
         self._max_bytes = max_message_bytes
         self._mode = socket_mode
+        self._group = socket_group
+        self.access = access or Access()
+        self._peers: OrderedDict[bytes, Peer | None] = OrderedDict()
+        self._refused: set[bytes] = set()
         self._grace_s = grace_s
         self._ctx = zmq.Context()
         self._router: zmq.Socket | None = None
@@ -162,6 +240,8 @@ class Server:
                 os.umask(old)
         if path is not None:
             os.chmod(path, self._mode)
+            if self._group:
+                _chgrp(path, self._group)
         self._router = router
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self._replies_addr)
@@ -218,8 +298,10 @@ class Server:
     def _wake(self) -> None:
         try:
             self._wake_w.send(b"x")
-        except BlockingIOError:
-            pass  # already a wake-up pending
+        except OSError:
+            # BlockingIOError: a wake-up is already pending. Closed: a late signal (a
+            # second SIGTERM, a SIGHUP) after close() must not kill the process.
+            pass
 
     # ----------------------------------------------------------------- I/O thread
 
@@ -296,7 +378,50 @@ class Server:
         seq = self._seq
         self._inflight[seq] = [envelope, None]
         self.stats["requests"] += 1
+        peer = self._peer(frames[0].bytes, frames[-1])
+        if not self.access.allows(peer):
+            self._refuse(seq, body, peer, frames[0].bytes)
+            return
         self._handle(seq, body, refuse)
+
+    def _peer(self, key: bytes, frame: Any) -> Peer | None:
+        """The credentials of the connection a message came on (``key``: its routing
+        id), read from a body ``frame``; logged once per connection."""
+        if key in self._peers:
+            self._peers.move_to_end(key)
+            return self._peers[key]
+        try:
+            # A body frame: libzmq 4.3.4 (Debian 12) leaves the metadata off the routing
+            # id frame when the socket was polled before the read.
+            address = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            address = None
+        peer = Peer.parse(address)
+        if peer is not None:
+            log.debug("new client: %s", peer.describe())
+        else:
+            log.debug("new client without credentials (%s)", address)
+        self._peers[key] = peer
+        if len(self._peers) > PEER_CACHE_SIZE:
+            self._peers.popitem(last=False)
+        return peer
+
+    def _refuse(self, seq: int, body: list[Any], peer: Peer | None, key: bytes) -> None:
+        who = peer.describe() if peer else "a client without credentials"
+        rid = peek_request_id(body)
+        message = (f"permission denied: {who} is not in the [access] allow-list of "
+                   f"the inferd configuration")
+        self.stats["errors"] += 1
+        if key in self._refused:
+            log.debug("refused request %s from %s", rid, who)
+        else:  # once per connection: a refused client retrying must not flood the log
+            if len(self._refused) >= PEER_CACHE_SIZE:
+                self._refused.clear()
+            self._refused.add(key)
+            log.warning("refused a request from %s: not in the [access] allow-list", who,
+                        extra={"REQUEST_ID": rid or "",
+                               "CODE": str(ErrorCode.PERMISSION_DENIED)})
+        self._deliver(seq, error_reply(rid, ErrorCode.PERMISSION_DENIED, message))
 
     def _handle(self, seq: int, body: list[Any], refuse: bool) -> None:
         received = time.monotonic()
@@ -338,8 +463,6 @@ class Server:
                                            "inferd stopped before this request finished"))
         self._router.close(linger=1000)
         self._pull.close(0)
-        self._wake_r.close()
-        self._wake_w.close()
         if self._lock:
             self._lock.release()
         log.info("server closed")
@@ -353,6 +476,15 @@ class Server:
         """
         if not threads_done:
             return
+        # The wake-up pair stays open until here: signals keep arriving while the
+        # workers drain (the signal wakeup fd writes to it). Unhook it first, so a
+        # late signal is not written to whatever file gets the number next.
+        if threading.current_thread() is threading.main_thread():
+            old = signal.set_wakeup_fd(-1)
+            if old not in (-1, self._wake_w.fileno()):
+                signal.set_wakeup_fd(old)
+        self._wake_r.close()
+        self._wake_w.close()
         with self._push_lock:
             for push in self._push_sockets:
                 push.close(0)  # threads that never released theirs; they are done by now

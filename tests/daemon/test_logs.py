@@ -1,0 +1,163 @@
+"""Logging: the journal-or-stderr decision, the native journal protocol (with a datagram
+socket standing in for journald's), structured fields, per-module levels."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inferd.daemon import logs
+from inferd.daemon.logs import (
+    FIELDS, JournalHandler, decode_journal, encode_journal, journal_stream_matches,
+    set_levels, setup_logging,
+)
+
+
+@pytest.fixture
+def journald(short_tmp: Path) -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(short_tmp / "journal"))
+    sock.settimeout(10)
+    yield sock
+    sock.close()
+
+
+@pytest.fixture
+def logger() -> Iterator[logging.Logger]:
+    lg = logging.getLogger("inferd.test.logs")
+    lg.setLevel(logging.DEBUG)
+    lg.propagate = False
+    yield lg
+    for h in list(lg.handlers):
+        lg.removeHandler(h)
+        h.close()
+    lg.propagate = True
+
+
+def test_journal_stream_must_match_stderr_device_and_inode(tmp_path, monkeypatch):
+    with open(tmp_path / "err", "w") as stream, open(tmp_path / "other", "w") as other:
+        st = os.fstat(stream.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        assert journal_stream_matches(stream)
+        assert not journal_stream_matches(other)  # e.g. stderr redirected by the admin
+        monkeypatch.setenv("JOURNAL_STREAM", "garbage")
+        assert not journal_stream_matches(stream)
+        monkeypatch.delenv("JOURNAL_STREAM")
+        assert not journal_stream_matches(stream)
+    assert not journal_stream_matches(io.StringIO())  # no file descriptor at all
+
+
+def test_records_reach_journald_with_priority_and_structured_fields(journald, logger):
+    logger.addHandler(JournalHandler(journald.getsockname()))
+    logger.warning("model %s failed to load", "ocr-det",
+                   extra={"MODEL": "ocr-det", "BACKEND": "onnxruntime", "CODE": "NOT_FOUND",
+                          "REQUEST_ID": "", "lowercase": "never sent"})
+    entry = decode_journal(journald.recv(65536))
+    assert entry["MESSAGE"] == "model ocr-det failed to load"
+    assert entry["PRIORITY"] == "4"
+    assert entry["SYSLOG_IDENTIFIER"] == "inferd"
+    assert entry["MODEL"] == "ocr-det" and entry["BACKEND"] == "onnxruntime"
+    assert entry["CODE"] == "NOT_FOUND"
+    assert "REQUEST_ID" not in entry  # empty fields are left out
+    assert entry["LOGGER"] == "inferd.test.logs"
+    assert entry["CODE_FUNC"] == "test_records_reach_journald_with_priority_and_structured_fields"
+    # journald drops a whole message that has a field name outside [A-Z0-9_]
+    assert all(k.replace("_", "").isalnum() and k.isupper() for k in entry), entry
+
+
+@pytest.mark.parametrize("level, priority", [(logging.DEBUG, "7"), (logging.INFO, "6"),
+                                             (logging.WARNING, "4"), (logging.ERROR, "3"),
+                                             (logging.CRITICAL, "2")])
+def test_levels_map_to_syslog_priorities(journald, logger, level, priority):
+    logger.addHandler(JournalHandler(journald.getsockname()))
+    logger.log(level, "x")
+    assert decode_journal(journald.recv(65536))["PRIORITY"] == priority
+
+
+def test_tracebacks_travel_in_the_binary_safe_form(journald, logger):
+    logger.addHandler(JournalHandler(journald.getsockname()))
+    try:
+        raise ValueError("bad\nvalue")
+    except ValueError:
+        logger.exception("request %s failed", "r-1", extra={"REQUEST_ID": "r-1"})
+    data = journald.recv(65536)
+    assert b"MESSAGE\n" in data  # length-prefixed, since the value has newlines
+    entry = decode_journal(data)
+    assert entry["MESSAGE"].startswith("request r-1 failed\nTraceback")
+    assert "ValueError: bad\nvalue" in entry["MESSAGE"]
+    assert entry["REQUEST_ID"] == "r-1" and entry["PRIORITY"] == "3"
+
+
+def test_encode_journal_round_trip():
+    fields = {"MESSAGE": "a=b\nc", "MODEL": "ocr-det", "STAGE": "opened"}
+    assert decode_journal(encode_journal(fields)) == fields
+
+
+def test_plain_lines_carry_the_fields_at_the_end(logger):
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logs.PlainFormatter())
+    logger.addHandler(handler)
+    logger.info("plugin skipped", extra={"PLUGIN_PATH": "/usr/lib/inferd/backends/x.py",
+                                         "STAGE": "opened"})
+    line = stream.getvalue().strip()
+    assert " INFO inferd.test.logs: plugin skipped " in line
+    assert line.endswith("[PLUGIN_PATH=/usr/lib/inferd/backends/x.py STAGE=opened]")
+
+
+@pytest.fixture
+def clean_root() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    if logs._installed is not None:
+        logs._installed.close()
+        logs._installed = None
+    set_levels("warning", {})
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_setup_logging_picks_the_journal_only_when_stderr_is_the_journal(
+        tmp_path, monkeypatch, clean_root):
+    with open(tmp_path / "err", "w") as stream:
+        monkeypatch.delenv("JOURNAL_STREAM", raising=False)
+        plain = setup_logging("info", stream=stream)
+        assert isinstance(plain, logging.StreamHandler)
+        st = os.fstat(stream.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        handler = setup_logging("info", stream=stream)
+        assert isinstance(handler, JournalHandler)
+        root = logging.getLogger().handlers
+        assert root.count(handler) == 1 and plain not in root  # replaced, not added
+
+
+def test_per_module_levels_and_their_reset_on_reload(clean_root):
+    stream = io.StringIO()
+    setup_logging("warning", {"inferd.ipc.server": "debug"}, stream=stream, journal=False)
+    logging.getLogger("inferd.ipc.server").debug("new client: uid 1000")
+    logging.getLogger("inferd.daemon.models").info("hidden at warning")
+    assert "new client: uid 1000" in stream.getvalue()
+    assert "hidden at warning" not in stream.getvalue()
+    set_levels("info", {})  # a reload that drops the module entry
+    assert logging.getLogger("inferd.ipc.server").level == logging.NOTSET
+    assert logging.getLogger("inferd.ipc.server").getEffectiveLevel() == logging.INFO
+
+
+def test_fields_are_the_documented_uppercase_names():
+    assert FIELDS == ("MODEL", "BACKEND", "REQUEST_ID", "PLUGIN_PATH", "STAGE", "CODE")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
+def test_a_missing_journald_does_not_raise(short_tmp, logger, capsys):
+    handler = JournalHandler(str(short_tmp / "no-journald"))
+    logger.addHandler(handler)
+    logger.error("still fine")  # logging's handleError reports on stderr, no exception
+    assert "still fine" in capsys.readouterr().err
