@@ -176,13 +176,13 @@ class Runtime:
 
     def _reload(self) -> dict[str, Any]:
         config = load_config(self.config.source, self._overrides)
-        restart = [f"{section}.{key}" for section in ("server", "backends")
+        restart = [f"{section}.{key}" for section in ("server", "backends", "processors")
                    for key, value in vars(getattr(config, section)).items()
                    if getattr(getattr(self.config, section), key) != value]
         for name in restart:
             log.warning("reload: %s changed; it takes effect at the next restart", name)
-        # [server] and [backends] stay as they were until a restart.
-        for section in ("server", "backends"):
+        # [server], [backends] and [processors] stay as they were until a restart.
+        for section in ("server", "backends", "processors"):
             setattr(config, section, getattr(self.config, section))
         logs.set_levels(config.logging.level, config.logging.modules)
         self.server.access = Access.of(config.access.uids, config.access.gids)
