@@ -347,6 +347,7 @@ def check_installed_files() -> None:
                  "/usr/share/man/man5/inferd.toml.5.gz", "/usr/lib/sysusers.d/inferd.conf"):
         assert Path(path).exists(), f"{path} missing after dpkg -i"
     assert user_exists("inferd") and group_exists("inferd"), "sysusers made no inferd user"
+    assert group_exists("render"), "sysusers made no render group"
     step("installed: unit verifies cleanly, conffile, user inferd, files in place")
 
 
@@ -377,6 +378,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="inferd-deb-test-"))
     os.chmod(tmp, 0o755)
     inferd_user_existed = user_exists("inferd")
+    render_existed = group_exists("render")
     made_users: list[str] = []
     daemon: InstalledDaemon | None = None
     notify: NotifySocket | None = None
@@ -467,6 +469,8 @@ def main() -> int:
         if not inferd_user_existed:  # Debian keeps system users on purge; we made it
             run("userdel", "inferd", check=False)
             run("groupdel", "inferd", check=False)
+        if not render_existed and group_exists("render"):  # made by our sysusers file
+            run("groupdel", "render", check=False)
         shutil.rmtree(tmp, ignore_errors=True)
     for note in notes:
         step(f"NOTE: {note}")

@@ -52,6 +52,8 @@ def test_unit_keeps_devices_reachable_and_psutil_working():
 def test_sysusers_and_tmpfiles_agree_with_the_unit():
     users = (PACKAGING / "sysusers.d" / "inferd.conf").read_text()
     assert re.search(r"^u inferd ", users, re.M)
+    # every SupplementaryGroups= group must exist or systemd refuses to start the unit
+    assert re.search(r"^g render ", users, re.M)  # video comes with base-passwd
     tmpfiles = (PACKAGING / "tmpfiles.d" / "inferd.conf").read_text()
     assert re.search(r"^d /run/inferd 0750 inferd inferd -$", tmpfiles, re.M)
 
