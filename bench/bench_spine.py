@@ -120,8 +120,8 @@ def main() -> None:
     repo = Path(tempfile.mkdtemp(prefix="inferd-r", dir="/tmp"))
     make_identity_model(repo, "identity", rank=1)
     make_identity_model(repo, "identity4", rank=4)
-    for name in ("ocr-cls",):
-        shutil.copytree(MODELS / name, repo / name)
+    # Only the model file: batch 1, no pipeline settings from the demo's model.toml.
+    shutil.copytree(MODELS / "ocr-cls" / "1", repo / "ocr-cls" / "1")
 
     daemon = DaemonProcess("--models", str(repo))
     rss_idle = daemon.rss()

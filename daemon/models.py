@@ -552,6 +552,11 @@ class ModelManager:
             self.repo = Repository(root)
         return self.repo.scan()
 
+    def knows(self, name: str | None) -> bool:
+        """Whether ``name`` is a model of the repository catalog (a dict lookup: used on
+        the I/O thread for every infer request, so no filesystem access)."""
+        return name in self._catalog
+
     @property
     def catalog(self) -> dict[str, ModelSpec]:
         return dict(self._catalog)

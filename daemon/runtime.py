@@ -225,7 +225,8 @@ class Runtime:
         """Answer one request (I/O thread): inline for cheap ops, later for the rest."""
         op = request.op
         if op is Op.INFER:
-            if self.graphs.is_graph(request.model):
+            # Models first: that test is a dict lookup, the graph test reads the disk.
+            if not self.models.knows(request.model) and self.graphs.is_graph(request.model):
                 self.graphs.submit(request, ticket)
             else:
                 self.models.submit(request, ticket)

@@ -350,7 +350,7 @@ def _rows(job: Job) -> int:
 
 
 def _signature(values: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(sorted((k, str(v.dtype), tuple(v.shape[1:])) for k, v in values.items()))
+    return tuple(sorted((k, v.dtype, v.shape[1:]) for k, v in values.items()))
 
 
 def _batchable(model: LoadedModel) -> bool:

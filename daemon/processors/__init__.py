@@ -46,6 +46,45 @@ class Context:
     owner: str = ""
 
 
+class LazyModule:
+    """An optional module imported on its first use, not at daemon start (OpenCV alone
+    adds ~30 MiB of resident memory to a daemon that may never run an image step).
+
+    ``available`` says whether it can be imported; using an attribute of a module that is
+    not installed raises ModelError (UNSUPPORTED) naming the Debian package.
+    """
+
+    def __init__(self, name: str, package: str) -> None:
+        self._name = name
+        self._package = package
+        self._module: Any = None
+        self._tried = False
+
+    def _load(self) -> Any:
+        if not self._tried:
+            try:
+                self._module = importlib.import_module(self._name)
+            except ImportError:
+                self._module = None
+            self._tried = True
+        return self._module
+
+    @property
+    def available(self) -> bool:
+        return self._load() is not None
+
+    def __getattr__(self, attr: str) -> Any:
+        module = self._load()
+        if module is None:
+            raise ModelError(f"{self._name} is not installed (Debian: {self._package})",
+                             ErrorCode.UNSUPPORTED)
+        return getattr(module, attr)
+
+
+cv2 = LazyModule("cv2", "python3-opencv")
+pyclipper = LazyModule("pyclipper", "python3-pyclipper")
+
+
 BUILTINS: dict[str, Factory] = {}
 """name -> factory(context, **params); filled by :func:`register_builtin` in builtin.py
 and ocr.py."""

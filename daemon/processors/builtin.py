@@ -13,14 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from inferd.daemon.processors import Context, Step, Values, register_builtin
+from inferd.daemon.processors import Context, Step, Values, cv2, register_builtin
 from inferd.ipc.errors import ErrorCode, ModelError
 from numpy.typing import NDArray
-
-try:
-    import cv2
-except ImportError:  # optional: python3-opencv
-    cv2 = None  # type: ignore[assignment]
 
 
 def _get(values: Values, name: str) -> Any:
@@ -39,7 +34,7 @@ def _put(values: Values, name: str, value: Any) -> Values:
 @register_builtin("image.decode")
 def image_decode(ctx: Context, input: str = "image", output: str | None = None) -> Step:
     """Encoded image bytes (uint8 1-D: PNG, JPEG...) -> uint8 HWC BGR."""
-    if cv2 is None:
+    if not cv2.available:
         raise ModelError("image.decode needs OpenCV (python3-opencv)", ErrorCode.UNSUPPORTED)
 
     def step(values: Values) -> Values:
@@ -54,7 +49,7 @@ def image_decode(ctx: Context, input: str = "image", output: str | None = None) 
 def resize_bilinear(img: NDArray[Any], height: int, width: int) -> NDArray[Any]:
     """Resize an HW or HWC image: OpenCV when available, else numpy bilinear (half-pixel
     centres, as OpenCV's INTER_LINEAR)."""
-    if cv2 is not None:
+    if cv2.available:
         return cv2.resize(img, (width, height))
     h, w = img.shape[:2]
     ys = np.clip((np.arange(height) + 0.5) * h / height - 0.5, 0, h - 1)

@@ -20,23 +20,16 @@ import math
 from typing import Any
 
 import numpy as np
-from inferd.daemon.processors import Context, Step, Values, register_builtin
+# OpenCV (cv2) is required by the OCR steps (they refuse to build without it); pyclipper
+# is optional (without it unclip is done with numpy). Both are imported on first use.
+from inferd.daemon.processors import Context, Step, Values, cv2, pyclipper, register_builtin
 from inferd.daemon.processors.builtin import ctc_characters, ctc_greedy
 from inferd.ipc.errors import ErrorCode, ModelError
 from numpy.typing import NDArray
 
-try:
-    import cv2
-except ImportError:  # optional: python3-opencv; the OCR steps refuse to build without it
-    cv2 = None  # type: ignore[assignment]
-try:
-    import pyclipper
-except ImportError:  # optional: python3-pyclipper; without it unclip is done with numpy
-    pyclipper = None  # type: ignore[assignment]
-
 
 def _need_cv2(name: str) -> None:
-    if cv2 is None:
+    if not cv2.available:
         raise ModelError(f"{name} needs OpenCV (install python3-opencv)", ErrorCode.UNSUPPORTED)
 
 
@@ -130,7 +123,7 @@ def _unclip(box: NDArray[np.float32], ratio: float) -> NDArray[Any]:
     if length == 0:
         return box
     d = area * ratio / length
-    if pyclipper is not None:
+    if pyclipper.available:
         offset = pyclipper.PyclipperOffset()
         offset.AddPath(box, pyclipper.JT_ROUND, pyclipper.ET_CLOSEDPOLYGON)
         return np.array(offset.Execute(d)).reshape((-1, 1, 2))

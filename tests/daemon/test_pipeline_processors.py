@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from inferd.daemon.processors import Context, ProcessorRegistry
+from inferd.daemon.processors import Context, LazyModule, ProcessorRegistry
 from inferd.daemon.processors import builtin as B
 from inferd.daemon.processors import ocr as O
 from inferd.ipc.errors import ModelError
@@ -41,7 +41,7 @@ def test_image_steps_make_a_normalized_nchw_batch(registry: ProcessorRegistry) -
 def test_numpy_resize_matches_opencv_bilinear() -> None:
     cv2 = pytest.importorskip("cv2")
     img = np.random.default_rng(0).integers(0, 255, (17, 23, 3), dtype=np.uint8)
-    saved, B.cv2 = B.cv2, None
+    saved, B.cv2 = B.cv2, LazyModule("no_such_module_here", "none")
     try:
         mine = B.resize_bilinear(img, 40, 31)
     finally:
@@ -91,7 +91,7 @@ def test_numpy_unclip_is_within_a_pixel_of_pyclipper() -> None:
                 float(rng.uniform(-10, 10)))
         box, _ = O._mini_box(cv2.boxPoints(rect).reshape(-1, 1, 2))
         exact, _ = O._mini_box(O._unclip(box, 1.6).reshape(-1, 1, 2).astype(np.float32))
-        saved, O.pyclipper = O.pyclipper, None
+        saved, O.pyclipper = O.pyclipper, LazyModule("no_such_module_here", "none")
         try:
             approx, _ = O._mini_box(O._unclip(box, 1.6).reshape(-1, 1, 2))
         finally:
