@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 RUNDIR ?= $(or $(XDG_RUNTIME_DIR),/tmp/inferd-$(shell id -u))
 SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
 
-.PHONY: setup run test test-fast bench clean examples deb deb-test
+.PHONY: setup run test test-fast bench clean examples deb deb-test lint
 
 setup: $(STAMP) models/.complete
 
@@ -34,6 +34,11 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+lint: setup
+	$(PY) -m pip install --quiet ruff mypy
+	$(VENV)/bin/ruff check daemon ipc libbackends bench examples tests
+	$(VENV)/bin/mypy daemon ipc libbackends
 
 bench: setup
 	$(PY) bench/run.py

@@ -20,7 +20,7 @@ import struct
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any, TextIO
+from typing import TextIO
 
 try:  # Debian: python3-systemd
     from systemd import journal as _sd_journal
@@ -215,7 +215,3 @@ def set_levels(level: str, modules: Mapping[str, str] | None = None) -> None:
         logging.getLogger(name).setLevel(value.upper())
     _module_levels.clear()
     _module_levels.update(modules or {})
-
-
-def describe_sink(handler: Any) -> str:
-    return "journal" if isinstance(handler, JournalHandler) else "stderr"

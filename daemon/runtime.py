@@ -137,7 +137,7 @@ class Runtime:
                 if name not in alive:
                     dead.append(name)
         if dead:
-            return f"worker threads are gone: {', '.join(dead)}"
+            return f"worker threads are gone: {', '.join(map(str, dead))}"
         return None
 
     def serve(self) -> None:

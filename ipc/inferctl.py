@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from inferd.ipc.client import Client, default_endpoint
-from inferd.ipc.errors import ErrorCode, RequestError
+from inferd.ipc.errors import RequestError
 
 
 def _size(n: Any) -> str:
@@ -153,7 +153,7 @@ def _load_input(path: str) -> np.ndarray:
     try:
         import cv2
     except ImportError:
-        cv2 = None
+        cv2 = None  # type: ignore[assignment]
     if cv2 is not None:
         img = cv2.imread(path, cv2.IMREAD_COLOR)
         if img is None:

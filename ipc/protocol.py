@@ -265,7 +265,7 @@ def decode_request(frames: Sequence[Frame]) -> Request:
                             "characters")
     try:
         try:
-            op = Op(header.get("op"))
+            op = Op(str(header.get("op")))
         except ValueError:
             raise ProtocolError(f"unknown op {header.get('op')!r}; expected one of "
                                 f"{', '.join(o.value for o in Op)}",

@@ -461,6 +461,7 @@ class Server:
         for seq, (_, rid) in list(self._inflight.items()):
             self._deliver(seq, error_reply(rid, ErrorCode.UNAVAILABLE,
                                            "inferd stopped before this request finished"))
+        assert self._router is not None and self._pull is not None
         self._router.close(linger=1000)
         self._pull.close(0)
         if self._lock:

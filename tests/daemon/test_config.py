@@ -32,8 +32,10 @@ def test_defaults_without_a_file():
 
 
 @pytest.mark.parametrize("text, words", [
-    ("[server]\nmax_message_bytes = -5\n", "[server] max_message_bytes = -5: expected a positive size"),
-    ("[models]\nqueue_size = \"many\"\n", "[models] queue_size = 'many': expected a positive integer"),
+    ("[server]\nmax_message_bytes = -5\n",
+     "[server] max_message_bytes = -5: expected a positive size"),
+    ("[models]\nqueue_size = \"many\"\n",
+     "[models] queue_size = 'many': expected a positive integer"),
     ("[server]\nsocket = \"/tmp/x\"\n", "[server] socket = '/tmp/x': expected a ZeroMQ endpoint"),
     ("[modles]\n", "unknown section [modles]"),
     ("[models]\npreloads = []\n", "unknown key [models] preloads"),

@@ -342,7 +342,8 @@ def test_invalid_config_exits_nonzero_with_one_clear_message(short_tmp):
 def test_client_says_why_when_no_daemon_is_there(short_tmp):
     with pytest.raises(RequestError) as info:
         Client(f"ipc://{short_tmp}/absent.sock")
-    assert info.value.code == ErrorCode.UNAVAILABLE and "is the daemon running" in info.value.message
+    assert info.value.code == ErrorCode.UNAVAILABLE
+    assert "is the daemon running" in info.value.message
 
 
 def test_a_slow_model_does_not_delay_another_models_replies(models_dir, start_daemon):

@@ -273,8 +273,9 @@ class InstalledDaemon:
         if journal is not None:  # stderr "is" the journal, as under StandardError=journal
             st = os.fstat(self._log.fileno())
             env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
-        self.proc = subprocess.Popen([*self.prefix, *exec_start], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, cwd="/", preexec_fn=lambda: os.umask(umask))
+        self.proc = subprocess.Popen([*self.prefix, *exec_start], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env, cwd="/",
+                                     preexec_fn=lambda: os.umask(umask))
 
     def check_sandbox(self) -> None:
         """The emulation bites: what the unit forbids fails the same way here."""
