@@ -6,9 +6,27 @@ STAMP  := $(VENV)/.installed
 RUNDIR ?= $(or $(XDG_RUNTIME_DIR),/tmp/inferd-$(shell id -u))
 SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
 
-.PHONY: setup run test test-fast bench clean examples deb deb-test lint
+# Debian packages the build and the tests need (libzmq3-dev: the C client example;
+# fonts: the OCR tests render their images). Installed by `make setup` when run as root.
+SYSTEM_PACKAGES := python3-venv gcc libc6-dev libzmq3-dev fonts-dejavu-core
 
-setup: $(STAMP) models/.complete
+.PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint
+
+setup: system-packages $(STAMP) models/.complete
+
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do \
+	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ]; then \
+	        echo "installing $$missing"; \
+	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	            --no-install-recommends $$missing >/dev/null; \
+	    else \
+	        echo "inferd needs these Debian packages: sudo apt-get install $$missing" >&2; \
+	        exit 1; \
+	    fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
