@@ -63,6 +63,12 @@ def _positive_float(v: Any) -> float:
     raise ValueError
 
 
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise ValueError
+
+
 def _string(v: Any) -> str:
     if isinstance(v, str) and v:
         return v
@@ -161,6 +167,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "onnxruntime": {
         "intra_op_threads": Key(1, _positive_int, "a positive integer"),
         "inter_op_threads": Key(1, _positive_int, "a positive integer"),
+        "allow_spinning": Key(True, _bool, "true or false"),
     },
     "cache": {
         "max_memory": Key("75%", _budget, "a size ('512MiB'), a share of physical memory "

@@ -278,7 +278,8 @@ class ModelManager:
         self._meter.trim()
         before = self._meter.rss()
         model = backend.load(source.path, LoadOptions(ort.intra_op_threads,
-                                                      ort.inter_op_threads))
+                                                      ort.inter_op_threads,
+                                                      ort.allow_spinning))
         try:
             warm_up(entry.label, model, source.path, spec.settings,
                     self.config.cache.warmup_dim)

@@ -63,6 +63,7 @@ class LoadOptions:
 
     intra_op_threads: int = 1
     inter_op_threads: int = 1
+    allow_spinning: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 

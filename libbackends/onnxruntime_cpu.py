@@ -94,6 +94,9 @@ class OnnxRuntimeCpuBackend(Backend):
         so.intra_op_num_threads = options.intra_op_threads
         so.inter_op_num_threads = options.inter_op_threads
         so.log_severity_level = 3
+        if not options.allow_spinning:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            so.add_session_config_entry("session.inter_op.allow_spinning", "0")
         try:
             session = self._ort.InferenceSession(
                 str(model_path), sess_options=so, providers=["CPUExecutionProvider"])
