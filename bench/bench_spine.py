@@ -16,9 +16,9 @@ import multiprocessing as mp
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -81,23 +81,33 @@ def daemon_latency(endpoint: str, model: str, x: np.ndarray, n: int) -> list[flo
     return times
 
 
-def cls_throughput_daemon(endpoint: str, images: list[np.ndarray], clients: int) -> float:
-    per = len(images) // clients
-
-    def run(k: int) -> None:
-        with Client(endpoint, timeout=60) as c:
-            for x in images[k * per:(k + 1) * per]:
-                c.infer("ocr-cls", {"x": x})
-
-    with Client(endpoint) as c:  # warm
+def _cls_client(endpoint: str, images: list[np.ndarray], barrier: Any) -> None:
+    with Client(endpoint, timeout=60) as c:
         c.infer("ocr-cls", {"x": images[0]})
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+        barrier.wait()
+        for x in images:
+            c.infer("ocr-cls", {"x": x})
+
+
+def cls_throughput_daemon(endpoint: str, images: list[np.ndarray], clients: int) -> float:
+    """Requests per second from ``clients`` client processes (separate applications, as
+    in the field; threads of one Python process would measure that process's GIL)."""
+    per = len(images) // clients
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(clients + 1)
+    procs = [ctx.Process(target=_cls_client,
+                         args=(endpoint, images[k * per:(k + 1) * per], barrier))
+             for k in range(clients)]
+    for p in procs:
+        p.start()
+    barrier.wait()
     t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return per * clients / (time.perf_counter() - t0)
+    for p in procs:
+        p.join()
+    elapsed = time.perf_counter() - t0
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit("a benchmark client failed")
+    return per * clients / elapsed
 
 
 def cls_throughput_inprocess(images: list[np.ndarray]) -> float:
@@ -151,10 +161,13 @@ def main() -> None:
 
     rng = np.random.default_rng(1)
     images = [rng.random((1, 3, 48, 192), dtype=np.float32) for _ in range(800)]
-    base = cls_throughput_inprocess(images)
-    ours_tp = cls_throughput_daemon(daemon.endpoint, images, clients=4)
-    print(f"\n3. ocr-cls batch 1: in-process onnxruntime (1 thread) {base:.0f} req/s, "
-          f"inferd with 4 clients {ours_tp:.0f} req/s")
+    # Best of three, alternating the arms: this 2-vCPU machine is noisy.
+    base = ours_tp = 0.0
+    for _ in range(3):
+        base = max(base, cls_throughput_inprocess(images))
+        ours_tp = max(ours_tp, cls_throughput_daemon(daemon.endpoint, images, clients=4))
+    print(f"\n3. ocr-cls batch 1, best of 3: in-process onnxruntime (1 thread) {base:.0f} req/s, "
+          f"inferd with 4 client processes {ours_tp:.0f} req/s")
     print(f"   {verdict(ours_tp / base, 0.9, higher_is_better=True)}")
 
     print(f"\n4. daemon resident memory with no model loaded: {rss_idle / 2**20:.1f} MiB")
