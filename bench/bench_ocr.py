@@ -13,7 +13,6 @@ two engines never run at the same time. Run: .venv/bin/python bench/bench_ocr.py
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 import subprocess
@@ -27,7 +26,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from common import run_client_processes  # noqa: E402
 from inferd.ipc import Client, RequestError  # noqa: E402
 from ocr_images import render  # noqa: E402
 
@@ -167,22 +168,8 @@ def batching(tmp: Path) -> None:
                 (repo / "ocr-cls" / "model.toml").write_text(toml)
                 daemon = Daemon(repo, repo, "--preload", "ocr-cls", config=config)
                 try:
-                    # 16 client processes (16 threads of one Python process would
-                    # measure the client's GIL more than the daemon)
-                    ctx = multiprocessing.get_context("fork")
-                    barrier = ctx.Barrier(clients + 1)
-                    procs = [ctx.Process(target=_client,
-                                         args=(daemon.endpoint, x, per_client, barrier))
-                             for _ in range(clients)]
-                    for p in procs:
-                        p.start()
-                    barrier.wait()
-                    t0 = time.perf_counter()
-                    for p in procs:
-                        p.join()
-                    elapsed = time.perf_counter() - t0
-                    if any(p.exitcode != 0 for p in procs):
-                        raise SystemExit("a benchmark client failed")
+                    elapsed = run_client_processes(
+                        _client, [(daemon.endpoint, x, per_client)] * clients)
                 finally:
                     daemon.stop()
                 rates[mode] = max(rates.get(mode, 0.0), clients * per_client / elapsed)

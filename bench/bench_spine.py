@@ -25,7 +25,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    MODELS, DaemonProcess, cpu_note, fmt_us, make_identity_model, pct, verdict,
+    MODELS, DaemonProcess, cpu_note, fmt_us, make_identity_model, pct, run_client_processes,
+    verdict,
 )
 
 from inferd.ipc import Client  # noqa: E402
@@ -90,23 +91,10 @@ def _cls_client(endpoint: str, images: list[np.ndarray], barrier: Any) -> None:
 
 
 def cls_throughput_daemon(endpoint: str, images: list[np.ndarray], clients: int) -> float:
-    """Requests per second from ``clients`` client processes (separate applications, as
-    in the field; threads of one Python process would measure that process's GIL)."""
+    """Requests per second from ``clients`` client processes."""
     per = len(images) // clients
-    ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(clients + 1)
-    procs = [ctx.Process(target=_cls_client,
-                         args=(endpoint, images[k * per:(k + 1) * per], barrier))
-             for k in range(clients)]
-    for p in procs:
-        p.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for p in procs:
-        p.join()
-    elapsed = time.perf_counter() - t0
-    if any(p.exitcode != 0 for p in procs):
-        raise SystemExit("a benchmark client failed")
+    elapsed = run_client_processes(
+        _cls_client, [(endpoint, images[k * per:(k + 1) * per]) for k in range(clients)])
     return per * clients / elapsed
 
 

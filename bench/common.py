@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -92,3 +93,25 @@ def median(values: list[float]) -> float:
 
 def cpu_note() -> str:
     return f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}"
+
+
+def run_client_processes(target: Any, arg_lists: list[tuple[Any, ...]]) -> float:
+    """Run ``target(*args, barrier)`` in one forked process per ``args`` (separate
+    applications, as in the field: threads of one Python process would measure that
+    process's GIL more than the daemon). Each calls ``barrier.wait()`` once warmed up;
+    returns the seconds from that moment until all have finished."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(len(arg_lists) + 1)
+    procs = [ctx.Process(target=target, args=(*args, barrier)) for args in arg_lists]
+    for p in procs:
+        p.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for p in procs:
+        p.join()
+    elapsed = time.perf_counter() - t0
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit("a benchmark client failed")
+    return elapsed
