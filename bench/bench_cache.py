@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,9 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from inferd.ipc import Client, RequestError
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import DaemonProcess  # noqa: E402
+from inferd.ipc import Client  # noqa: E402
 
 ROUNDS = 5
 WARM = 20
@@ -76,21 +76,6 @@ def bare_onnxruntime(path: Path, inputs: dict[str, np.ndarray]) -> tuple[float, 
                          lambda: session[0].run(None, inputs))  # type: ignore[attr-defined]
 
 
-def wait_ready(endpoint: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"bench_cache: inferd exited with {proc.returncode}")
-        try:
-            with Client(endpoint, timeout=1) as c:
-                if c.ping()["ready"]:
-                    return
-        except RequestError:
-            pass
-        time.sleep(0.05)
-    sys.exit("bench_cache: inferd not ready after 60 s")
-
-
 def main() -> int:
     models = ROOT / "models"
     work = Path(tempfile.mkdtemp(prefix="inferd-b", dir="/tmp"))
@@ -98,14 +83,10 @@ def main() -> int:
     for name in INPUTS:
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.onnx").symlink_to(models / name / "1" / "model.onnx")
-    (work / "inferd.toml").write_text('[cache]\nmax_memory = "unlimited"\n'
-                                      '[logging]\nlevel = "warning"\n')
-    endpoint = f"ipc://{work}/inferd.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "inferd.daemon.main", "--config",
-                             str(work / "inferd.toml"), "--socket", endpoint, "--models",
-                             str(repo)], cwd=work)
+    (work / "inferd.toml").write_text('[cache]\nmax_memory = "unlimited"\n')
+    daemon = DaemonProcess("--models", str(repo), config=work / "inferd.toml")
+    endpoint = daemon.endpoint
     try:
-        wait_ready(endpoint, proc)
         # A first load pays for onnxruntime's one-off set-up; keep that out of the rows.
         with Client(endpoint, timeout=60) as c:
             c.infer("ocr-cls", INPUTS["ocr-cls"])
@@ -146,8 +127,7 @@ def main() -> int:
                   f"{min(values) / 2**20:6.1f}..{max(values) / 2**20:5.1f} MiB "
                   f"{med / size:5.1f}x")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

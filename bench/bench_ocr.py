@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import run_client_processes  # noqa: E402
-from inferd.ipc import Client, RequestError  # noqa: E402
+from common import DaemonProcess, run_client_processes  # noqa: E402
+from inferd.ipc import Client  # noqa: E402
 from ocr_images import render  # noqa: E402
 
 MODELS = ROOT / "models"
@@ -47,36 +46,6 @@ def images(n: int) -> list[np.ndarray]:
         out.append(render(lines, FONTS[i % len(FONTS)], int(rng.integers(22, 40)),
                           rotation=[0, 0, 0, 3, 180][i % 5]))
     return out
-
-
-class Daemon:
-    def __init__(self, repo: Path, workdir: Path, *args: str,
-                 config: Path = ROOT / "config" / "inferd.toml") -> None:
-        self.endpoint = f"ipc://{workdir}/inferd.sock"
-        self.log_path = workdir / "inferd.log"
-        self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inferd.daemon.main", "--config",
-             str(config), "--socket", self.endpoint,
-             "--models", str(repo), "--log-level", "warning", *args],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with Client(self.endpoint, timeout=1) as c:
-                    if c.ping()["ready"]:
-                        return
-            except (RequestError, OSError):
-                time.sleep(0.1)
-            if self.proc.poll() is not None:
-                break
-        self.proc.kill()
-        raise SystemExit(f"daemon did not become ready:\n{self.log_path.read_text()}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
 
 
 def ocr(tmp: Path) -> None:
@@ -103,8 +72,8 @@ def ocr(tmp: Path) -> None:
     rapid1_rate = 10 / (time.perf_counter() - t0)
     del engine
 
-    daemon = Daemon(MODELS, tmp, "--preload", "ocr-det", "--preload", "ocr-cls",
-                    "--preload", "ocr-rec")
+    daemon = DaemonProcess("--models", str(MODELS), "--preload", "ocr-det",
+                           "--preload", "ocr-cls", "--preload", "ocr-rec")
     try:
         with Client(daemon.endpoint, timeout=300) as c:
             for im in batch[:2]:
@@ -166,7 +135,8 @@ def batching(tmp: Path) -> None:
                 (repo / "ocr-cls").mkdir(parents=True)
                 (repo / "ocr-cls" / "1").symlink_to(MODELS / "ocr-cls" / "1")
                 (repo / "ocr-cls" / "model.toml").write_text(toml)
-                daemon = Daemon(repo, repo, "--preload", "ocr-cls", config=config)
+                daemon = DaemonProcess("--models", str(repo), "--preload", "ocr-cls",
+                                       config=config)
                 try:
                     elapsed = run_client_processes(
                         _client, [(daemon.endpoint, x, per_client)] * clients)

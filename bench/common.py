@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -35,33 +36,43 @@ def make_identity_model(repo: Path, name: str = "identity", rank: int = 1) -> Pa
 
 
 class DaemonProcess:
-    """``inferd`` in a child process on a private ipc socket."""
+    """``inferd`` in a child process on a private ipc socket, ready when constructed.
 
-    def __init__(self, *args: str) -> None:
+    Args:
+        args: more command-line arguments (``--models DIR``, ``--preload M``...).
+        config: the config file; default an empty one (the built-in defaults), never the
+            host's /etc/inferd/inferd.toml.
+    """
+
+    def __init__(self, *args: str, config: Path | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="inferd-b", dir="/tmp"))
         self.endpoint = f"ipc://{self.dir}/inferd.sock"
-        empty = self.dir / "inferd.toml"  # not the host's /etc/inferd/inferd.toml
-        empty.touch()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inferd.daemon.main", "--socket", self.endpoint,
-             "--config", str(empty), "--log-level", "warning", *args],
-            stdout=subprocess.DEVNULL)
+        if config is None:
+            config = self.dir / "inferd.toml"
+            config.touch()
+        self.log_path = self.dir / "inferd.log"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "inferd.daemon.main", "--socket", self.endpoint,
+                 "--config", str(config), "--log-level", "warning", *args],
+                stdout=log, stderr=subprocess.STDOUT)
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 60) -> None:
         from inferd.ipc import Client, RequestError
 
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"inferd exited with {self.proc.returncode}")
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 with Client(self.endpoint, timeout=1) as c:
                     if c.ping()["ready"]:
                         return
             except RequestError:
                 time.sleep(0.05)
-        raise RuntimeError("inferd not ready")
+        self.proc.kill()
+        self.proc.wait()
+        raise SystemExit(f"inferd did not become ready (exit {self.proc.returncode}):\n"
+                         f"{self.log_path.read_text(errors='replace')}")
 
     def rss(self) -> int:
         import psutil
@@ -70,6 +81,7 @@ class DaemonProcess:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def pct(values: list[float], q: float) -> float:
