@@ -689,6 +689,15 @@ class ModelManager:
         with self._lock:
             return [e.name for e in self._entries.values() if e.state is State.READY]
 
+    def dead_worker_threads(self) -> list[str]:
+        """Names of worker threads of ready models that have ended (the watchdog's
+        probe): the threads themselves are asked, so two versions of a model whose
+        threads share a name cannot hide each other."""
+        with self._lock:
+            entries = list(self._entries.values())
+        return [t.name for e in entries if e.state is State.READY and e.workers
+                for t in e.workers.threads if not t.is_alive()]
+
 
 _NOBODY = ModelEntry("-", 0, 1)
 """Stands for "no model" when only the budget itself is checked."""

@@ -127,17 +127,9 @@ class Runtime:
         self.server.call_soon(beat.set)
         if not beat.wait(limit):
             return f"the I/O loop did not answer a heartbeat within {limit:.3g} s"
-        alive = {t.name for t in threading.enumerate()}
-        dead = []
-        for model in self.models.describe():
-            if model.get("state") != "ready":
-                continue
-            for thread in model.get("threads", []):
-                name = thread.get("name") if isinstance(thread, dict) else thread
-                if name not in alive:
-                    dead.append(name)
+        dead = self.models.dead_worker_threads()
         if dead:
-            return f"worker threads are gone: {', '.join(map(str, dead))}"
+            return f"worker threads are gone: {', '.join(dead)}"
         return None
 
     def serve(self) -> None:
