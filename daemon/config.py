@@ -115,6 +115,13 @@ def _group(v: Any) -> str:
     raise ValueError
 
 
+def _cores(v: Any) -> list[int]:
+    if v == []:
+        return []
+    from inferd.daemon.pipeline import parse_affinity
+    return parse_affinity(v)
+
+
 def _module_levels(v: Any) -> dict[str, str]:
     if isinstance(v, dict) and all(isinstance(k, str) and k for k in v):
         return {k: _level(x) for k, x in v.items()}
@@ -150,6 +157,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "shutdown_grace_s": Key(10.0, _positive_float, "a positive number of seconds"),
         "socket_group": Key("", _group, "a group name or number, or \"\" to leave the "
                             "daemon's own group"),
+        "cpu_affinity": Key([], _cores, f"a list of core numbers from "
+                            f"{sorted(os.sched_getaffinity(0))}, or [] for any core"),
     },
     "models": {
         "repository": Key("/var/lib/inferd/models", _string, "a directory path"),

@@ -36,7 +36,7 @@ from inferd.daemon.graph import (
     load_graph_file,
     run_node,
 )
-from inferd.daemon.pipeline import Placement, pin_current_thread
+from inferd.daemon.pipeline import Placement, pin_current_thread, unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.worker import LocalTicket
@@ -396,7 +396,8 @@ class GraphManager:
         self._release = release
         self._graphs: dict[str, TaskExecutor | PipelineExecutor] = {}
         self._lock = threading.Lock()
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="inferd-graph-loader")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="inferd-graph-loader",
+                                          initializer=unpin_current_thread)
 
     def is_graph(self, name: str | None) -> bool:
         """Whether ``name`` is a graph (loaded, or with a graph.toml and no model)."""

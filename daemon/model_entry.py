@@ -52,7 +52,10 @@ class ModelEntry:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.state = State.UNLOADED
-        self.queue: queue.Queue[WorkItem | None] = queue.Queue(queue_size)
+        # SimpleQueue: a put is one C call (queue.Queue's Condition costs several µs per
+        # request); the bound is kept by ModelManager._enqueue under ``lock``.
+        self.queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
+        self.queue_size = queue_size
         self.backend: str | None = None
         self.model: LoadedModel | None = None
         self.workers: Workers | None = None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from inferd.daemon.cache import (
     parse_duration, request_keep_alive,
 )
 from inferd.daemon.model_entry import Key, ModelEntry, Settings, State
-from inferd.daemon.pipeline import PipelineSpec, parse_spec
+from inferd.daemon.pipeline import PipelineSpec, parse_spec, unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import ModelSpec, Repository, check_name
@@ -72,7 +71,8 @@ class ModelManager:
         self._lock = threading.Lock()  # the catalog and the entries dict
         self._load_lock = threading.Lock()  # one load at a time: its RSS delta is its own
         self._reload_lock = threading.Lock()
-        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inferd-loader")
+        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inferd-loader",
+                                          initializer=unpin_current_thread)
         self._meter = MemoryMeter()
         self._measured: dict[Key, int] = {}
         self._held: set[Key] = set()
@@ -180,17 +180,17 @@ class ModelManager:
                                       f"(next try after {held:g} s): {entry.error}",
                                       entry.error_code)
                 entry.set_state(State.UNLOADED)
-            try:
-                entry.queue.put_nowait(item)
-            except queue.Full:
+            if entry.queue.qsize() >= entry.queue_size:
                 raise InferdError(f"model {entry.label}: queue is full "
-                                  f"({entry.queue.maxsize} requests waiting)",
-                                  ErrorCode.RESOURCE_EXHAUSTED) from None
+                                  f"({entry.queue_size} requests waiting)",
+                                  ErrorCode.RESOURCE_EXHAUSTED)
             entry.in_flight += 1
             entry.touch(keep_alive)
             if entry.state is State.UNLOADED:
                 self._start_load(entry)
             # DRAINING: the request waits in the queue; the drain restarts the load.
+            # Last: the put wakes a worker, which then waits for this thread's GIL.
+            entry.queue.put(item)
 
     def _done(self, entry: ModelEntry, ok: bool) -> None:
         with entry.lock:

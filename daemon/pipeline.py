@@ -30,6 +30,9 @@ from inferd.ipc.errors import ErrorCode, ModelError
 
 log = logging.getLogger(__name__)
 
+PROCESS_CORES = frozenset(os.sched_getaffinity(0))
+"""The cores this process may use, read at start-up before any thread is pinned."""
+
 PIPELINE_KEYS = ("cpu_affinity", "max_batch", "max_delay_ms", "stage_queue_size", "pre",
                  "post")
 
@@ -59,11 +62,10 @@ def parse_affinity(cores: Any) -> list[int]:
             or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
                        for c in cores)):
         raise ValueError("expected a non-empty list of core numbers")
-    available = os.sched_getaffinity(0)
-    missing = sorted(set(cores) - available)
+    missing = sorted(set(cores) - PROCESS_CORES)
     if missing:
         raise ValueError(f"cores {missing} are not usable by this process (it may use "
-                         f"{sorted(available)})")
+                         f"{sorted(PROCESS_CORES)})")
     return sorted(set(cores))
 
 
@@ -128,7 +130,9 @@ def pin_current_thread(placement: Placement, cores: list[int] | None, model: str
     affinity the kernel reports back."""
     tid = threading.get_native_id()
     placement.native_id = tid
-    if cores:
+    if not cores:
+        unpin_current_thread()
+    else:
         try:
             os.sched_setaffinity(tid, cores)
         except OSError as e:
@@ -136,3 +140,14 @@ def pin_current_thread(placement: Placement, cores: list[int] | None, model: str
             log.warning("model %s: thread %s: %s", model, placement.thread, placement.error,
                         extra={"MODEL": model})
     placement.affinity = sorted(os.sched_getaffinity(tid))
+
+
+def unpin_current_thread() -> None:
+    """Let the calling thread run on every core of the process again. A thread inherits
+    the cores of the thread that starts it, and the I/O thread may be pinned
+    (``[server] cpu_affinity``): threads it starts call this first."""
+    try:
+        os.sched_setaffinity(threading.get_native_id(), PROCESS_CORES)
+    except OSError as e:  # e.g. a core went offline since start-up
+        log.debug("cannot reset the affinity of thread %s: %s",
+                  threading.current_thread().name, e.strerror)

@@ -19,6 +19,7 @@ from inferd.daemon import logs
 from inferd.daemon.config import Config, load_config
 from inferd.daemon.graphs import GraphManager
 from inferd.daemon.models import ModelManager
+from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
 from inferd.daemon.systemd import Notifier, Watchdog, watchdog_interval
@@ -60,6 +61,7 @@ class Runtime:
                              socket_mode=config.server.socket_mode,
                              grace_s=config.server.shutdown_grace_s,
                              socket_group=config.server.socket_group,
+                             cpu_affinity=config.server.cpu_affinity,
                              access=Access.of(config.access.uids, config.access.gids))
         self.server.on_stop = self._on_stop
         reply = route_replies(self.server.send_reply)  # wire tickets and in-process ones
@@ -69,7 +71,8 @@ class Runtime:
         self.models.processors = self.processors
         self.graphs = GraphManager(self.repo, self.processors, self.models.submit, reply,
                                    self.server.release_thread)
-        self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-control")
+        self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-control",
+                                           initializer=unpin_current_thread)
         self._stopped = threading.Event()
         self._workers_done = True
         self._proc = psutil.Process()

@@ -52,7 +52,7 @@ class LocalTicket:
         return self.deadline is not None and time.monotonic() > self.deadline
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkItem:
     request: Request
     ticket: Ticket | LocalTicket
@@ -76,7 +76,7 @@ def error_for(item: WorkItem, code: ErrorCode, message: str) -> Reply:
     return Reply(id=item.request.id, error=(code, message))
 
 
-@dataclass
+@dataclass(slots=True)
 class Job:
     """One request on its way through the stages."""
 
@@ -100,7 +100,7 @@ class Workers:
         backend: the backend id, shown in the placement.
     """
 
-    def __init__(self, name: str, model: LoadedModel, work: queue.Queue[WorkItem | None],
+    def __init__(self, name: str, model: LoadedModel, work: queue.SimpleQueue[WorkItem | None],
                  reply: ReplyFn, release: Callable[[], None], instances: int = 1,
                  on_done: Callable[[bool], None] | None = None,
                  spec: PipelineSpec | None = None, backend: str | None = None) -> None:
@@ -273,6 +273,10 @@ class Workers:
         return True
 
     def _run_batch(self, batch: list[Job]) -> None:
+        if len(batch) == 1:
+            if self._check(batch[0]):
+                self._run_single(batch[0])
+            return
         ready = [j for j in batch if self._check(j)]
         groups: dict[tuple[Any, ...], list[Job]] = {}
         for job in ready:

@@ -138,12 +138,15 @@ class Client(_Base):
                inputs: dict[str, NDArray[Any]] | None = None, **fields: Any) -> Pending:
         """Send a request without waiting; collect it with :meth:`Pending.result`."""
         req = self._request(Op(op), model, inputs, **fields)
+        return Pending(self, req.id, self._send(req))
+
+    def _send(self, req: Request) -> float:
+        """Send ``req``; returns the monotonic time after which its reply is given up."""
         frames = encode_request(req)
         with self._lock:
             self._waiting.add(req.id)
             send_frames(self._sock, frames)
-        return Pending(self, req.id,
-                       time.monotonic() + (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S)
+        return time.monotonic() + (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S
 
     def _wait(self, request_id: str, deadline: float) -> Reply:
         while True:
@@ -183,8 +186,13 @@ class Client(_Base):
         Raises:
             RequestError: with ``.code`` the wire code and the daemon's message.
         """
-        return self.submit(Op.INFER, model, inputs, outputs=outputs, version=version,
-                           timeout=timeout).result()
+        # submit(...).result() without the Pending: this is the hot path of most clients.
+        req = self._request(Op.INFER, model, inputs, outputs=outputs, version=version,
+                            timeout=timeout)
+        reply = self._wait(req.id, self._send(req))
+        if reply.error is not None:
+            raise RequestError(reply.error[1], reply.error[0])
+        return reply.outputs
 
     def ping(self) -> dict[str, Any]:
         return self.call(Op.PING)

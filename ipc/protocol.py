@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+from zmq import Frame as ZmqFrame
 
 from inferd.ipc.errors import ErrorCode, ProtocolError
 
@@ -57,8 +58,10 @@ class Op(StrEnum):
 
 Frame = bytes | memoryview | Any  # anything exporting the buffer protocol (zmq.Frame too)
 
+_OPS = {op.value: op for op in Op}
 
-@dataclass
+
+@dataclass(slots=True)
 class Request:
     """One decoded request.
 
@@ -76,7 +79,7 @@ class Request:
     params: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class Reply:
     """One decoded reply: ``outputs`` and ``result`` on success, ``error`` otherwise."""
 
@@ -155,8 +158,12 @@ def encode_tensors(tensors: dict[str, NDArray[Any]]) -> tuple[list[dict[str, Any
 
 
 def _buffer(frame: Frame) -> memoryview:
-    buf = getattr(frame, "buffer", None)  # zmq.Frame
-    return (buf if buf is not None else memoryview(frame)).cast("B")
+    buf = frame.buffer if type(frame) is ZmqFrame else memoryview(frame)
+    return buf.cast("B")
+
+
+def _bytes(frame: Frame) -> bytes:
+    return frame.bytes if type(frame) is ZmqFrame else bytes(_buffer(frame))
 
 
 def _check_spec(spec: Any, where: str) -> tuple[str, str, tuple[int, ...]]:
@@ -168,8 +175,7 @@ def _check_spec(spec: Any, where: str) -> tuple[str, str, tuple[int, ...]]:
     if dtype not in DTYPES:
         raise ProtocolError(f"{where}: tensor {name!r} has dtype {dtype!r}; "
                             f"expected one of {', '.join(DTYPES)}")
-    if (not isinstance(shape, list)
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise ProtocolError(f"{where}: tensor {name!r} shape must be a list of "
                             f"non-negative integers, got {shape!r}")
     return name, dtype, tuple(shape)
@@ -187,17 +193,18 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str) -> dict[str,
         name, dtype, shape = _check_spec(spec, where)
         if name in tensors:
             raise ProtocolError(f"{where}: tensor {name!r} appears twice")
-        buf = _buffer(frame)
         count = math.prod(shape)
         if dtype == STRING:
-            tensors[name] = _decode_strings(buf, count, name).reshape(shape)
+            tensors[name] = _decode_strings(_buffer(frame), count, name).reshape(shape)
             continue
+        # A zmq.Frame exports its bytes directly; anything else through a byte view.
+        buf = frame if type(frame) is ZmqFrame else _buffer(frame)
         np_dtype = NUMERIC_DTYPES[dtype]
         expected = count * np_dtype.itemsize
         if len(buf) != expected:
             raise ProtocolError(f"{where}: tensor {name!r} is {dtype}{list(shape)}, "
                                 f"which is {expected} bytes, but its frame has {len(buf)}")
-        array = np.frombuffer(buf, dtype=np_dtype).reshape(shape)
+        array = np.frombuffer(buf, dtype=np_dtype).reshape(shape)  # type: ignore[arg-type]
         if not array.flags.aligned:  # libzmq may hand out small frames at odd offsets
             array = array.copy()
         tensors[name] = array
@@ -210,11 +217,12 @@ def _header(frames: Sequence[Frame], kind: str) -> dict[str, Any]:
     if len(frames) < 2:
         raise ProtocolError(f"{kind} has {len(frames)} frames; expected at least 2 "
                             f"(protocol tag and header)")
-    tag = bytes(_buffer(frames[0]))
+    tag = _bytes(frames[0])
     if tag != TAG:
         raise ProtocolError(f"{kind} starts with protocol tag {tag[:32]!r}; expected {TAG!r}")
     try:
-        header = json.loads(bytes(_buffer(frames[1])))
+        # Decoded first: json.loads on bytes would guess the encoding each time.
+        header = json.loads(_bytes(frames[1]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"{kind} header is not valid UTF-8 JSON: {e}") from e
     if not isinstance(header, dict):
@@ -222,8 +230,11 @@ def _header(frames: Sequence[Frame], kind: str) -> dict[str, Any]:
     return header
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps would build one per call
+
+
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    return _ENCODER.encode(obj).encode("utf-8")
 
 
 _REQUEST_KEYS = {"id", "op", "model", "version", "inputs", "outputs", "timeout_ms"}
@@ -264,12 +275,11 @@ def decode_request(frames: Sequence[Frame]) -> Request:
         raise ProtocolError("request header needs 'id': a non-empty string of at most 256 "
                             "characters")
     try:
-        try:
-            op = Op(str(header.get("op")))
-        except ValueError:
+        op_name = header.get("op")
+        op = _OPS.get(op_name) if type(op_name) is str else None
+        if op is None:
             raise ProtocolError(f"unknown op {header.get('op')!r}; expected one of "
-                                f"{', '.join(o.value for o in Op)}",
-                                ErrorCode.UNSUPPORTED) from None
+                                f"{', '.join(o.value for o in Op)}", ErrorCode.UNSUPPORTED)
         model = header.get("model")
         if model is not None and not isinstance(model, str):
             raise ProtocolError("'model' must be a string")

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 _SEQ = struct.Struct("<Q")
 
 
-@dataclass
+@dataclass(slots=True)
 class Ticket:
     """What a handler needs to answer a request later: an opaque sequence number plus
     the request's id, arrival time and deadline (monotonic seconds, or None)."""
@@ -177,11 +177,13 @@ class Server:
         socket_group: group given to an ipc socket file ("" leaves the process's own).
         access: the allow-list; replace :attr:`access` to change it (e.g. on reload).
         grace_s: how long :meth:`run` waits for in-flight requests when stopping.
+        cpu_affinity: cores for the I/O thread and libzmq's own I/O thread (empty: any
+            core). Threads that the I/O thread starts inherit them.
     """
 
     def __init__(self, endpoint: str, handler: Handler, *, max_message_bytes: int,
                  socket_mode: int = 0o660, grace_s: float = 10.0, socket_group: str = "",
-                 access: Access | None = None) -> None:
+                 access: Access | None = None, cpu_affinity: Iterable[int] = ()) -> None:
         self.endpoint = endpoint
         self._handler = handler
         self._max_bytes = max_message_bytes
@@ -192,6 +194,9 @@ class Server:
         self._refused: set[bytes] = set()
         self._grace_s = grace_s
         self._ctx = zmq.Context()
+        self._cores = sorted(cpu_affinity)
+        for core in self._cores:  # before the first socket starts libzmq's I/O thread
+            self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
         self._router: zmq.Socket | None = None
         self._pull: zmq.Socket | None = None
         self._replies_addr = f"inproc://inferd-replies-{id(self):x}"
@@ -309,6 +314,15 @@ class Server:
         """Serve until :meth:`stop`, then drain and close. Runs on the calling thread."""
         assert self._router is not None and self._pull is not None, "bind() first"
         self._io_ident = threading.get_ident()
+        if self._cores:
+            # Python threads take turns on the GIL anyway: a model's worker that shares
+            # this core hands requests over without waking another core.
+            try:
+                os.sched_setaffinity(threading.get_native_id(), self._cores)
+                log.info("I/O thread pinned to cores %s", self._cores)
+            except OSError as e:
+                log.warning("cannot pin the I/O thread to cores %s (server.cpu_affinity): "
+                            "%s", self._cores, e.strerror)
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)

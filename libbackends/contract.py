@@ -138,19 +138,19 @@ def check_inputs(model: str, specs: tuple[TensorSpec, ...],
         ModelError (INVALID_ARGUMENT): missing or extra inputs, wrong dtype, rank or a
             fixed dimension; the message names the model, the tensor and what it expects.
     """
-    expected = {s.name: s for s in specs}
-    missing = [n for n in expected if n not in inputs]
-    extra = [n for n in inputs if n not in expected]
-    if missing or extra:
+    if len(inputs) != len(specs) or not all(s.name in inputs for s in specs):
+        names = [s.name for s in specs]
+        missing = [n for n in names if n not in inputs]
+        extra = [n for n in inputs if n not in names]
         parts = []
         if missing:
             parts.append(f"missing inputs {missing}")
         if extra:
             parts.append(f"unknown inputs {extra}")
-        raise ModelError(f"model {model}: {' and '.join(parts)}; it takes "
-                         f"{[s.name for s in specs]}")
-    for name, array in inputs.items():
-        spec = expected[name]
+        raise ModelError(f"model {model}: {' and '.join(parts)}; it takes {names}")
+    for spec in specs:
+        name = spec.name
+        array = inputs[name]
         dtype = dtype_name(array)
         if dtype != spec.dtype:
             raise ModelError(f"model {model}: input {name!r} is {dtype}, expected {spec.dtype}")

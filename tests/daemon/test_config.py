@@ -28,6 +28,7 @@ def test_defaults_without_a_file():
     assert cfg.server.socket == "ipc:///run/inferd/inferd.sock"
     assert cfg.server.max_message_bytes == 256 * 2**20
     assert cfg.server.socket_mode == 0o660
+    assert cfg.server.cpu_affinity == []
     assert cfg.source is None
 
 
@@ -37,6 +38,9 @@ def test_defaults_without_a_file():
     ("[models]\nqueue_size = \"many\"\n",
      "[models] queue_size = 'many': expected a positive integer"),
     ("[server]\nsocket = \"/tmp/x\"\n", "[server] socket = '/tmp/x': expected a ZeroMQ endpoint"),
+    ("[server]\ncpu_affinity = [9999]\n",
+     "[server] cpu_affinity = [9999]: expected a list of core numbers from [0"),
+    ("[server]\ncpu_affinity = 0\n", "[server] cpu_affinity = 0: expected a list of core"),
     ("[modles]\n", "unknown section [modles]"),
     ("[models]\npreloads = []\n", "unknown key [models] preloads"),
     ("[models\n", "not valid TOML"),

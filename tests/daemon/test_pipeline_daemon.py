@@ -93,3 +93,39 @@ def test_bad_pipeline_settings_fail_the_load_with_the_key_named(
     with daemon.client() as c, pytest.raises(RequestError) as e:
         c.infer("cls", {"x": np.zeros((1, 3, 48, 192), np.float32)})
     assert "unknown processor 'no.such'" in e.value.message
+
+
+def _threads(pid: int) -> dict[int, str]:
+    return {int(t.name): (t / "comm").read_text().strip()
+            for t in Path(f"/proc/{pid}/task").iterdir()}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to tell a pinned thread from a free one")
+def test_server_cpu_affinity_pins_the_io_threads_and_nothing_they_start(
+        start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    everywhere = f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) \
+        else ",".join(map(str, cores))
+    core = cores[-1]
+    repo = short_tmp / "repo"
+    (repo / "cls").mkdir(parents=True)
+    (repo / "cls" / "1").symlink_to(models_dir / "ocr-cls" / "1")
+    config = short_tmp / "inferd.toml"
+    config.write_text(f"[server]\ncpu_affinity = [{core}]\n")
+    daemon = start_daemon("--config", str(config), "--models", str(repo))
+    with daemon.client() as c:
+        # Loaded on first request: the loader thread is started by the pinned I/O thread.
+        c.infer("cls", {"x": np.zeros((1, 3, 48, 192), np.float32)})
+        (model,) = c.models(verbose=True)
+    pid = daemon.proc.pid
+    threads = _threads(pid)
+    assert cpus_allowed(pid, pid) == str(core)  # the I/O thread is the main thread
+    zmq_io = [tid for tid, name in threads.items() if name.startswith("ZMQbg/IO")]
+    assert any(cpus_allowed(pid, tid) == str(core) for tid in zmq_io), threads
+    (worker,) = model["placement"]
+    assert worker["affinity"] == cores
+    for tid, name in threads.items():
+        if tid != pid and not name.startswith("ZMQbg"):
+            assert cpus_allowed(pid, tid) == everywhere, (tid, name)
+    assert f"I/O thread pinned to cores [{core}]" in daemon.log_path.read_text()
