@@ -91,6 +91,8 @@ class GraphSpec:
     input_queue_size: int = 64
     task_threads: int = 4
     cpu_affinity: list[int] | None = None
+    source: str = ""
+    """The graph.toml text it was built from (a reload compares it with the file)."""
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -365,12 +367,13 @@ def load_graph_file(repo: Repository, name: str,
     if not path.is_file():
         return None
     try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as e:
+        source = path.read_text(encoding="utf-8")
+        raw = tomllib.loads(source)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise _fail(name, f"cannot read {path}: {e}") from e
     started = time.monotonic()
     spec = parse_graph(name, raw, repo, registry)
+    spec.source = source
     log.info("graph %s loaded from %s (%s executor, %d nodes) in %.0f ms", name, path,
              spec.executor, len(spec.nodes), (time.monotonic() - started) * 1000,
              extra={"MODEL": name})

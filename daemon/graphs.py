@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from inferd.daemon.graph import (
@@ -478,6 +479,29 @@ class GraphManager:
             ex = self._graphs.pop(name, None)
         return ex.stop(timeout) if ex is not None else True
 
+    def reload(self, repo: Repository, timeout: float) -> list[str]:
+        """Follow a reload of the repository (control thread): every loaded graph whose
+        graph.toml changed or is gone is retired. Its frames in flight finish on the old
+        executor; the next request loads the file as it is now.
+
+        Returns:
+            The names of the graphs retired.
+        """
+        with self._lock:
+            moved = Path(repo.root) != Path(self.repo.root)
+            self.repo = repo
+            stale = {name: ex for name, ex in self._graphs.items()
+                     if moved or _source(repo, name) != ex.spec.source}
+            for name in stale:
+                del self._graphs[name]
+        for name, ex in stale.items():
+            log.info("graph %s: graph.toml changed or removed; retiring the running "
+                     "graph", name, extra={"MODEL": name})
+            if not ex.stop(timeout):
+                log.warning("graph %s: frames still in flight after %s s", name, timeout,
+                            extra={"MODEL": name})
+        return sorted(stale)
+
     def stop(self, timeout: float) -> bool:
         """Finish the frames in flight and end every graph's threads."""
         deadline = time.monotonic() + timeout
@@ -488,3 +512,11 @@ class GraphManager:
         for ex in graphs:
             ok = ex.stop(max(0.1, deadline - time.monotonic())) and ok
         return ok
+
+
+def _source(repo: Repository, name: str) -> str | None:
+    """The text of ``name``'s graph.toml now, or None if it cannot be read."""
+    try:
+        return (Path(repo.root) / name / GRAPH_FILE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None

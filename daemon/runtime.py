@@ -184,6 +184,8 @@ class Runtime:
         self.config = config
         summary: dict[str, Any] = dict(self.models.reload(config))
         self.repo = self.models.repo
+        summary["graphs_retired"] = self.graphs.reload(self.repo,
+                                                       config.server.shutdown_grace_s)
         summary["needs_restart"] = restart
         log.info("configuration reloaded from %s%s", config.source or "built-in defaults",
                  f" and {len(config.dropins)} drop-ins" if config.dropins else "")

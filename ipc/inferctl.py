@@ -101,7 +101,8 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
 
 def show_reload(r: dict[str, Any]) -> str:
     lines = [f"{kind}: {', '.join(r[kind])}" for kind in
-             ("added", "removed", "changed", "failed", "needs_restart") if r.get(kind)]
+             ("added", "removed", "changed", "failed", "graphs_retired", "needs_restart")
+             if r.get(kind)]
     return "\n".join(lines) or "reloaded: nothing changed"
 
 

@@ -172,6 +172,32 @@ def test_graph_request_errors_reach_only_their_own_request(harness: Harness) -> 
     assert e.value.code is ErrorCode.INVALID_ARGUMENT and "missing ['x']" in e.value.message
 
 
+def test_reload_retires_a_changed_or_removed_graph_and_lets_its_frames_finish(
+        harness: Harness) -> None:
+    harness.write("g", TWO_BRANCHES.format(executor="pipeline"))
+    assert harness.call("g", images(1)[0]).ok
+    running = harness.graphs.executor("g")
+    assert harness.graphs.reload(harness.graphs.repo, 30) == []  # unchanged: kept
+    assert harness.graphs.executor("g") is running
+
+    # Frames in flight when the file changes finish on the old graph.
+    batch = images(8)
+    done: list[Reply] = []
+    caller = threading.Thread(target=lambda: done.extend(harness.call_many("g", batch)))
+    caller.start()
+    harness.write("g", TWO_BRANCHES.format(executor="task"))
+    assert harness.graphs.reload(harness.graphs.repo, 30) == ["g"]
+    caller.join(60)
+    assert len(done) == len(batch) and all(r.ok for r in done), [r.error for r in done]
+    assert harness.call("g", images(1)[0]).ok
+    assert {d["name"]: d for d in harness.graphs.describe()}["g"]["executor"] == "task"
+
+    (harness.root / "g" / "graph.toml").unlink()
+    assert harness.graphs.reload(harness.graphs.repo, 30) == ["g"]
+    gone = harness.call("g", images(1)[0])
+    assert gone.error is not None and gone.error[0] is ErrorCode.NOT_FOUND
+
+
 BAD_GRAPHS = {
     "cycle": ("""inputs = ["x"]
 outputs = { y = "b.x" }

@@ -155,3 +155,45 @@ def test_fifty_concurrent_first_requests_share_one_load_and_models_shows_it(
     unload = inferctl(d.endpoint, "unload", "ocr-cls")
     assert unload.returncode == 0 and "ocr-cls: unloaded" in unload.stdout
     assert d.stop() == 0
+
+
+GRAPH = """
+inputs = ["x"]
+[outputs]
+{output} = "cls.probs"
+[[nodes]]
+name = "cls"
+model = "ocr-cls"
+inputs = {{ x = "input.x" }}
+rename = {{ "save_infer_model/scale_0.tmp_1" = "probs" }}
+"""
+
+
+@pytest.mark.slow
+def test_reload_retires_a_changed_graph_without_a_failed_request(
+        models_dir: Path, short_tmp: Path, start_daemon: Any,
+        demo_inputs: dict[str, Any]) -> None:
+    repo = short_tmp / "repo"
+    add_version(repo, models_dir, "ocr-cls", 1)
+    (repo / "g").mkdir()
+    (repo / "g" / "graph.toml").write_text(GRAPH.format(output="before"))
+    d = start_daemon("--models", str(repo))
+    x = {"x": demo_inputs["ocr-cls"]["x"]}
+    with d.client() as c:
+        assert list(c.infer("g", x)) == ["before"]
+    steady = SteadyClient(d.endpoint, "g", x)
+    steady.start()
+    poll(lambda: steady.ok >= 5)
+
+    (repo / "g" / "graph.toml").write_text(GRAPH.format(output="after"))
+    done = inferctl(d.endpoint, "reload")
+    assert done.returncode == 0, done.stderr
+    assert "graphs_retired: g" in done.stdout
+    with d.client() as c:
+        assert list(c.infer("g", x)) == ["after"]
+        n = steady.ok
+        poll(lambda: steady.ok >= n + 5)
+    steady.halt.set()
+    steady.join(60)
+    assert steady.failures == []
+    assert "graph g: graph.toml changed or removed; retiring the running graph" in d.log()
