@@ -5,8 +5,10 @@ throughput against in-process onnxruntime, all measured in this run.
    DEALER/ROUTER echo over ipc:// (p50 latency; target ratio <= 1.5), with the daemon's
    default placement and with the latency tuning of docs/configuration.md (the I/O
    thread and the model's worker on one core). Beside it, what the floor is made of:
-   the raw echo of inferd's three frames, a ping (answered on the I/O thread, no worker
-   hop) and the cost of one hand-over between two Python threads;
+   the raw echo of inferd's three frames, the same with one onnxruntime run of the model
+   in the echo server (what a daemon with no cost of its own would take), a ping
+   (answered on the I/O thread, no worker hop) and the cost of one hand-over between
+   two Python threads;
 2. a 4.9 MB float32 tensor (1x3x640x640) identity round trip vs raw echo of the same
    bytes (p50; target <= 1.3);
 3. ocr-cls batch 1, 4 concurrent clients vs in-process onnxruntime with the same thread
@@ -46,9 +48,17 @@ from inferd.ipc.protocol import Op, Request, encode_request  # noqa: E402
 TUNED_CORE = 0
 
 
-def echo_server(endpoint: str, ready: Any, core: int | None) -> None:
+def echo_server(endpoint: str, ready: Any, core: int | None, model: str | None) -> None:
     if core is not None:
         os.sched_setaffinity(0, {core})  # before the context: libzmq's thread too
+    run = None
+    if model is not None:  # one onnxruntime run on the last frame before each echo
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = so.inter_op_num_threads = 1
+        session = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        run = session.run
     ctx = zmq.Context()
     s = ctx.socket(zmq.ROUTER)
     s.bind(endpoint)
@@ -57,19 +67,23 @@ def echo_server(endpoint: str, ready: Any, core: int | None) -> None:
         frames = s.recv_multipart(copy=False)
         if len(frames) == 2 and frames[1].bytes == b"quit":
             break
+        if run is not None:
+            run(["y"], {"x": np.frombuffer(frames[-1], np.float32)})
         s.send_multipart(frames, copy=False)
     s.close(0)
     ctx.term()
 
 
 class Echo:
-    """A raw pyzmq ROUTER echo in its own process (on ``core`` if given)."""
+    """A raw pyzmq ROUTER echo in its own process (on ``core`` if given; running the
+    identity ``model`` once per message if given)."""
 
-    def __init__(self, core: int | None = None) -> None:
+    def __init__(self, core: int | None = None, model: Path | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="inferd-e", dir="/tmp"))
         self.endpoint = f"ipc://{self.dir}/echo.sock"
         ready = mp.Event()
-        self.proc = mp.Process(target=echo_server, args=(self.endpoint, ready, core))
+        self.proc = mp.Process(target=echo_server, args=(self.endpoint, ready, core,
+                                                              model and str(model)))
         self.proc.start()
         ready.wait(10)
         self.ctx = zmq.Context()
@@ -181,7 +195,7 @@ def main() -> None:
     cores = os.sched_getaffinity(0)
     core = TUNED_CORE if TUNED_CORE in cores else min(cores)
     repo = Path(tempfile.mkdtemp(prefix="inferd-r", dir="/tmp"))
-    make_identity_model(repo, "identity", rank=1)
+    identity = make_identity_model(repo, "identity", rank=1)
     make_identity_model(repo, "identity4", rank=4)
     # Only the model file: batch 1, no pipeline settings from the demo's model.toml.
     shutil.copytree(MODELS / "ocr-cls" / "1", repo / "ocr-cls" / "1")
@@ -195,7 +209,7 @@ def main() -> None:
     daemon = DaemonProcess("--models", str(repo))
     rss_idle = daemon.rss()
     tuned = DaemonProcess("--models", str(tuned_repo), config=tuned_repo / "inferd.toml")
-    echo, echo_core = Echo(), Echo(core)
+    echo, echo_core, echo_ort = Echo(), Echo(core), Echo(model=identity)
     small = np.ones(1, dtype=np.float32)
     big = np.random.default_rng(0).random((1, 3, 640, 640), dtype=np.float32)
     request = encode_request(Request(id="0123abcd-1", op=Op.INFER, model="identity",
@@ -209,6 +223,7 @@ def main() -> None:
             "raw": echo.round_trip([small.data]),
             "raw_core": echo_core.round_trip([small.data]),
             "raw_3": echo.round_trip(request),
+            "raw_3_ort": echo_ort.round_trip(request),
             "ping": c.ping,
             "infer": infer_call(c, "identity", small),
             "tuned": infer_call(ct, "identity", small),
@@ -220,6 +235,7 @@ def main() -> None:
         rows = [("raw pyzmq DEALER/ROUTER echo, 1 frame", "raw", "raw"),
                 (f"  the same, echo server on core {core}", "raw_core", "raw"),
                 ("raw echo of inferd's 3 request frames", "raw_3", "raw"),
+                ("  the same + one onnxruntime run of the model", "raw_3_ort", "raw"),
                 ("inferd ping (answered on the I/O thread)", "ping", "raw"),
                 ("inferd infer, default placement", "infer", "raw"),
                 (f"inferd infer, I/O thread + model on core {core}", "tuned", "raw_core")]
@@ -238,8 +254,8 @@ def main() -> None:
         print(f"\n2. {big.nbytes / 1e6:.1f} MB tensor, p50 of {blocks * per} per arm: raw "
               f"pyzmq echo {raw * 1e3:.2f} ms, inferd {ours * 1e3:.2f} ms")
         print(f"   {verdict(ours / raw, 1.3, higher_is_better=False)}")
-    echo.close()
-    echo_core.close()
+    for e in (echo, echo_core, echo_ort):
+        e.close()
     tuned.stop()
     shutil.rmtree(tuned_repo, ignore_errors=True)
 
