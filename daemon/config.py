@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from inferd.daemon.pipeline import PROCESS_CORES, parse_affinity
 from inferd.ipc.errors import ConfigError
 
 SYSTEM_CONFIG = Path("/etc/inferd/inferd.toml")
@@ -116,10 +117,7 @@ def _group(v: Any) -> str:
 
 
 def _cores(v: Any) -> list[int]:
-    if v == []:
-        return []
-    from inferd.daemon.pipeline import parse_affinity
-    return parse_affinity(v)
+    return [] if v == [] else parse_affinity(v)
 
 
 def _module_levels(v: Any) -> dict[str, str]:
@@ -158,7 +156,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "socket_group": Key("", _group, "a group name or number, or \"\" to leave the "
                             "daemon's own group"),
         "cpu_affinity": Key([], _cores, f"a list of core numbers from "
-                            f"{sorted(os.sched_getaffinity(0))}, or [] for any core"),
+                            f"{sorted(PROCESS_CORES)}, or [] for any core"),
     },
     "models": {
         "repository": Key("/var/lib/inferd/models", _string, "a directory path"),

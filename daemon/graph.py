@@ -363,7 +363,7 @@ def error_reply(request: Request, e: Exception) -> Reply:
 def load_graph_file(repo: Repository, name: str,
                     registry: ProcessorRegistry) -> GraphSpec | None:
     """The graph ``name`` from ``<repo>/<name>/graph.toml``, or None if there is none."""
-    path = Path(repo.root) / check_name(name) / GRAPH_FILE
+    path = graph_path(repo, name)
     if not path.is_file():
         return None
     try:
@@ -378,6 +378,11 @@ def load_graph_file(repo: Repository, name: str,
              spec.executor, len(spec.nodes), (time.monotonic() - started) * 1000,
              extra={"MODEL": name})
     return spec
+
+
+def graph_path(repo: Repository, name: str) -> Path:
+    """``<repository>/<name>/graph.toml``; raises ModelError if ``name`` is not plain."""
+    return Path(repo.root) / check_name(name) / GRAPH_FILE
 
 
 def graph_names(repo: Repository) -> list[str]:

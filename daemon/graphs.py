@@ -22,24 +22,23 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from inferd.daemon.graph import (
-    GRAPH_FILE,
     INPUT,
     GraphSpec,
     check_graph_inputs,
     error_reply,
     gather,
     graph_names,
+    graph_path,
     graph_outputs,
     load_graph_file,
     run_node,
 )
 from inferd.daemon.pipeline import Placement, pin_current_thread, unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
-from inferd.daemon.repository import Repository, check_name
+from inferd.daemon.repository import Repository
 from inferd.daemon.worker import LocalTicket
 from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.ipc.protocol import Op, Reply, Request
@@ -407,7 +406,7 @@ class GraphManager:
         if name in self._graphs:
             return True
         try:
-            return ((self.repo.root / check_name(name) / GRAPH_FILE).is_file()
+            return (graph_path(self.repo, name).is_file()
                     and not self.repo.versions(name))
         except InferdError:
             return False
@@ -488,7 +487,7 @@ class GraphManager:
             The names of the graphs retired.
         """
         with self._lock:
-            moved = Path(repo.root) != Path(self.repo.root)
+            moved = repo.root != self.repo.root
             self.repo = repo
             stale = {name: ex for name, ex in self._graphs.items()
                      if moved or _source(repo, name) != ex.spec.source}
@@ -517,6 +516,6 @@ class GraphManager:
 def _source(repo: Repository, name: str) -> str | None:
     """The text of ``name``'s graph.toml now, or None if it cannot be read."""
     try:
-        return (Path(repo.root) / name / GRAPH_FILE).read_text(encoding="utf-8")
+        return graph_path(repo, name).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return None
