@@ -168,6 +168,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "paths": Key([], _string_list, "a list of absolute directory paths"),
         "probe_timeout_s": Key(10.0, _positive_float, "a positive number of seconds"),
     },
+    "customops": {
+        "paths": Key([], _string_list, "a list of absolute directory paths"),
+    },
     "processors": {
         "directory": Key("/usr/lib/inferd/processors", _string, "a directory path"),
     },

@@ -26,6 +26,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", help="model repository directory")
     p.add_argument("--backends-dir", action="append", default=None, metavar="DIR",
                    help="directory searched for backend plugins (repeatable)")
+    p.add_argument("--customops-dir", action="append", default=None, metavar="DIR",
+                   help="directory searched for custom operators (repeatable)")
     p.add_argument("--preload", action="append", default=None, metavar="MODEL",
                    help="model to load before reporting ready (repeatable)")
     p.add_argument("--log-level", help="debug, info, warning, error")
@@ -35,7 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     pairs = {"server.socket": args.socket, "models.repository": args.models,
-             "backends.paths": args.backends_dir, "models.preload": args.preload,
+             "backends.paths": args.backends_dir, "customops.paths": args.customops_dir,
+             "models.preload": args.preload,
              "logging.level": args.log_level}
     return {k: v for k, v in pairs.items() if v is not None}
 

@@ -131,6 +131,7 @@ class ModelEntry:
             "keep_alive_s": None if math.isinf(self.keep_alive) else self.keep_alive,
             "threads": [t.name for t in self.workers.threads] if self.workers else [],
             "placement": self.workers.placement() if self.workers else [],
+            "plan": m.describe().get("plan") if m else None,
         }
 
 

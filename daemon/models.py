@@ -43,6 +43,8 @@ from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Request
 from inferd.ipc.server import Ticket
 from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
+from inferd.libbackends.customops.contract import OpRegistry
+from inferd.libbackends.customops.plan import load_planned, plan_note
 from inferd.libbackends.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ class ModelManager:
         self._stopping = threading.Event()
         self._idle_thread: threading.Thread | None = None
         self.processors: ProcessorRegistry | None = None  # set by the runtime
+        self.customops: OpRegistry | None = None  # set by the runtime
         self._pipelines: dict[Key, PipelineSpec] = {}  # built by a load, used by its workers
 
     def start(self) -> None:
@@ -232,8 +235,9 @@ class ModelManager:
             entry.touch(request=False)
             entry.set_state(State.READY)
         workers.start()
-        log.info("model %s loaded on %s in %.0f ms, %s", entry.label, backend_id,
+        log.info("model %s loaded on %s in %.0f ms, %s%s", entry.label, backend_id,
                  (time.monotonic() - started) * 1000, format_bytes(entry.memory_bytes),
+                 plan_note(model),
                  extra={"MODEL": entry.name, "BACKEND": backend_id})
         return entry
 
@@ -277,9 +281,12 @@ class ModelManager:
         ort = self.config.onnxruntime
         self._meter.trim()
         before = self._meter.rss()
-        model = backend.load(source.path, LoadOptions(ort.intra_op_threads,
-                                                      ort.inter_op_threads,
-                                                      ort.allow_spinning))
+        # Custom ops and nodes the backend lacks: a partitioned plan (libbackends/customops)
+        model = load_planned(backend, source.path, LoadOptions(
+            ort.intra_op_threads, ort.inter_op_threads, ort.allow_spinning),
+            model=entry.label, model_dir=self.repo.root / entry.name, ops=self.customops,
+            fallbacks=self.registry.available(),
+            probe_timeout_s=self.config.backends.probe_timeout_s)
         try:
             warm_up(entry.label, model, source.path, spec.settings,
                     self.config.cache.warmup_dim)

@@ -27,10 +27,14 @@ from inferd.daemon.worker import route_replies
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.server import Access, Server, Ticket
+from inferd.libbackends.customops.discovery import load_global
 from inferd.libbackends.loader import load_backends
 from inferd.libbackends.registry import Registry
 
 log = logging.getLogger(__name__)
+
+RESTART_SECTIONS = ("server", "backends", "customops", "processors")
+"""Config sections a reload does not apply (reported as needs_restart)."""
 
 try:
     VERSION = version("inferd")
@@ -82,6 +86,7 @@ class Runtime:
     def start(self) -> None:
         """Register backends, bind the socket and start the preload in the background."""
         load_backends(self.registry, self.config)
+        self.models.customops = load_global(self.config)
         self.processors.load_directory(self.config.processors.directory)
         self.server.bind()
         self.models.start()
@@ -171,13 +176,13 @@ class Runtime:
 
     def _reload(self) -> dict[str, Any]:
         config = load_config(self.config.source, self._overrides)
-        restart = [f"{section}.{key}" for section in ("server", "backends", "processors")
+        restart = [f"{section}.{key}" for section in RESTART_SECTIONS
                    for key, value in vars(getattr(config, section)).items()
                    if getattr(getattr(self.config, section), key) != value]
         for name in restart:
             log.warning("reload: %s changed; it takes effect at the next restart", name)
         # [server], [backends] and [processors] stay as they were until a restart.
-        for section in ("server", "backends", "processors"):
+        for section in RESTART_SECTIONS:
             setattr(config, section, getattr(self.config, section))
         logs.set_levels(config.logging.level, config.logging.modules)
         self.server.access = Access.of(config.access.uids, config.access.gids)
@@ -239,7 +244,9 @@ class Runtime:
                     m.pop("placement", None)
             return Reply(request.id, result={"models": models})
         if op is Op.BACKENDS:
-            return Reply(request.id, result=self.registry.view())
+            ops = self.models.customops
+            return Reply(request.id, result={**self.registry.view(),
+                                             "customops": ops.view() if ops else None})
         if op in (Op.LOAD, Op.UNLOAD):
             if not request.model:
                 raise ModelError(f"{op} needs 'model'")

@@ -92,6 +92,13 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
                         f"\n  inputs:  {', '.join(m['graph_inputs'])}"
                         f"\n  outputs: {', '.join(m['graph_outputs'])}"
                         f"\n  threads: {', '.join(m['threads'])}")
+            if m.get("plan"):
+                out += f"\n  plan: {len(m['plan']['steps'])} steps, {m['plan']['cuts']} cuts"
+                for k, s in enumerate(m["plan"]["steps"]):
+                    detail = f" [{s['detail']}]" if s.get("detail") else ""
+                    out += (f"\n    step {k}: {s['executor']}{detail}: "
+                            f"{', '.join(s['nodes'])} ({', '.join(s['inputs'])} -> "
+                            f"{', '.join(s['outputs'])})")
             for p in m.get("placement", []):
                 out += (f"\n    {p['thread']}: stage {p['stage']}, native id {p['native_id']}, "
                         f"cpus {_cores(p['affinity'])}, backend {p['backend'] or '-'}"
@@ -122,6 +129,18 @@ def show_backends(b: dict[str, Any]) -> str:
     if b.get("search_path") is not None:
         source = f" (from {b['search_path_source']})" if b.get("search_path_source") else ""
         out += "\n\nsearch path: " + (":".join(b["search_path"]) or "(none)") + source
+    ops = b.get("customops")
+    if ops:
+        rows = [[o["op_type"], o["domain"] if o["domain"] is not None else "(any)",
+                 o["kind"], o["source"]] for o in ops["ops"]]
+        out += "\n\n" + _table(rows, ["CUSTOM OP", "DOMAIN", "KIND", "SOURCE"])
+        if ops["skipped"]:
+            rows = [[s["path"], s["stage"], s["reason"]] for s in ops["skipped"]]
+            out += "\n\n" + _table(rows, ["SKIPPED OP FILE", "STAGE", "REASON"])
+        source = f" (from {ops['search_path_source']})" if ops.get("search_path_source") \
+            else ""
+        out += "\n\ncustom ops search path: " + (":".join(ops["search_path"]) or "(none)") \
+            + source
     return out
 
 

@@ -97,6 +97,11 @@ class LoadedModel(ABC):
         """Memory the backend knows the model uses, or None if it cannot tell."""
         return None
 
+    def describe(self) -> dict[str, Any]:
+        """Optional facts shown by ``inferctl models -v`` (a partitioned model's
+        ``plan``); empty by default."""
+        return {}
+
 
 class Backend(ABC):
     """One inference engine on one kind of device.
@@ -124,6 +129,12 @@ class Backend(ABC):
     @abstractmethod
     def load(self, model_path: Path, options: LoadOptions) -> LoadedModel:
         """Load a model. Raises ModelError or BackendError naming the file."""
+
+
+    # Optional: ``supported_nodes(model: onnx.ModelProto) -> list[str]``, one entry per
+    # node of model.graph.node, "" where this backend runs the node, else why not. The
+    # loader asks it to cut a model into sub-graphs per backend (docs/customops.md); a
+    # backend without it is taken to run every node of a standard ONNX domain.
 
 
 REQUIRED_METHODS = ("probe", "supports", "load")

@@ -16,6 +16,9 @@ from inferd.libbackends.contract import (
 
 log = logging.getLogger(__name__)
 
+# Ops onnxruntime runs without a kernel: it folds them into initializers at load.
+_NO_KERNEL = {("", "Constant")}
+
 # onnxruntime type strings -> wire dtype names
 _ORT_TYPES = {
     "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
@@ -65,6 +68,7 @@ class OnnxRuntimeCpuBackend(Backend):
     kind = DeviceKind.CPU
 
     def __init__(self) -> None:
+        self._kernel_table: dict[tuple[str, str], list[tuple[int, int]]] | None = None
         try:
             import onnxruntime
         except ImportError:
@@ -86,6 +90,39 @@ class OnnxRuntimeCpuBackend(Backend):
         if model_path.suffix != ".onnx":
             return False, f"{model_path.name} is not an .onnx file"
         return True, ""
+
+    def supported_nodes(self, model: Any) -> list[str]:
+        """For each node of ``model`` (an onnx.ModelProto): "" if the CPU provider's
+        kernel registry has a kernel for its op at the model's opset, else why not."""
+        kernels = self._kernels()
+        opsets = {(o.domain or ""): o.version for o in model.opset_import}
+        answer = []
+        for node in model.graph.node:
+            domain = "" if node.domain in ("", "ai.onnx") else node.domain
+            version = opsets.get(domain, opsets.get("ai.onnx", 0) if not domain else 1)
+            ranges = kernels.get((domain, node.op_type), [])
+            if (domain, node.op_type) in _NO_KERNEL or \
+                    any(lo <= version <= hi for lo, hi in ranges):
+                answer.append("")
+            elif ranges:
+                answer.append(f"no CPU kernel for {node.op_type} at opset {version}")
+            else:
+                answer.append(f"no CPU kernel for {node.op_type} (domain "
+                              f"{domain or 'ai.onnx'!r})")
+        return answer
+
+    def _kernels(self) -> dict[tuple[str, str], list[tuple[int, int]]]:
+        if self._kernel_table is None:
+            table: dict[tuple[str, str], list[tuple[int, int]]] = {}
+            if self._ort is not None:
+                from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+                for k in C.get_all_opkernel_def():
+                    if k.provider == "CPUExecutionProvider":
+                        domain = "" if k.domain in ("", "ai.onnx") else k.domain
+                        table.setdefault((domain, k.op_name), []).append(k.version_range)
+            self._kernel_table = table
+        return self._kernel_table
 
     def load(self, model_path: Path, options: LoadOptions) -> LoadedModel:
         if self._ort is None:

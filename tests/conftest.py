@@ -58,7 +58,7 @@ class Daemon:
         no_backends = workdir / "no-backends"
         no_backends.mkdir(exist_ok=True)
         env = {"INFERD_CONFIG": str(isolated), "INFERD_BACKENDS_PATH": str(no_backends),
-               **(env or {})}
+               "INFERD_CUSTOMOPS_PATH": str(no_backends), **(env or {})}
         full_env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=full_env, cwd=workdir)

@@ -1,0 +1,122 @@
+"""Where custom ops are looked for, and loading a folder of them.
+
+Search path, strongest first, an override replacing the default (as for backends):
+``--customops-dir`` (the ``customops.paths`` command-line override),
+``$INFERD_CUSTOMOPS_PATH`` (colon-separated), ``[customops] paths``,
+``/usr/lib/inferd/customops``. A model's own ``<repository>/<model>/customops/`` is
+loaded when the model loads, over the daemon's ops.
+
+In a folder, ``*.py`` files are Python ops and ``libinferdcst_<name>.so`` native ops;
+names starting with ``.`` or ``_`` are not looked at.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from inferd.libbackends.customops import pyops
+from inferd.libbackends.customops.contract import OpRegistry, Skipped
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = "/usr/lib/inferd/customops"
+ENV_PATH = "INFERD_CUSTOMOPS_PATH"
+MODEL_FOLDER = "customops"
+NATIVE_NAME = re.compile(r"libinferdcst_(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)\.so")
+
+
+def search_path(cli: Sequence[str] | None, env: Mapping[str, str],
+                configured: Sequence[str]) -> tuple[list[str], str]:
+    """The directories to search, as given, and where they came from."""
+    if cli:
+        return list(cli), "--customops-dir"
+    if env.get(ENV_PATH):
+        return [p for p in env[ENV_PATH].split(":") if p], f"${ENV_PATH}"
+    if configured:
+        return list(configured), "customops.paths"
+    return [DEFAULT_PATH], "default"
+
+
+def usable_dirs(paths: Sequence[str], source: str) -> list[Path]:
+    """The absolute, existing directories of ``paths``, each once; the rest is logged
+    (WARNING, or INFO for a missing default) and ignored."""
+    dirs: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        problem = ("is not an absolute path" if not path.is_absolute() else
+                   "does not exist" if not path.exists() else
+                   "is not a directory" if not path.is_dir() else "")
+        if not problem:
+            if path.resolve() not in dirs:
+                dirs.append(path.resolve())
+            continue
+        level = logging.INFO if source == "default" else logging.WARNING
+        log.log(level, "custom ops directory %s (from %s) %s: ignored", raw, source,
+                problem, extra={"PLUGIN_PATH": raw})
+    return dirs
+
+
+def load_folders(dirs: Sequence[Path], registry: OpRegistry,
+                 probe_timeout_s: float = 10.0) -> None:
+    """Load every op of ``dirs`` into ``registry`` (Python files first, then native
+    libraries, which are probed in child processes all at once)."""
+    natives: list[Path] = []
+    for d in dirs:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError as e:
+            log.warning("custom ops directory %s cannot be listed: %s", d, e.strerror,
+                        extra={"PLUGIN_PATH": str(d)})
+            continue
+        for name in names:
+            path = d / name
+            if name.startswith((".", "_")):
+                continue
+            if name.endswith(".py"):
+                pyops.load_file(path, registry)
+            elif NATIVE_NAME.fullmatch(name):
+                natives.append(path)
+            elif name.endswith(".so"):
+                reason = "a native custom op is named libinferdcst_<name>.so"
+                registry.skipped.append(Skipped(str(path), reason, "found"))
+                log.info("custom op candidate %s ignored: %s", path, reason,
+                         extra={"PLUGIN_PATH": str(path)})
+    if natives:
+        from inferd.libbackends.customops import native
+
+        native.load_libraries(natives, registry, probe_timeout_s)
+
+
+def load_global(config: Any, env: Mapping[str, str] | None = None) -> OpRegistry:
+    """The daemon's ops, found the way the daemon does at boot."""
+    env = os.environ if env is None else env
+    configured = list(config.customops.paths)
+    from_cli = "customops.paths" in getattr(config, "overridden", ())
+    paths, source = search_path(configured if from_cli else None, env,
+                                [] if from_cli else configured)
+    dirs = usable_dirs(paths, source)
+    registry = OpRegistry(search_path=[str(d) for d in dirs], search_path_source=source)
+    log.info("searching custom ops in %s (from %s)",
+             ":".join(registry.search_path) or "no usable directory", source)
+    load_folders(dirs, registry, config.backends.probe_timeout_s)
+    log.info("custom ops: %d registered (%s), %d skipped", len(registry.ops),
+             ", ".join(registry.names()) or "none", len(registry.skipped))
+    return registry
+
+
+def load_model_ops(model_dir: Path, parent: OpRegistry | None,
+                   probe_timeout_s: float = 10.0) -> OpRegistry:
+    """A model's own ops (``<model_dir>/customops/``) over ``parent``'s; ``parent``
+    itself when the model has no such folder."""
+    folder = model_dir / MODEL_FOLDER
+    if not folder.is_dir():
+        return parent if parent is not None else OpRegistry()
+    registry = OpRegistry(parent=parent, search_path=[str(folder)],
+                          search_path_source="the model's folder")
+    load_folders([folder], registry, probe_timeout_s)
+    return registry
