@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,8 @@ sys.path.insert(0, str(ROOT / "tests" / "daemon"))
 
 from inferd.daemon.pipeline import parse_spec  # noqa: E402
 from inferd.daemon.processors import ProcessorRegistry  # noqa: E402
-from inferd.daemon.worker import LocalTicket, Workers, WorkItem  # noqa: E402
+from inferd.daemon.worker import Workers, WorkItem  # noqa: E402
+from inferd.ipc.replies import LocalTicket, ReplySink  # noqa: E402
 from inferd.ipc.protocol import Op, Request  # noqa: E402
 from inferd.libbackends.contract import LoadOptions  # noqa: E402
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend  # noqa: E402
@@ -47,12 +49,11 @@ def three_stage() -> None:
     slowest = max(STAGE_MS / 1000, infer_s)
     n = 60
     done = threading.Semaphore(0)
-    work: queue.Queue[WorkItem | None] = queue.Queue()
+    work: queue.Queue[Any] = queue.Queue()
     spec = parse_spec("rec3", {"pre": [{"op": "sleep", "ms": STAGE_MS}],
                                "post": [{"op": "sleep", "ms": STAGE_MS}]},
                       ProcessorRegistry())
-    workers = Workers("rec3", model, work, lambda t, r: t.deliver(r), lambda: None, 1,
-                      spec=spec)
+    workers = Workers("rec3", model, work, ReplySink(), 1, spec=spec)
     workers.start()
     t0 = time.perf_counter()
     for i in range(n):

@@ -12,67 +12,20 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
-from inferd.daemon.config import parse_size
+from inferd.daemon.units import parse_duration
 from inferd.ipc.errors import ErrorCode, ModelError
-
-UNLIMITED = ("unlimited", "none", "0")
-FOREVER = ("forever", "never", "inf")
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", re.IGNORECASE)
-_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 # Before a model's first load its cost is unknown; the demo models cost 2-5x their file
 # size in onnxruntime (measured, see bench/bench_cache.py). The estimate only decides
 # how much to evict up front; the measured cost is checked against the budget after.
 ESTIMATE_FACTOR = 2
 ESTIMATE_OVERHEAD = 4 * 2**20
-
-
-def parse_budget(value: Any) -> int | None:
-    """Bytes of the cache budget, or None for no limit.
-
-    Accepts a size (``536870912``, ``"512MiB"``), a share of physical memory
-    (``"40%"``), or ``"unlimited"``. Raises ValueError otherwise.
-    """
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in UNLIMITED:
-            return None
-        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", text)
-        if m:
-            share = float(m.group(1))
-            if not 0 < share <= 100:
-                raise ValueError
-            return int(psutil.virtual_memory().total * share / 100)
-    return parse_size(value)
-
-
-def parse_duration(value: Any) -> float:
-    """Seconds from a number or a string such as ``"30s"``, ``"5m"``, ``"1h"``.
-
-    A negative number or ``"forever"`` means never (``math.inf``); 0 means at once.
-    Raises ValueError otherwise.
-    """
-    if isinstance(value, bool):
-        raise ValueError
-    if isinstance(value, int | float):
-        if math.isnan(value):
-            raise ValueError
-        return math.inf if value < 0 else float(value)
-    if isinstance(value, str):
-        if value.strip().lower() in FOREVER:
-            return math.inf
-        m = _DURATION.fullmatch(value)
-        if m:
-            return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
-    raise ValueError
 
 
 def request_keep_alive(params: dict[str, Any]) -> float | None:
@@ -137,7 +90,7 @@ def model_cost(rss_delta: int, reported: int | None, device_memory: bool) -> int
 
 
 @dataclass(frozen=True)
-class Candidate:
+class Evictable:
     """A loaded model that could be evicted: idle, unpinned, ready."""
 
     key: Any
@@ -145,7 +98,7 @@ class Candidate:
     last_used: float
 
 
-def choose_victims(candidates: Sequence[Candidate], need: int) -> list[Candidate] | None:
+def choose_victims(candidates: Sequence[Evictable], need: int) -> list[Evictable] | None:
     """The least recently used candidates whose costs free at least ``need`` bytes, or
     None if all of them together do not."""
     if need <= 0:

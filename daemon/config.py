@@ -20,30 +20,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from inferd.daemon.pipeline import PROCESS_CORES, parse_affinity
+from inferd.daemon.units import parse_budget, parse_duration, parse_size
+from inferd.ipc import defs
 from inferd.ipc.errors import ConfigError
 
-SYSTEM_CONFIG = Path("/etc/inferd/inferd.toml")
-DEFAULT_SOCKET = "ipc:///run/inferd/inferd.sock"
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
-          "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from an integer or a string such as ``"256MiB"``; raises ValueError."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", value, re.IGNORECASE)
-        if m:
-            size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-            if size > 0:
-                return size
-    raise ValueError
-
+SYSTEM_CONFIG = Path(defs.CONFIG_FILE)
 
 @dataclass(frozen=True)
-class Key:
+class Setting:
     """One configuration key: default, check (returns the normalised value or raises
     ValueError), and the words for what is expected."""
 
@@ -94,16 +78,6 @@ def _mode(v: Any) -> int:
     raise ValueError
 
 
-def _budget(v: Any) -> int | None:
-    from inferd.daemon.cache import parse_budget  # cache.py imports parse_size from here
-    return parse_budget(v)
-
-
-def _duration(v: Any) -> float:
-    from inferd.daemon.cache import parse_duration
-    return parse_duration(v)
-
-
 def _level(v: Any) -> str:
     if isinstance(v, str) and v.lower() in {"debug", "info", "warning", "error", "critical"}:
         return v.lower()
@@ -145,62 +119,62 @@ def _ids(lookup: Callable[[str], Any]) -> Callable[[Any], list[int]]:
     return check
 
 
-SCHEMA: dict[str, dict[str, Key]] = {
+SCHEMA: dict[str, dict[str, Setting]] = {
     "server": {
-        "socket": Key(DEFAULT_SOCKET, _endpoint, "a ZeroMQ endpoint such as "
+        "socket": Setting(defs.SOCKET, _endpoint, "a ZeroMQ endpoint such as "
                       "'ipc:///run/inferd/inferd.sock'"),
-        "socket_mode": Key("0660", _mode, "an octal file mode string such as '0660'"),
-        "max_message_bytes": Key("256MiB", parse_size,
+        "socket_mode": Setting("0660", _mode, "an octal file mode string such as '0660'"),
+        "max_message_bytes": Setting("256MiB", parse_size,
                                  "a positive size in bytes, e.g. 268435456 or '256MiB'"),
-        "shutdown_grace_s": Key(10.0, _positive_float, "a positive number of seconds"),
-        "socket_group": Key("", _group, "a group name or number, or \"\" to leave the "
+        "shutdown_grace_s": Setting(10.0, _positive_float, "a positive number of seconds"),
+        "socket_group": Setting("", _group, "a group name or number, or \"\" to leave the "
                             "daemon's own group"),
-        "cpu_affinity": Key([], _cores, f"a list of core numbers from "
+        "cpu_affinity": Setting([], _cores, f"a list of core numbers from "
                             f"{sorted(PROCESS_CORES)}, or [] for any core"),
     },
     "models": {
-        "repository": Key("/var/lib/inferd/models", _string, "a directory path"),
-        "preload": Key([], _string_list, "a list of model names"),
-        "queue_size": Key(64, _positive_int, "a positive integer"),
-        "instances": Key(1, _positive_int, "a positive integer"),
+        "repository": Setting(defs.REPOSITORY, _string, "a directory path"),
+        "preload": Setting([], _string_list, "a list of model names"),
+        "queue_size": Setting(64, _positive_int, "a positive integer"),
+        "instances": Setting(1, _positive_int, "a positive integer"),
     },
     "backends": {
-        "paths": Key([], _string_list, "a list of absolute directory paths"),
-        "probe_timeout_s": Key(10.0, _positive_float, "a positive number of seconds"),
+        "paths": Setting([], _string_list, "a list of absolute directory paths"),
+        "probe_timeout_s": Setting(10.0, _positive_float, "a positive number of seconds"),
     },
     "customops": {
         "paths": Key([], _string_list, "a list of absolute directory paths"),
     },
     "processors": {
-        "directory": Key("/usr/lib/inferd/processors", _string, "a directory path"),
+        "directory": Setting(defs.PROCESSORS_DIR, _string, "a directory path"),
     },
     "onnxruntime": {
-        "intra_op_threads": Key(1, _positive_int, "a positive integer"),
-        "inter_op_threads": Key(1, _positive_int, "a positive integer"),
-        "allow_spinning": Key(True, _bool, "true or false"),
+        "intra_op_threads": Setting(1, _positive_int, "a positive integer"),
+        "inter_op_threads": Setting(1, _positive_int, "a positive integer"),
+        "allow_spinning": Setting(True, _bool, "true or false"),
     },
     "cache": {
-        "max_memory": Key("75%", _budget, "a size ('512MiB'), a share of physical memory "
+        "max_memory": Setting("75%", parse_budget, "a size ('512MiB'), a share of physical memory "
                           "('40%') or 'unlimited'"),
-        "keep_alive": Key("5m", _duration, "a duration such as 30, '90s', '5m', '1h', or "
+        "keep_alive": Setting("5m", parse_duration, "a duration such as 30, '90s', '5m', '1h', or "
                           "'forever'"),
-        "failed_load_hold_s": Key(10.0, _positive_float, "a positive number of seconds"),
-        "idle_check_s": Key(1.0, _positive_float, "a positive number of seconds"),
-        "warmup_dim": Key(64, _positive_int, "a positive integer"),
+        "failed_load_hold_s": Setting(10.0, _positive_float, "a positive number of seconds"),
+        "idle_check_s": Setting(1.0, _positive_float, "a positive number of seconds"),
+        "warmup_dim": Setting(64, _positive_int, "a positive integer"),
     },
     "logging": {
-        "level": Key("info", _level, "one of debug, info, warning, error, critical"),
-        "modules": Key({}, _module_levels, "a table of logger name = level, e.g. "
+        "level": Setting("info", _level, "one of debug, info, warning, error, critical"),
+        "modules": Setting({}, _module_levels, "a table of logger name = level, e.g. "
                        "{ \"inferd.ipc.server\" = \"debug\" }"),
     },
     "access": {
-        "uids": Key([], _ids(lambda n: pwd.getpwnam(n).pw_uid),
+        "uids": Setting([], _ids(lambda n: pwd.getpwnam(n).pw_uid),
                     "a list of user ids or existing user names"),
-        "gids": Key([], _ids(lambda n: grp.getgrnam(n).gr_gid),
+        "gids": Setting([], _ids(lambda n: grp.getgrnam(n).gr_gid),
                     "a list of group ids or existing group names"),
     },
     "systemd": {
-        "extend_timeout_s": Key(90.0, _positive_float, "a positive number of seconds"),
+        "extend_timeout_s": Setting(90.0, _positive_float, "a positive number of seconds"),
     },
 }
 
@@ -245,7 +219,7 @@ def find_config_file(cli_path: str | None) -> Path | None:
     it exists, else None (built-in defaults)."""
     if cli_path:
         return Path(cli_path)
-    env = os.environ.get("INFERD_CONFIG")
+    env = os.environ.get(defs.CONFIG_ENV)
     if env:
         return Path(env)
     return SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else None

@@ -39,14 +39,15 @@ import time
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from inferd.daemon.pipeline import parse_affinity
 from inferd.daemon.processors import Context, ProcessorRegistry, Step
 from inferd.daemon.repository import Repository, check_name
-from inferd.ipc.errors import ErrorCode, InferdError, ModelError
-from inferd.ipc.protocol import Reply, Request
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure
+from inferd.ipc.protocol import Request
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,9 @@ INPUT = "input"
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
-class Executor:
+class Executor(StrEnum):
+    """How a graph runs (graph.toml ``executor``)."""
+
     TASK = "task"
     PIPELINE = "pipeline"
 
@@ -82,7 +85,7 @@ class GraphSpec:
     """A checked graph: live nodes in topological order."""
 
     name: str
-    executor: str
+    executor: Executor
     inputs: list[str]
     outputs: dict[str, tuple[str, str]]
     nodes: list[Node]
@@ -120,9 +123,11 @@ def parse_graph(name: str, raw: dict[str, Any], repo: Repository,
         ModelError: INVALID_ARGUMENT for a malformed graph, a dangling edge, a cycle or
             an unknown processor; NOT_FOUND for a node naming a missing model.
     """
-    executor = raw.get("executor", Executor.PIPELINE)
-    if executor not in (Executor.TASK, Executor.PIPELINE):
-        raise _fail(name, f"executor {executor!r}: expected 'task' or 'pipeline'")
+    try:
+        executor = Executor(raw.get("executor", Executor.PIPELINE))
+    except ValueError:
+        raise _fail(name, f"executor {raw['executor']!r}: expected 'task' or "
+                    f"'pipeline'") from None
     inputs = raw.get("inputs")
     if not isinstance(inputs, list) or not inputs or not all(isinstance(i, str) for i in inputs):
         raise _fail(name, "'inputs' must be a non-empty list of input names")
@@ -279,13 +284,12 @@ def run_node(spec: GraphSpec, node: Node, values: dict[str, Any], call: ModelCal
             return merged
         out = call(node.model, values, deadline)
         return {node.rename.get(k, k): v for k, v in out.items()}
-    except InferdError as e:
-        raise InferdError(f"graph {spec.name}: node {node.name}: {e.message}", e.code) from e
     except Exception as e:
-        log.exception("graph %s: node %s failed", spec.name, node.name,
-                      extra={"MODEL": spec.name})
-        raise InferdError(f"graph {spec.name}: node {node.name}: {type(e).__name__}: {e}",
-                          ErrorCode.INTERNAL) from e
+        code, message = failure(e, f"graph {spec.name}: node {node.name}", log,
+                                model=spec.name)
+        if isinstance(e, InferdError):
+            message = f"graph {spec.name}: node {node.name}: {message}"
+        raise InferdError(message, code) from e
 
 
 class EmptyLists(dict[str, Any]):
@@ -352,12 +356,6 @@ def check_graph_inputs(spec: GraphSpec, request: Request) -> None:
     if missing or extra:
         raise InferdError(f"graph {spec.name}: takes inputs {spec.inputs}; missing {missing}, "
                           f"unknown {extra}", ErrorCode.INVALID_ARGUMENT)
-
-
-def error_reply(request: Request, e: Exception) -> Reply:
-    if isinstance(e, InferdError):
-        return Reply(request.id, error=(e.code, e.message))
-    return Reply(request.id, error=(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))
 
 
 def load_graph_file(repo: Repository, name: str,

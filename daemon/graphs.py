@@ -8,8 +8,9 @@
   edge blocks its producer (backpressure).
 
 Model nodes call models in-process through the model manager with a
-:class:`~inferd.daemon.worker.LocalTicket`, so they share the models' pipelines,
-queues and dynamic batching with wire clients.
+:class:`~inferd.ipc.replies.LocalTicket`, so they share the models' pipelines,
+queues and dynamic batching with wire clients. A pipeline graph stops by
+:data:`~inferd.daemon.worker.STOP`'s rule: each node thread passes it on and ends.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from typing import Any
 
 from inferd.daemon.graph import (
     INPUT,
+    Executor,
     GraphSpec,
     check_graph_inputs,
-    error_reply,
     gather,
     graph_names,
     graph_path,
@@ -39,13 +40,13 @@ from inferd.daemon.graph import (
 from inferd.daemon.pipeline import Placement, pin_current_thread, unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
-from inferd.daemon.worker import LocalTicket
-from inferd.ipc.errors import ErrorCode, InferdError
+from inferd.daemon.worker import STOP
+from inferd.ipc.errors import ErrorCode, InferdError, failure
 from inferd.ipc.protocol import Op, Reply, Request
+from inferd.ipc.replies import LocalTicket, ReplySink
 
 log = logging.getLogger(__name__)
 
-ReplyFn = Callable[[Any, Reply], None]
 _ids = itertools.count()
 
 
@@ -82,7 +83,7 @@ class ModelCaller:
             done.wait()
             reply = box[0]
             if reply.error is not None:
-                raise InferdError(f"model {model}: {reply.error[1]}", reply.error[0])
+                raise InferdError(f"model {model}: {reply.error.message}", reply.error.code)
             return reply.outputs
         return wait
 
@@ -101,10 +102,10 @@ def _deadline(ticket: Any) -> float | None:
 class TaskExecutor:
     """Per request: nodes run on a shared pool as soon as their producers are done."""
 
-    def __init__(self, spec: GraphSpec, call: ModelCaller, reply: ReplyFn) -> None:
+    def __init__(self, spec: GraphSpec, call: ModelCaller, sink: ReplySink) -> None:
         self.spec = spec
         self._call = call
-        self._reply = reply
+        self._sink = sink
         self.placements: list[Placement] = []
         self._pool = ThreadPoolExecutor(spec.task_threads,
                                         thread_name_prefix=f"inferd-{spec.name}-task",
@@ -175,7 +176,7 @@ class _TaskRun:
             out = run_node(spec, node, gather(spec.name, node, self.packets), self.ex._call,
                            _deadline(self.ticket))
         except Exception as e:
-            self._end(error_reply(self.request, e))
+            self._end(_error(self.request, spec.name, e))
             return
         with self.lock:
             self.packets[name] = out
@@ -192,7 +193,7 @@ class _TaskRun:
                 self._end(Reply(self.request.id,
                                 outputs=graph_outputs(spec, self.packets, self.request)))
             except Exception as e:
-                self._end(error_reply(self.request, e))
+                self._end(_error(self.request, spec.name, e))
             return
         self._launch(ready)
 
@@ -201,14 +202,11 @@ class _TaskRun:
             if self.finished:
                 return
             self.finished = True
-        self.ex._reply(self.ticket, reply)
+        self.ex._sink.send(self.ticket, reply)
         self.ex.done()
 
 
 # --------------------------------------------------------------------------- pipeline
-
-
-STOP = object()
 
 
 @dataclass
@@ -268,12 +266,10 @@ SINK = "<output>"
 class PipelineExecutor:
     """One thread per node; a sink thread answers each frame in order."""
 
-    def __init__(self, spec: GraphSpec, call: ModelCaller, reply: ReplyFn,
-                 release: Callable[[], None]) -> None:
+    def __init__(self, spec: GraphSpec, call: ModelCaller, sink: ReplySink) -> None:
         self.spec = spec
         self._call = call
-        self._reply = reply
-        self._release = release
+        self._sink = sink
         sinks = {src for src, _ in spec.outputs.values()}
         self.edges: dict[str, Edge] = {}
         for producer in [INPUT, *[n.name for n in spec.nodes]]:
@@ -348,9 +344,9 @@ class PipelineExecutor:
                     out.put(Packet(first.request, first.ticket, result))
                 except Exception as e:
                     out.put(Packet(first.request, first.ticket, None,
-                                   error_reply(first.request, e)))
+                                   _error(first.request, self.spec.name, e)))
         finally:
-            self._release()
+            self._sink.release_thread()
 
     def _sink_loop(self) -> None:
         try:
@@ -366,10 +362,10 @@ class PipelineExecutor:
                             self.spec, {s: p.values for s, p in
                                         zip(self._sink_sources, packets)}, first.request))
                     except Exception as e:
-                        reply = error_reply(first.request, e)
-                self._reply(first.ticket, reply)
+                        reply = _error(first.request, self.spec.name, e)
+                self._sink.send(first.ticket, reply)
         finally:
-            self._release()
+            self._sink.release_thread()
 
 
 # --------------------------------------------------------------------------- manager
@@ -382,18 +378,15 @@ class GraphManager:
         repo: the model repository (graphs live beside models).
         registry: processors for processor nodes.
         submit: submits a model request (the model manager's ``submit``).
-        reply: sends a reply for a ticket from any thread.
-        release: called by graph threads on exit.
+        sink: where replies go (any thread); graph threads release it on exit.
     """
 
     def __init__(self, repo: Repository, registry: ProcessorRegistry,
-                 submit: Callable[[Request, Any], None], reply: ReplyFn,
-                 release: Callable[[], None]) -> None:
+                 submit: Callable[[Request, Any], None], sink: ReplySink) -> None:
         self.repo = repo
         self.registry = registry
         self._call = ModelCaller(submit)
-        self._reply = reply
-        self._release = release
+        self._sink = sink
         self._graphs: dict[str, TaskExecutor | PipelineExecutor] = {}
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="inferd-graph-loader",
@@ -426,9 +419,9 @@ class GraphManager:
                 spec = load_graph_file(self.repo, name, self.registry)
                 if spec is None:
                     raise InferdError(f"graph {name!r} not found", ErrorCode.NOT_FOUND)
-                ex = (PipelineExecutor(spec, self._call, self._reply, self._release)
-                      if spec.executor == "pipeline"
-                      else TaskExecutor(spec, self._call, self._reply))
+                ex = (PipelineExecutor(spec, self._call, self._sink)
+                      if spec.executor is Executor.PIPELINE
+                      else TaskExecutor(spec, self._call, self._sink))
                 self._graphs[name] = ex
         return ex
 
@@ -447,10 +440,7 @@ class GraphManager:
         try:
             self.executor(request.model or "").submit(request, ticket)
         except Exception as e:
-            if not isinstance(e, InferdError):
-                log.exception("graph %s: load failed", request.model,
-                              extra={"MODEL": request.model})
-            self._reply(ticket, error_reply(request, e))
+            self._sink.send(ticket, _error(request, request.model or "", e))
 
     def describe(self) -> list[dict[str, Any]]:
         out = []
@@ -511,6 +501,12 @@ class GraphManager:
         for ex in graphs:
             ok = ex.stop(max(0.1, deadline - time.monotonic())) and ok
         return ok
+
+
+def _error(request: Request, graph: str, e: Exception) -> Reply:
+    """The error reply for ``request`` of graph ``graph`` (see :func:`failure`)."""
+    return Reply(request.id, error=failure(e, f"graph {graph}", log, named=False,
+                                           model=graph))
 
 
 def _source(repo: Repository, name: str) -> str | None:

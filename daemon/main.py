@@ -12,6 +12,7 @@ from typing import Any
 from inferd.daemon.config import find_config_file, load_config
 from inferd.daemon.logs import setup_logging
 from inferd.daemon.runtime import VERSION, Runtime
+from inferd.ipc import defs
 from inferd.ipc.errors import InferdError
 
 log = logging.getLogger("inferd")
@@ -21,8 +22,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="inferd", description="inferd inference daemon "
                                 "(runs in the foreground)")
     p.add_argument("--config", help="TOML config file (default: $INFERD_CONFIG, then "
-                   "/etc/inferd/inferd.toml, then built-in defaults)")
-    p.add_argument("--socket", help="endpoint to serve, e.g. ipc:///run/inferd/inferd.sock")
+                   f"{defs.CONFIG_FILE}, then built-in defaults)")
+    p.add_argument("--socket", help=f"endpoint to serve (default {defs.SOCKET})")
     p.add_argument("--models", help="model repository directory")
     p.add_argument("--backends-dir", action="append", default=None, metavar="DIR",
                    help="directory searched for backend plugins (repeatable)")

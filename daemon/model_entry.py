@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from inferd.daemon.worker import STOP, WorkItem, Workers
+from inferd.daemon.worker import WorkItem, Workers, WorkQueue
 from inferd.ipc.errors import ErrorCode
 from inferd.libbackends.contract import LoadedModel
 
-Key = tuple[str, int]
+ModelKey = tuple[str, int]
 """(model name, version)"""
 
 
@@ -35,7 +35,6 @@ class Settings:
     queue_size: int
     backends: list[str] | None
     keep_alive: float
-    pin: bool
 
 
 class ModelEntry:
@@ -54,7 +53,7 @@ class ModelEntry:
         self.state = State.UNLOADED
         # SimpleQueue: a put is one C call (queue.Queue's Condition costs several µs per
         # request); the bound is kept by ModelManager._enqueue under ``lock``.
-        self.queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
+        self.queue: WorkQueue = queue.SimpleQueue()
         self.queue_size = queue_size
         self.backend: str | None = None
         self.model: LoadedModel | None = None
@@ -100,7 +99,7 @@ class ModelEntry:
                 item = self.queue.get_nowait()
             except queue.Empty:
                 break
-            if item is not STOP:
+            if isinstance(item, WorkItem):
                 items.append(item)
         self.in_flight -= len(items)
         return items

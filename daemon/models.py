@@ -29,19 +29,19 @@ from pathlib import Path
 from typing import Any
 
 from inferd.daemon.cache import (
-    Candidate, MemoryMeter, choose_victims, estimate_cost, format_bytes, model_cost,
+    Evictable, MemoryMeter, choose_victims, estimate_cost, format_bytes, model_cost,
     parse_duration, request_keep_alive,
 )
-from inferd.daemon.model_entry import Key, ModelEntry, Settings, State
+from inferd.daemon.model_entry import ModelKey, ModelEntry, Settings, State
 from inferd.daemon.pipeline import PipelineSpec, parse_spec, unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import ModelSpec, Repository, check_name
 from inferd.daemon.warmup import warm_up
-from inferd.daemon.worker import ReplyFn, WorkItem, Workers, error_for
-from inferd.ipc.errors import ErrorCode, InferdError, ModelError
-from inferd.ipc.protocol import Request
-from inferd.ipc.server import Ticket
+from inferd.daemon.worker import WorkItem, Workers
+from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
+from inferd.ipc.protocol import Reply, Request
+from inferd.ipc.replies import AnyTicket, ReplySink
 from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
 from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.customops.plan import load_planned, plan_note
@@ -57,32 +57,30 @@ class ModelManager:
         repo: the model repository.
         registry: backends to choose from.
         config: the daemon configuration (read again on each use; see :meth:`reload`).
-        reply: sends a reply for a ticket from any thread.
-        release_thread: called by worker threads on exit.
+        sink: where the workers' replies go (any thread).
     """
 
-    def __init__(self, repo: Repository, registry: Registry, config: Any, reply: ReplyFn,
-                 release_thread: Any) -> None:
+    def __init__(self, repo: Repository, registry: Registry, config: Any,
+                 sink: ReplySink) -> None:
         self.repo = repo
         self.registry = registry
         self.config = config
-        self._reply = reply
-        self._release = release_thread
+        self._sink = sink
         self._catalog: dict[str, ModelSpec] = repo.scan()
-        self._entries: dict[Key, ModelEntry] = {}
+        self._entries: dict[ModelKey, ModelEntry] = {}
         self._lock = threading.Lock()  # the catalog and the entries dict
         self._load_lock = threading.Lock()  # one load at a time: its RSS delta is its own
         self._reload_lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inferd-loader",
                                           initializer=unpin_current_thread)
         self._meter = MemoryMeter()
-        self._measured: dict[Key, int] = {}
-        self._held: set[Key] = set()
+        self._measured: dict[ModelKey, int] = {}
+        self._held: set[ModelKey] = set()
         self._stopping = threading.Event()
         self._idle_thread: threading.Thread | None = None
         self.processors: ProcessorRegistry | None = None  # set by the runtime
         self.customops: OpRegistry | None = None  # set by the runtime
-        self._pipelines: dict[Key, PipelineSpec] = {}  # built by a load, used by its workers
+        self._pipelines: dict[ModelKey, PipelineSpec] = {}  # built by a load, used by its workers
 
     def start(self) -> None:
         """Start the idle-unload thread (``inferd-cache-idle``)."""
@@ -120,8 +118,7 @@ class ModelManager:
                                  f"'5m' or 'forever'", ErrorCode.INTERNAL) from None
         return Settings(instances=int(raw.get("instances", cfg.models.instances)),
                         queue_size=int(raw.get("queue_size", cfg.models.queue_size)),
-                        backends=backends, keep_alive=keep_alive,
-                        pin=raw.get("pin") is True or spec.name in cfg.models.preload)
+                        backends=backends, keep_alive=keep_alive)
 
     def entry(self, name: str, version: int | None = None) -> ModelEntry:
         """The entry for ``name`` at ``version`` (default: the version it serves by
@@ -163,7 +160,7 @@ class ModelManager:
 
     # ----------------------------------------------------------------- requests
 
-    def submit(self, request: Request, ticket: Ticket) -> None:
+    def submit(self, request: Request, ticket: AnyTicket) -> None:
         """Queue an infer request (I/O thread). Raises InferdError to refuse it."""
         if request.model is None:
             raise ModelError("infer needs 'model'")
@@ -219,11 +216,8 @@ class ModelManager:
             with self._load_lock:
                 settings, backend_id, model = self._load_measured(entry)
         except Exception as e:
-            code = e.code if isinstance(e, InferdError) else ErrorCode.INTERNAL
-            message = e.message if isinstance(e, InferdError) else f"{type(e).__name__}: {e}"
-            if not isinstance(e, InferdError):
-                log.exception("model %s: unexpected error while loading", entry.label,
-                              extra={"MODEL": entry.name})
+            code, message = failure(e, f"model {entry.label}: unexpected error while "
+                                    f"loading", log, named=False, model=entry.name)
             log.error("model %s failed to load: %s", entry.label, message,
                       extra={"MODEL": entry.name, "CODE": str(code)})
             self._fail(entry, code, message)
@@ -245,9 +239,9 @@ class ModelManager:
                        settings: Settings, backend_id: str) -> Workers:
         # The one place workers are built: pre/infer/post stages (daemon/worker.py).
         pipeline = self._pipelines.pop((entry.name, entry.version), None)
-        return Workers(entry.name, model, entry.queue, self._reply, self._release,
-                       settings.instances, on_done=lambda ok: self._done(entry, ok),
-                       spec=pipeline, backend=backend_id)
+        return Workers(entry.name, model, entry.queue, self._sink, settings.instances,
+                       on_done=lambda ok: self._done(entry, ok), spec=pipeline,
+                       backend=backend_id)
 
     def _load_measured(self, entry: ModelEntry) -> tuple[Settings, str, LoadedModel]:
         """Make room, load, warm up and measure (caller holds ``_load_lock``)."""
@@ -281,9 +275,14 @@ class ModelManager:
         ort = self.config.onnxruntime
         self._meter.trim()
         before = self._meter.rss()
+        options = spec.settings.get(backend.id, {})
+        if not isinstance(options, dict):
+            raise ModelError(f"model {entry.name}: model.toml '{backend.id}' must be a table "
+                             f"([{backend.id}]) of settings for that backend",
+                             ErrorCode.INTERNAL)
         # Custom ops and nodes the backend lacks: a partitioned plan (libbackends/customops)
         model = load_planned(backend, source.path, LoadOptions(
-            ort.intra_op_threads, ort.inter_op_threads, ort.allow_spinning),
+            ort.intra_op_threads, ort.inter_op_threads, ort.allow_spinning, dict(options)),
             model=entry.label, model_dir=self.repo.root / entry.name, ops=self.customops,
             fallbacks=self.registry.available(),
             probe_timeout_s=self.config.backends.probe_timeout_s)
@@ -314,8 +313,8 @@ class ModelManager:
             waiting = entry.take_queued()
             entry.set_state(State.FAILED)
         for item in waiting:
-            self._reply(item.ticket, error_for(
-                item, code, f"model {entry.label} failed to load: {message}"))
+            self._sink.send(item.ticket, Reply(item.request.id, error=Failure(
+                code, f"model {entry.label} failed to load: {message}")))
 
     # ----------------------------------------------------------------- budget
 
@@ -354,7 +353,7 @@ class ModelManager:
             used = sum(e.cost() for e in others)
             if used + need <= budget:
                 return need
-            candidates = [Candidate(e, e.cost(), e.used_at) for e in others
+            candidates = [Evictable(e, e.cost(), e.used_at) for e in others
                           if self._evictable(e)]
             victims = choose_victims(candidates, used + need - budget)
             if victims is None and floor is not None and floor < need:
@@ -436,8 +435,9 @@ class ModelManager:
                 raise ModelError(f"model {retired.label} was removed from the repository",
                                  ErrorCode.NOT_FOUND)
             self._enqueue(self.entry(retired.name), item, None)
-        except InferdError as e:
-            self._reply(item.ticket, error_for(item, e.code, e.message))
+        except Exception as e:
+            self._sink.send(item.ticket, Reply(item.request.id, error=failure(
+                e, f"model {retired.label}", log, model=retired.name)))
 
     def unload_idle(self) -> list[str]:
         """Unload every unpinned model idle longer than its keep-alive; their labels."""
@@ -517,11 +517,6 @@ class ModelManager:
             if entry.state is State.FAILED:
                 entry.set_state(State.UNLOADED)
         self._unload_entry(entry, reason, timeout=timeout)
-
-    def preload(self) -> list[str]:
-        """Load every pinned model (before the daemon reports ready); the loaded ones."""
-        self.load_pinned()
-        return self.loaded()
 
     def load_pinned(self, before_each: Callable[[int, int, str], None] | None = None
                     ) -> list[str]:

@@ -33,9 +33,6 @@ log = logging.getLogger(__name__)
 PROCESS_CORES = frozenset(os.sched_getaffinity(0))
 """The cores this process may use, read at start-up before any thread is pinned."""
 
-PIPELINE_KEYS = ("cpu_affinity", "max_batch", "max_delay_ms", "stage_queue_size", "pre",
-                 "post")
-
 
 @dataclass
 class PipelineSpec:

@@ -23,10 +23,10 @@ from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
 from inferd.daemon.systemd import Notifier, Watchdog, watchdog_interval
-from inferd.daemon.worker import route_replies
-from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure
 from inferd.ipc.protocol import Op, Reply, Request
-from inferd.ipc.server import Access, Server, Ticket
+from inferd.ipc.replies import ReplySink, Ticket
+from inferd.ipc.server import Access, Server
 from inferd.libbackends.customops.discovery import load_global
 from inferd.libbackends.loader import load_backends
 from inferd.libbackends.registry import Registry
@@ -68,13 +68,12 @@ class Runtime:
                              cpu_affinity=config.server.cpu_affinity,
                              access=Access.of(config.access.uids, config.access.gids))
         self.server.on_stop = self._on_stop
-        reply = route_replies(self.server.send_reply)  # wire tickets and in-process ones
-        self.models = ModelManager(self.repo, self.registry, config, reply,
-                                   self.server.release_thread)
+        # wire tickets and in-process ones
+        sink = ReplySink(self.server.send_reply, self.server.release_thread)
+        self.models = ModelManager(self.repo, self.registry, config, sink)
         self.processors = ProcessorRegistry()
         self.models.processors = self.processors
-        self.graphs = GraphManager(self.repo, self.processors, self.models.submit, reply,
-                                   self.server.release_thread)
+        self.graphs = GraphManager(self.repo, self.processors, self.models.submit, sink)
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-control",
                                            initializer=unpin_current_thread)
         self._stopped = threading.Event()
@@ -251,7 +250,7 @@ class Runtime:
             if not request.model:
                 raise ModelError(f"{op} needs 'model'")
             if self.graphs.is_graph(request.model):
-                self._control.submit(self._graph_op, request, ticket)
+                self._control.submit(self._control_op, request, ticket)
                 return None
             self.models.entry(request.model)  # refuse bad or unknown names right away
             self._control.submit(self._control_op, request, ticket)
@@ -261,37 +260,34 @@ class Runtime:
             return None
         raise InferdError(f"op {op} is not supported by this daemon", ErrorCode.UNSUPPORTED)
 
-    def _graph_op(self, request: Request, ticket: Ticket) -> None:
-        name = request.model or ""
+    def _control_op(self, request: Request, ticket: Ticket) -> None:
+        """Run a load, unload (of a model or a graph) or reload on the control thread
+        and answer it; whatever it raises becomes the request's coded reply."""
         try:
+            reply = Reply(request.id, result=self._run_control_op(request))
+        except Exception as e:
+            where = f"{request.op} of {request.model}" if request.model else str(request.op)
+            reply = Reply(request.id, error=failure(e, where, log, named=False,
+                                                    model=request.model or "",
+                                                    request_id=request.id))
+        self.server.send_reply(ticket, reply)
+
+    def _run_control_op(self, request: Request) -> Any:
+        name = request.model or ""
+        if request.op is Op.RELOAD:
+            return self.reload()
+        if self.graphs.is_graph(name):
             if request.op is Op.LOAD:
                 self.graphs.executor(name)
             else:
                 self.graphs.unload(name, self.config.server.shutdown_grace_s)
-            result = next(g for g in self.graphs.describe() if g["name"] == name)
-            reply = Reply(request.id, result=result)
-        except InferdError as e:
-            reply = Reply(request.id, error=(e.code, e.message))
-        self.server.send_reply(ticket, reply)
-
-    def _control_op(self, request: Request, ticket: Ticket) -> None:
-        try:
-            if request.op is Op.RELOAD:
-                result = self.reload()
-            else:
-                if request.op is Op.LOAD:
-                    entry = self.models.load(request.model or "", request.version)
-                else:
-                    entry = self.models.unload(request.model or "", request.version)
-                with entry.lock:
-                    result = entry.describe()
-            reply = Reply(request.id, result=result)
-        except InferdError as e:
-            reply = Reply(request.id, error=(e.code, e.message))
-        except Exception as e:
-            log.exception("%s of %s failed", request.op, request.model)
-            reply = Reply(request.id, error=(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))
-        self.server.send_reply(ticket, reply)
+            return next(g for g in self.graphs.describe() if g["name"] == name)
+        if request.op is Op.LOAD:
+            entry = self.models.load(name, request.version)
+        else:
+            entry = self.models.unload(name, request.version)
+        with entry.lock:
+            return entry.describe()
 
     def status(self) -> dict[str, Any]:
         mem = self._proc.memory_info()

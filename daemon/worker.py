@@ -9,9 +9,14 @@ and splits the outputs back, each reply to its own request. A request that the m
 refuses is answered alone; a failing batch is re-run request by request, so a failure
 reaches only the request that caused it.
 
-Replies go to a :class:`~inferd.ipc.server.Ticket` (a client on the wire) or to a
-:class:`LocalTicket` (a graph node calling the model in-process); :func:`route_replies`
-sends each to the right place.
+Replies go through the runtime's :class:`~inferd.ipc.replies.ReplySink` to a wire
+:class:`~inferd.ipc.replies.Ticket` or to a :class:`~inferd.ipc.replies.LocalTicket` (a
+graph node calling the model in-process).
+
+Shutdown follows one rule, :data:`STOP`'s (graphs keep it too): ``stop`` puts one STOP in
+the model's queue; a thread that takes it puts it back for the next thread of its stage
+and ends, and the last thread of a stage to end passes it on to the next stage instead.
+So every request queued before the STOP is served, and no STOP is left in a queue.
 """
 
 from __future__ import annotations
@@ -27,53 +32,32 @@ from typing import Any
 import numpy as np
 from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
 from inferd.daemon.processors import run_steps
-from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
 from inferd.ipc.protocol import Reply, Request
-from inferd.ipc.server import Ticket
+from inferd.ipc.replies import AnyTicket, ReplySink
 from inferd.libbackends.contract import LoadedModel, check_inputs, check_outputs
 
 log = logging.getLogger(__name__)
 
-STOP = None
-"""Queue sentinel: ends a stage after everything queued before it."""
+class _Stop:
+    def __repr__(self) -> str:
+        return "STOP"
 
 
-class LocalTicket:
-    """An in-process reply target: the reply is handed to ``deliver`` (any thread)."""
-
-    def __init__(self, request_id: str, deliver: Callable[[Reply], None],
-                 deadline: float | None = None) -> None:
-        self.request_id = request_id
-        self.received = time.monotonic()
-        self.deadline = deadline
-        self.deliver = deliver
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
+STOP = _Stop()
+"""The one queue sentinel of model stages and graph nodes: it ends a stage after
+everything queued before it. A thread that takes it puts it back for the next thread of
+its stage; the last thread of a stage to end passes it to the next stage instead."""
 
 
 @dataclass(slots=True)
 class WorkItem:
     request: Request
-    ticket: Ticket | LocalTicket
+    ticket: AnyTicket
 
 
-ReplyFn = Callable[[Any, Reply], None]
-
-
-def route_replies(send: ReplyFn) -> ReplyFn:
-    """A reply function that hands LocalTicket replies to their callback and the rest to
-    ``send`` (the server)."""
-    def reply(ticket: Any, r: Reply) -> None:
-        if isinstance(ticket, LocalTicket):
-            ticket.deliver(r)
-        else:
-            send(ticket, r)
-    return reply
-
-
-def error_for(item: WorkItem, code: ErrorCode, message: str) -> Reply:
-    return Reply(id=item.request.id, error=(code, message))
+WorkQueue = queue.SimpleQueue[WorkItem | _Stop]
+"""A model's request queue (one per model version, kept across loads)."""
 
 
 @dataclass(slots=True)
@@ -92,34 +76,32 @@ class Workers:
         name: model name, used in thread names and logs.
         model: the loaded model.
         work: the model's bounded request queue (shared with the model entry).
-        reply: sends a reply for a ticket (any thread).
-        release: called by each thread on exit (closes its reply socket).
+        sink: where replies go (any thread); each thread releases it on exit.
         instances: number of inference threads.
         on_done: called after each request with whether it succeeded.
         spec: pre/post steps, batching and CPU affinity (defaults: none, off, any core).
         backend: the backend id, shown in the placement.
     """
 
-    def __init__(self, name: str, model: LoadedModel, work: queue.SimpleQueue[WorkItem | None],
-                 reply: ReplyFn, release: Callable[[], None], instances: int = 1,
-                 on_done: Callable[[bool], None] | None = None,
+    def __init__(self, name: str, model: LoadedModel, work: WorkQueue, sink: ReplySink,
+                 instances: int = 1, on_done: Callable[[bool], None] | None = None,
                  spec: PipelineSpec | None = None, backend: str | None = None) -> None:
         self.name = name
         self.model = model
         self.spec = spec or PipelineSpec()
         self._work = work
-        self._reply = reply
-        self._release = release
+        self._sink = sink
         self._on_done = on_done
-        self._instances = instances
+        self._left = {"pre": 1, "infer": instances, "post": 1}  # threads not yet ended
+        self._left_lock = threading.Lock()
         self.max_batch = self.spec.max_batch if _batchable(model) else 1
         if self.spec.max_batch > 1 and self.max_batch == 1:
             log.warning("model %s: max_batch = %d ignored: its inputs have a fixed first "
                         "dimension", name, self.spec.max_batch, extra={"MODEL": name})
         size = self.spec.stage_queue_size
-        self._infer_q: queue.Queue[Job | WorkItem | None] = (
+        self._infer_q: queue.Queue[Job | WorkItem | _Stop] = (
             queue.Queue(size) if self.spec.pre else work)  # type: ignore[assignment]
-        self._post_q: queue.Queue[Job | None] | None = (
+        self._post_q: queue.Queue[Job | _Stop] | None = (
             queue.Queue(size) if self.spec.post else None)
         self.placements: list[Placement] = []
         self._placed = threading.Semaphore(0)
@@ -144,7 +126,7 @@ class Workers:
             try:
                 target(placement)
             finally:
-                self._release()
+                self._sink.release_thread()
         self.threads.append(threading.Thread(target=run, name=thread_name, daemon=True))
 
     def placement(self) -> list[dict[str, Any]]:
@@ -159,10 +141,8 @@ class Workers:
             self._placed.acquire(timeout=10)
 
     def stop(self, timeout: float | None = None) -> bool:
-        """Send the sentinel through the stages and join; True if all ended in time."""
-        first = 1 if self.spec.pre else self._instances
-        for _ in range(first):
-            self._work.put(STOP)
+        """Send :data:`STOP` through the stages and join; True if all ended in time."""
+        self._work.put(STOP)
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self.threads:
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -170,35 +150,39 @@ class Workers:
 
     # ----------------------------------------------------------------- stages
 
+    def _stage_ended(self, stage: str, inbox: Any, outbox: Any) -> None:
+        """:data:`STOP`'s rule for a thread of ``stage`` that took it from ``inbox``."""
+        with self._left_lock:
+            self._left[stage] -= 1
+            last = self._left[stage] == 0
+        if not last:
+            inbox.put(STOP)
+        elif outbox is not None:
+            outbox.put(STOP)
+
     def _finish(self, item: WorkItem, reply: Reply) -> None:
-        self._reply(item.ticket, reply)
+        self._sink.send(item.ticket, reply)
         if self._on_done:
             self._on_done(reply.ok)
 
     def _fail(self, item: WorkItem, e: Exception) -> None:
-        req = item.request
-        if isinstance(e, InferdError):
-            self._finish(item, error_for(item, e.code, e.message))
-            return
-        log.exception("model %s: request %s failed", self.name, req.id,
-                      extra={"MODEL": self.name, "REQUEST_ID": req.id})
-        self._finish(item, error_for(item, ErrorCode.INTERNAL,
-                                     f"model {self.name}: {type(e).__name__}: {e}"))
+        rid = item.request.id
+        self._finish(item, Reply(rid, error=failure(e, f"model {self.name}", log,
+                                                    model=self.name, request_id=rid)))
 
     def _expired(self, item: WorkItem) -> bool:
         if item.ticket.expired():
-            self._finish(item, error_for(
-                item, ErrorCode.DEADLINE_EXCEEDED, f"model {self.name}: deadline of "
-                f"{item.request.timeout_ms} ms passed while the request was queued"))
+            self._finish(item, Reply(item.request.id, error=Failure(
+                ErrorCode.DEADLINE_EXCEEDED, f"model {self.name}: deadline of "
+                f"{item.request.timeout_ms} ms passed while the request was queued")))
             return True
         return False
 
     def _pre_loop(self, placement: Placement) -> None:
         while True:
             item = self._work.get()
-            if item is STOP:
-                for _ in range(self._instances):
-                    self._infer_q.put(STOP)
+            if isinstance(item, _Stop):
+                self._stage_ended("pre", self._work, self._infer_q)
                 return
             if self._expired(item):
                 continue
@@ -212,14 +196,11 @@ class Workers:
 
     def _post_loop(self, placement: Placement) -> None:
         assert self._post_q is not None
-        ended = 0
         while True:
             job = self._post_q.get()
-            if job is STOP:
-                ended += 1
-                if ended == self._instances:
-                    return
-                continue
+            if isinstance(job, _Stop):
+                self._stage_ended("post", self._post_q, None)
+                return
             try:
                 out = run_steps(self.spec.post, job.outputs, f"model {self.name}")
                 self._finish(job.item, Reply(job.item.request.id,
@@ -231,7 +212,7 @@ class Workers:
         delay = self.spec.max_delay_ms / 1000
         while True:
             first = self._infer_q.get()
-            if first is STOP:
+            if isinstance(first, _Stop):
                 break
             batch = [first if isinstance(first, Job) else Job(first, first.request.inputs)]
             stop = False
@@ -245,7 +226,7 @@ class Workers:
                             self._infer_q.get_nowait()
                     except queue.Empty:
                         break
-                    if nxt is STOP:
+                    if isinstance(nxt, _Stop):
                         stop = True
                         break
                     job = nxt if isinstance(nxt, Job) else Job(nxt, nxt.request.inputs)
@@ -254,8 +235,7 @@ class Workers:
             self._run_batch(batch)
             if stop:
                 break
-        if self._post_q is not None:
-            self._post_q.put(STOP)
+        self._stage_ended("infer", self._infer_q, self._post_q)
 
     # ----------------------------------------------------------------- inference
 

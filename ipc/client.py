@@ -17,11 +17,12 @@ import zmq
 import zmq.asyncio
 from numpy.typing import NDArray
 
+from inferd.ipc import defs
 from inferd.ipc.errors import ErrorCode, RequestError
 from inferd.ipc.protocol import Op, Reply, Request, decode_reply, encode_request
 from inferd.ipc.transport import ipc_path, recv_frames, send_frames
 
-DEFAULT_ENDPOINT = "ipc:///run/inferd/inferd.sock"
+DEFAULT_ENDPOINT = defs.SOCKET
 DEFAULT_TIMEOUT = 30.0
 REPLY_GRACE_S = 1.0
 """Extra wait past a request's deadline for the daemon's own DEADLINE_EXCEEDED reply."""
@@ -29,7 +30,7 @@ REPLY_GRACE_S = 1.0
 
 def default_endpoint() -> str:
     """``$INFERD_SOCKET``, else the system socket."""
-    return os.environ.get("INFERD_SOCKET") or DEFAULT_ENDPOINT
+    return os.environ.get(defs.SOCKET_ENV) or DEFAULT_ENDPOINT
 
 
 def _check_reachable(endpoint: str) -> None:
@@ -73,7 +74,7 @@ class _Base:
     @staticmethod
     def _unwrap(reply: Reply) -> Reply:
         if reply.error is not None:
-            raise RequestError(reply.error[1], reply.error[0])
+            raise RequestError(reply.error.message, reply.error.code)
         return reply
 
 
@@ -191,7 +192,7 @@ class Client(_Base):
                             timeout=timeout)
         reply = self._wait(req.id, self._send(req))
         if reply.error is not None:
-            raise RequestError(reply.error[1], reply.error[0])
+            raise RequestError(reply.error.message, reply.error.code)
         return reply.outputs
 
     def ping(self) -> dict[str, Any]:

@@ -2,12 +2,17 @@
 
 Every failure that reaches a client travels as ``{code, message}`` with a code from
 :class:`ErrorCode`. Code inside the daemon raises the subclass for its boundary; the
-request loop turns it into an error reply. Nothing else is turned into a code.
+request paths turn it into an error reply with :func:`failure`, the one conversion:
+anything that is not an InferdError becomes INTERNAL, logged with its traceback.
 """
 
 from __future__ import annotations
 
+import logging
 from enum import StrEnum
+from typing import NamedTuple
+
+_log = logging.getLogger(__name__)
 
 
 class ErrorCode(StrEnum):
@@ -76,3 +81,35 @@ class RequestError(InferdError):
         code: the wire code from the reply (:class:`ErrorCode`).
         message: the daemon's message.
     """
+
+
+class Failure(NamedTuple):
+    """The error of a reply: a wire code and a message (``Reply.error``)."""
+
+    code: ErrorCode
+    message: str
+
+
+def failure(e: BaseException, where: str = "", log: logging.Logger | None = None, *,
+            named: bool = True, **fields: str) -> Failure:
+    """The one way from an exception to a coded error (every reply path uses it).
+
+    An :class:`InferdError` keeps its code and message: it was raised on purpose. Any
+    other exception is a bug or an unforeseen failure: it is logged with its traceback
+    (on ``log``, with ``fields`` as structured fields such as ``model`` -> MODEL) and
+    becomes INTERNAL with the message ``"<where>: <type>: <text>"``.
+
+    Args:
+        e: what was raised.
+        where: what failed (a model, a graph, an op), for an unexpected error.
+        log: the logger of the caller (default: this module's).
+        named: False leaves ``where`` out of the message (the caller adds its own
+            words around it) but not out of the log line.
+        fields: structured log fields for an unexpected error.
+    """
+    if isinstance(e, InferdError):
+        return Failure(e.code, e.message)
+    text = f"{type(e).__name__}: {e}"
+    (log or _log).error("%s%s", f"{where}: " if where else "", text, exc_info=e,
+                        extra={k.upper(): v for k, v in fields.items()})
+    return Failure(ErrorCode.INTERNAL, f"{where}: {text}" if where and named else text)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from inferd.ipc import defs
 from inferd.ipc.client import Client, default_endpoint
 from inferd.ipc.errors import RequestError
 
@@ -220,8 +221,8 @@ def _infer(c: Client, args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inferctl", description="Control and query inferd.")
-    p.add_argument("--socket", default=None, help="daemon endpoint (default $INFERD_SOCKET "
-                   "or ipc:///run/inferd/inferd.sock)")
+    p.add_argument("--socket", default=None, help=f"daemon endpoint (default ${defs.SOCKET_ENV} "
+                   f"or {defs.SOCKET})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=30.0, dest="request_timeout",
                    help="seconds to wait for a reply (default 30)")

@@ -25,23 +25,11 @@ import numpy as np
 from numpy.typing import NDArray
 from zmq import Frame as ZmqFrame
 
-from inferd.ipc.errors import ErrorCode, ProtocolError
+from inferd.ipc.errors import ErrorCode, Failure, ProtocolError
+from inferd.libbackends.dtypes import NUMERIC_DTYPES, STRING, WIRE_DTYPES, dtype_name
 
 TAG = b"INFERD/1"
 """First frame of every request and reply; names the protocol and its major version."""
-
-STRING = "string"
-"""dtype name of a string tensor."""
-
-NUMERIC_DTYPES: dict[str, np.dtype[Any]] = {
-    name: np.dtype(name).newbyteorder("<")
-    for name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32",
-                 "int64", "uint64", "float16", "float32", "float64")
-}
-DTYPES = (*NUMERIC_DTYPES, STRING)
-# dtype -> wire name; a dict lookup is much cheaper than numpy's dtype.name property
-_WIRE_NAMES: dict[np.dtype[Any], str] = {dt: name for name, dt in NUMERIC_DTYPES.items()}
-
 
 class Op(StrEnum):
     """Request operations."""
@@ -86,7 +74,7 @@ class Reply:
     id: str
     outputs: dict[str, NDArray[Any]] = field(default_factory=dict)
     result: Any = None
-    error: tuple[ErrorCode, str] | None = None
+    error: Failure | None = None
 
     @property
     def ok(self) -> bool:
@@ -94,20 +82,6 @@ class Reply:
 
 
 # --------------------------------------------------------------------------- tensors
-
-def dtype_name(array: NDArray[Any]) -> str:
-    """The wire dtype name of ``array``; raises ProtocolError for dtypes not on the wire."""
-    name = _WIRE_NAMES.get(array.dtype)
-    if name is not None:
-        return name
-    if array.dtype.kind in "OUT":
-        return STRING
-    name = array.dtype.name  # e.g. a big-endian float32 (encode_tensors swaps it)
-    if name not in NUMERIC_DTYPES:
-        raise ProtocolError(f"dtype {array.dtype} is not carried by the protocol "
-                            f"(supported: {', '.join(DTYPES)})")
-    return name
-
 
 def _encode_strings(array: NDArray[Any]) -> bytes:
     parts = []
@@ -172,9 +146,9 @@ def _check_spec(spec: Any, where: str) -> tuple[str, str, tuple[int, ...]]:
     name, dtype, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
     if not isinstance(name, str) or not name:
         raise ProtocolError(f"{where}: tensor 'name' must be a non-empty string")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
         raise ProtocolError(f"{where}: tensor {name!r} has dtype {dtype!r}; "
-                            f"expected one of {', '.join(DTYPES)}")
+                            f"expected one of {', '.join(WIRE_DTYPES)}")
     if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise ProtocolError(f"{where}: tensor {name!r} shape must be a list of "
                             f"non-negative integers, got {shape!r}")
@@ -322,11 +296,6 @@ def encode_reply(reply: Reply) -> list[Frame]:
     return [TAG, _dumps(header), *frames]
 
 
-def error_reply(request_id: str | None, code: ErrorCode, message: str) -> list[Frame]:
-    """Frames of an error reply (``request_id`` may be unknown: then it is "")."""
-    return encode_reply(Reply(id=request_id or "", error=(code, message)))
-
-
 def decode_reply(frames: Sequence[Frame]) -> Reply:
     """Decode a reply. Raises ProtocolError if the daemon's message is malformed."""
     header = _header(frames, "reply")
@@ -339,6 +308,6 @@ def decode_reply(frames: Sequence[Frame]) -> Reply:
             code = ErrorCode(err.get("code"))
         except ValueError:
             code = ErrorCode.INTERNAL
-        return Reply(id=rid, error=(code, str(err.get("message", ""))))
+        return Reply(id=rid, error=Failure(code, str(err.get("message", ""))))
     outputs = decode_tensors(header.get("outputs", []), frames[2:], "reply outputs")
     return Reply(id=rid, outputs=outputs, result=header.get("result"))

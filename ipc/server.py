@@ -1,12 +1,12 @@
 """The daemon's side of the wire: one I/O thread owns the ROUTER socket.
 
 Requests are decoded here and handed to a handler. A handler either answers at once
-(returns a :class:`Reply`) or keeps the :class:`Ticket` and answers later from any
-thread with :meth:`Server.send_reply`; replies from other threads come back to the I/O
-thread through an inproc PUSH/PULL pair, so no other thread touches the ROUTER. Every
-request gets exactly one reply: the server tracks what is in flight, refuses new work
-while stopping, and answers whatever is still open with UNAVAILABLE when the grace period
-ends.
+(returns a :class:`Reply`) or keeps the :class:`~inferd.ipc.replies.Ticket` and answers
+later from any thread with :meth:`Server.send_reply`; replies from other threads come
+back to the I/O thread through an inproc PUSH/PULL pair, so no other thread touches
+the ROUTER. Every request gets exactly one reply: the server tracks what is in flight,
+refuses new work while stopping, and answers whatever is still open with UNAVAILABLE
+when the grace period ends.
 """
 
 from __future__ import annotations
@@ -29,29 +29,14 @@ from typing import Any
 
 import zmq
 
-from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError
-from inferd.ipc.protocol import (
-    Reply, Request, decode_request, encode_reply, error_reply, peek_request_id,
-)
+from inferd.ipc.errors import ErrorCode, Failure, InferdError, ProtocolError, failure
+from inferd.ipc.protocol import Reply, Request, decode_request, encode_reply, peek_request_id
+from inferd.ipc.replies import Ticket
 from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
 _SEQ = struct.Struct("<Q")
-
-
-@dataclass(slots=True)
-class Ticket:
-    """What a handler needs to answer a request later: an opaque sequence number plus
-    the request's id, arrival time and deadline (monotonic seconds, or None)."""
-
-    seq: int
-    request_id: str
-    received: float
-    deadline: float | None
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
 
 
 Handler = Callable[[Request, Ticket], Reply | None]
@@ -214,7 +199,7 @@ class Server:
         self._stop = False
         self._lock: SocketLock | None = None
         self.on_stop: Callable[[], None] | None = None
-        self.stats = {"requests": 0, "errors": 0}
+        self.stats = {"requests": 0}
 
     # ----------------------------------------------------------------- set-up
 
@@ -425,7 +410,6 @@ class Server:
         rid = peek_request_id(body)
         message = (f"permission denied: {who} is not in the [access] allow-list of "
                    f"the inferd configuration")
-        self.stats["errors"] += 1
         if key in self._refused:
             log.debug("refused request %s from %s", rid, who)
         else:  # once per connection: a refused client retrying must not flood the log
@@ -435,7 +419,7 @@ class Server:
             log.warning("refused a request from %s: not in the [access] allow-list", who,
                         extra={"REQUEST_ID": rid or "",
                                "CODE": str(ErrorCode.PERMISSION_DENIED)})
-        self._deliver(seq, error_reply(rid, ErrorCode.PERMISSION_DENIED, message))
+        self._answer_error(seq, rid, Failure(ErrorCode.PERMISSION_DENIED, message))
 
     def _handle(self, seq: int, body: list[Any], refuse: bool) -> None:
         received = time.monotonic()
@@ -455,26 +439,26 @@ class Server:
                         if request.timeout_ms else None)
             ticket = Ticket(seq, request.id, received, deadline)
             reply = self._handler(request, ticket)
-        except InferdError as e:
-            rid = e.request_id if isinstance(e, ProtocolError) else request_id
-            self.stats["errors"] += 1
-            log.debug("request %s refused: %s %s", rid, e.code, e.message,
-                      extra={"REQUEST_ID": rid or "", "CODE": str(e.code)})
-            self._deliver(seq, error_reply(rid, e.code, e.message))
-            return
         except Exception as e:
-            self.stats["errors"] += 1
-            log.exception("internal error handling request %s", request_id)
-            self._deliver(seq, error_reply(request_id, ErrorCode.INTERNAL,
-                                           f"internal error: {type(e).__name__}: {e}"))
+            rid = e.request_id if isinstance(e, ProtocolError) else request_id
+            error = failure(e, "internal error", log, request_id=rid or "")
+            if isinstance(e, InferdError):
+                log.debug("request %s refused: %s %s", rid, e.code, e.message,
+                          extra={"REQUEST_ID": rid or "", "CODE": str(e.code)})
+            self._answer_error(seq, rid, error)
             return
         if reply is not None:
             self._deliver(seq, encode_reply(reply))
 
+    def _answer_error(self, seq: int, request_id: str | None, error: Failure) -> None:
+        """Answer #``seq`` with ``error`` (``request_id`` may be unknown: then "")."""
+        self._deliver(seq, encode_reply(Reply(request_id or "", error=error)))
+
     def _close(self) -> None:
         for seq, (_, rid) in list(self._inflight.items()):
-            self._deliver(seq, error_reply(rid, ErrorCode.UNAVAILABLE,
-                                           "inferd stopped before this request finished"))
+            self._answer_error(seq, rid, Failure(ErrorCode.UNAVAILABLE,
+                                                 "inferd stopped before this request "
+                                                 "finished"))
         assert self._router is not None and self._pull is not None
         self._router.close(linger=1000)
         self._pull.close(0)

@@ -9,6 +9,7 @@ batches of named tensors. The daemon talks to backends only through this module.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -17,7 +18,10 @@ from typing import Any
 from numpy.typing import NDArray
 
 from inferd.ipc.errors import ModelError
-from inferd.ipc.protocol import dtype_name
+from inferd.libbackends.dtypes import dtype_name
+
+BACKEND_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""What a backend id may be: 1-64 letters, digits, '.', '_' or '-'."""
 
 API_VERSION = (1, 0)
 """(major, minor) of the backend contract; a plugin must match the major and not exceed
@@ -59,12 +63,21 @@ class Probe:
 
 @dataclass
 class LoadOptions:
-    """What the daemon asks of a load; backends ignore keys they do not know."""
+    """What the daemon asks of a load.
+
+    Attributes:
+        intra_op_threads, inter_op_threads, allow_spinning: the ``[onnxruntime]``
+            settings of inferd.toml (backends that have no such notion ignore them).
+        options: the model.toml table named after the chosen backend's id (e.g.
+            ``[openvino]``), as parsed, or {} if there is none. The backend validates its
+            own keys and raises ModelError naming the model.toml key for an unknown or
+            bad one.
+    """
 
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     allow_spinning: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 class LoadedModel(ABC):

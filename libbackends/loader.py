@@ -28,9 +28,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from inferd.ipc import defs
 from inferd.ipc.errors import BackendError
 from inferd.libbackends.contract import (
-    API_VERSION, REQUIRED_ATTRIBUTES, REQUIRED_METHODS, Backend, DeviceKind, Probe,
+    API_VERSION, BACKEND_ID, REQUIRED_ATTRIBUTES, REQUIRED_METHODS, Backend, DeviceKind, Probe,
 )
 from inferd.libbackends.native import ChildReport, open_native, probe_in_children, \
     version_problem
@@ -40,12 +41,11 @@ from inferd.libbackends.registry import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PATH = "/usr/lib/inferd/backends"
-ENV_PATH = "INFERD_BACKENDS_PATH"
+DEFAULT_PATH = defs.BACKENDS_DIR
+ENV_PATH = defs.BACKENDS_PATH_ENV
 FACTORY = "create_backend"
 NATIVE_NAME = re.compile(r"lib(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)_backend\.so")
 PYTHON_NAME = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_]*)(\.py)?")
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _module_numbers = itertools.count(1)
 
 
@@ -314,7 +314,7 @@ def check_contract(backend: Any) -> None:
                              f"contract needs methods {', '.join(REQUIRED_METHODS)} and "
                              f"attributes {', '.join(REQUIRED_ATTRIBUTES)}")
     ident = backend.id
-    if not isinstance(ident, str) or not _ID.fullmatch(ident):
+    if not isinstance(ident, str) or not BACKEND_ID.fullmatch(ident):
         raise CandidateError(Stage.CONTRACT_CHECKED, f"id {ident!r} is not 1-64 letters, "
                                                      f"digits, '.', '_' or '-'")
     if not isinstance(backend.version, str):
@@ -355,23 +355,39 @@ def _import_plugin(path: Path) -> ModuleType:
     """Import a plugin file or package under a private, unique module name, so that
     every registry gets its own module and a plugin named like a real package (e.g.
     ``onnxruntime/``) never shadows it."""
+    _check_readable(path / "__init__.py" if path.is_dir() else path)
+    try:
+        return import_file(path, _module_name(path))
+    except ImportFailed as e:
+        raise CandidateError(Stage.OPENED, str(e)) from e.__cause__
+
+
+class ImportFailed(Exception):
+    """A Python file could not be imported; the message says why."""
+
+
+def import_file(path: Path, module_name: str) -> ModuleType:
+    """Import the Python file ``path`` (or the package directory ``path``) as
+    ``module_name``: the one importer of user code (backend plugins, processor files).
+
+    Raises:
+        ImportFailed: "python cannot import it" or "import raised <error>"; an
+            exception or ``SystemExit`` of the file's own code is contained here.
+    """
     if path.is_dir():
-        init = path / "__init__.py"
-        _check_readable(init)
         spec = importlib.util.spec_from_file_location(
-            _module_name(path), init, submodule_search_locations=[str(path)])
+            module_name, path / "__init__.py", submodule_search_locations=[str(path)])
     else:
-        _check_readable(path)
-        spec = importlib.util.spec_from_file_location(_module_name(path), path)
+        spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise CandidateError(Stage.OPENED, "python cannot import it")
+        raise ImportFailed("python cannot import it")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # packages need it for their relative imports
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:
         del sys.modules[spec.name]
-        raise CandidateError(Stage.OPENED, f"import raised {_exc(e)}") from e
+        raise ImportFailed(f"import raised {_exc(e)}") from e
     return module
 
 

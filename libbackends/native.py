@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import re
 import selectors
 import signal
 import subprocess
@@ -30,7 +29,7 @@ from numpy.typing import NDArray
 
 from inferd.ipc.errors import BackendError, ErrorCode, InferdError, ModelError
 from inferd.libbackends.contract import (
-    API_VERSION, Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
+    API_VERSION, BACKEND_ID, Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
 )
 from inferd.libbackends.registry import CandidateError, Stage
 
@@ -39,12 +38,11 @@ GETTER_SYMBOL = "inferd_backend_get"
 MAX_DIMS = 8  # INFERD_MAX_DIMS
 _REPORT = "INFERD-PROBE "  # prefix of the child's report lines on stdout
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # ONNX TensorProto element type numbers (INFERD_DTYPE_*) <-> wire dtype names.
-DTYPES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32",
-          7: "int64", 9: "bool", 10: "float16", 11: "float64", 12: "uint32", 13: "uint64"}
-DTYPE_CODES = {name: code for code, name in DTYPES.items()}
+DTYPE_NAMES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32",
+               7: "int64", 9: "bool", 10: "float16", 11: "float64", 12: "uint32", 13: "uint64"}
+DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
 KINDS = {0: DeviceKind.CPU, 1: DeviceKind.GPU, 2: DeviceKind.NPU}
 # INFERD_ERR_* -> wire error codes
 ERRORS = {1: ErrorCode.INVALID_ARGUMENT, 2: ErrorCode.NOT_FOUND, 3: ErrorCode.UNSUPPORTED,
@@ -87,7 +85,7 @@ class Table(ctypes.Structure):
 
 FUNCTIONS = [f[0] for f in Table._fields_ if f[0] != "size"]
 
-Step = Callable[[str, Stage], None]
+StageHook = Callable[[str, Stage], None]
 
 
 def _no_step(what: str, stage: Stage) -> None:
@@ -107,7 +105,7 @@ def version_problem(major: int, minor: int) -> str | None:
     return None
 
 
-def open_native(path: Path, step: Step = _no_step) -> NativeBackend:
+def open_native(path: Path, step: StageHook = _no_step) -> NativeBackend:
     """dlopen a native plugin, check its version and table, and wrap it.
 
     Args:
@@ -140,7 +138,7 @@ def _symbol(lib: ctypes.CDLL, name: str, restype: Any) -> Any:
     return fn
 
 
-def _wrap(lib: ctypes.CDLL, path: Path, step: Step) -> NativeBackend:
+def _wrap(lib: ctypes.CDLL, path: Path, step: StageHook) -> NativeBackend:
     check = Stage.CONTRACT_CHECKED
     step(f"{API_VERSION_SYMBOL}()", check)
     packed = _symbol(lib, API_VERSION_SYMBOL, ctypes.c_uint32)()
@@ -162,7 +160,7 @@ def _wrap(lib: ctypes.CDLL, path: Path, step: Step) -> NativeBackend:
         raise CandidateError(check, f"function table entries {', '.join(missing)} are NULL")
     step("id(), version(), device_kind()", check)
     ident = _text(table.id())
-    if not _ID.fullmatch(ident):
+    if not BACKEND_ID.fullmatch(ident):
         raise CandidateError(check, f"id() returned {ident!r}: an id is 1-64 letters, "
                                     f"digits, '.', '_' or '-'")
     kind_code = table.device_kind()
@@ -247,11 +245,11 @@ class NativeModel(LoadedModel):
         specs = []
         for i in range(count.value):
             t = arr[i]
-            if t.dtype not in DTYPES or not 0 <= t.ndim <= MAX_DIMS:
+            if t.dtype not in DTYPE_NAMES or not 0 <= t.ndim <= MAX_DIMS:
                 raise ModelError(f"backend {self._b.id}: {self._path} tensor {i} has dtype "
                                  f"{t.dtype} and rank {t.ndim}, which inferd cannot carry")
             shape = tuple(int(d) if d >= 0 else None for d in t.shape[:t.ndim])
-            specs.append(TensorSpec(_text(t.name), DTYPES[t.dtype], shape))
+            specs.append(TensorSpec(_text(t.name), DTYPE_NAMES[t.dtype], shape))
         return tuple(specs)
 
     def run(self, inputs: dict[str, NDArray[Any]],
@@ -303,10 +301,10 @@ class NativeModel(LoadedModel):
         return {w: results[w] for w in wanted}
 
     def _copy_out(self, t: Tensor) -> NDArray[Any]:
-        if t.dtype not in DTYPES or not 0 <= t.ndim <= MAX_DIMS:
+        if t.dtype not in DTYPE_NAMES or not 0 <= t.ndim <= MAX_DIMS:
             raise ModelError(f"backend {self._b.id}: output {_text(t.name)!r} has dtype "
                              f"{t.dtype} and rank {t.ndim}")
-        dtype = np.dtype(DTYPES[t.dtype])
+        dtype = np.dtype(DTYPE_NAMES[t.dtype])
         shape = tuple(int(d) for d in t.shape[:t.ndim])
         expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if t.nbytes != expected or (expected and not t.data):

@@ -13,19 +13,17 @@ skipped; the daemon starts without it.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import logging
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from inferd.ipc.errors import ErrorCode, ModelError
+from inferd.libbackends.loader import ImportFailed, import_file
 
 log = logging.getLogger(__name__)
-
-DEFAULT_DIRECTORY = "/usr/lib/inferd/processors"
 
 Values = dict[str, Any]
 Step = Callable[[Values], Values]
@@ -131,17 +129,10 @@ class ProcessorRegistry:
                         extra={"PLUGIN_PATH": str(path), "STAGE": stage})
             return []
 
-        module_name = f"inferd_user_processors.{path.stem}"
         try:
-            spec = importlib.util.spec_from_file_location(module_name, path)
-            if spec is None or spec.loader is None:
-                return skip("import", "not a loadable Python file")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            spec.loader.exec_module(module)
-        except Exception as e:  # contained here: a user file must not stop the daemon
-            sys.modules.pop(module_name, None)
-            return skip("import", f"{type(e).__name__}: {e}")
+            module = import_file(path, f"inferd_user_processors.{path.stem}")
+        except ImportFailed as e:  # contained: a user file must not stop the daemon
+            return skip("import", str(e).removeprefix("import raised "))
         table = getattr(module, "PROCESSORS", None)
         if not isinstance(table, Mapping):
             return skip("contract", "it defines no PROCESSORS dict (name -> factory)")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from inferd.daemon.config import SCHEMA, find_config_file, load_config, parse_size
+from inferd.daemon.config import SCHEMA, find_config_file, load_config
+from inferd.daemon.units import parse_size
 from inferd.ipc.errors import ConfigError
 
 SHIPPED = Path(__file__).resolve().parents[2] / "config" / "inferd.toml"

@@ -18,7 +18,7 @@ from inferd.daemon.graphs import Edge, GraphManager
 from inferd.daemon.models import ModelManager
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
-from inferd.daemon.worker import LocalTicket, route_replies
+from inferd.ipc.replies import LocalTicket, ReplySink
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
@@ -84,12 +84,11 @@ class Harness:
         repo = Repository(root)
         registry = Registry()
         registry.register(OnnxRuntimeCpuBackend())
-        reply = route_replies(self._wire_reply)
-        self.models = ModelManager(repo, registry, config, reply, lambda: None)
+        sink = ReplySink(self._wire_reply)
+        self.models = ModelManager(repo, registry, config, sink)
         self.processors = ProcessorRegistry()
         self.models.processors = self.processors
-        self.graphs = GraphManager(repo, self.processors, self.models.submit, reply,
-                                   lambda: None)
+        self.graphs = GraphManager(repo, self.processors, self.models.submit, sink)
 
     @staticmethod
     def _wire_reply(ticket: Any, reply: Reply) -> None:
@@ -164,8 +163,9 @@ def test_graph_request_errors_reach_only_their_own_request(harness: Harness) -> 
     bad = {"x": np.zeros((1, 3, 48), np.float32)}  # wrong rank for ocr-cls
     replies = harness.call_many("g", [good, bad, good])
     assert replies[0].ok and replies[2].ok
-    assert replies[1].error[0] is ErrorCode.INVALID_ARGUMENT
-    assert "graph g: node cls" in replies[1].error[1] or "node cls2" in replies[1].error[1]
+    assert replies[1].error.code is ErrorCode.INVALID_ARGUMENT
+    message = replies[1].error.message
+    assert "graph g: node cls" in message or "node cls2" in message
     with pytest.raises(InferdError) as e:
         harness.graphs.submit(Request("x", Op.INFER, model="g", inputs={"y": good["x"]}),
                               LocalTicket("x", lambda r: None))
@@ -195,7 +195,7 @@ def test_reload_retires_a_changed_or_removed_graph_and_lets_its_frames_finish(
     (harness.root / "g" / "graph.toml").unlink()
     assert harness.graphs.reload(harness.graphs.repo, 30) == ["g"]
     gone = harness.call("g", images(1)[0])
-    assert gone.error is not None and gone.error[0] is ErrorCode.NOT_FOUND
+    assert gone.error is not None and gone.error.code is ErrorCode.NOT_FOUND
 
 
 BAD_GRAPHS = {

@@ -8,9 +8,10 @@ import psutil
 import pytest
 
 from inferd.daemon.cache import (
-    Candidate, MemoryMeter, choose_victims, model_cost, parse_budget, parse_duration,
+    Evictable, MemoryMeter, choose_victims, model_cost,
 )
 from inferd.daemon.config import load_config
+from inferd.daemon.units import parse_budget, parse_duration
 from inferd.ipc.errors import ConfigError
 
 
@@ -60,8 +61,8 @@ def test_cache_config_section_validates_with_a_clear_message(tmp_path):
 
 
 def test_victims_least_recently_used_first_and_only_as_many_as_needed():
-    c = [Candidate("a", 10, last_used=3.0), Candidate("b", 20, last_used=1.0),
-         Candidate("c", 30, last_used=2.0)]
+    c = [Evictable("a", 10, last_used=3.0), Evictable("b", 20, last_used=1.0),
+         Evictable("c", 30, last_used=2.0)]
     assert [v.key for v in choose_victims(c, 15)] == ["b"]
     assert [v.key for v in choose_victims(c, 25)] == ["b", "c"]
     assert [v.key for v in choose_victims(c, 60)] == ["b", "c", "a"]

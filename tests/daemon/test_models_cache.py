@@ -21,7 +21,7 @@ from inferd.daemon.models import ModelManager, State
 from inferd.daemon.repository import Repository
 from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.ipc.protocol import Op, Reply, Request
-from inferd.ipc.server import Ticket
+from inferd.ipc.replies import ReplySink, Ticket
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
 from inferd.libbackends.registry import Registry
 
@@ -57,7 +57,7 @@ class Harness:
         self._cond = threading.Condition()
         self._seq = itertools.count(1)
         self.manager = ModelManager(Repository(repo.resolve()), registry, self.config,
-                                    self._reply, lambda: None)
+                                    ReplySink(self._reply))
 
     def _reply(self, ticket: Ticket, reply: Reply) -> None:
         gate = self.hold.get(ticket.request_id)
@@ -132,7 +132,7 @@ def four(models_dir: Path, short_tmp: Path, harness: Callable[..., Harness]) -> 
 def test_budget_evicts_least_recently_used_idle_model_and_keeps_pinned(four: Harness) -> None:
     h = four
     m = h.manager
-    assert m.preload() == ["ocr-cls"]
+    assert m.load_pinned() == [] and m.loaded() == ["ocr-cls"]
     # Measure each model's cost once (unlimited budget), then unload the unpinned ones.
     cost = {}
     for name in ("ocr-cls", "ocr-det", "ocr-rec", "vad"):
@@ -164,7 +164,7 @@ def test_busy_model_is_not_evicted_and_no_room_says_what_is_needed_and_pinned(
         four: Harness) -> None:
     h = four
     m = h.manager
-    m.preload()
+    m.load_pinned()
     rec = m.load("ocr-rec").memory_bytes
     m.unload("ocr-rec")
     det = m.load("ocr-det").memory_bytes
@@ -214,7 +214,7 @@ def test_failed_load_is_remembered_with_its_reason_then_retried(
     (repo / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx file")
     h = harness(repo, failed_load_hold_s=0.3)
     first = h.reply(_submit_x(h, "first"))
-    assert first.error is not None and "cannot load" in first.error[1]
+    assert first.error is not None and "cannot load" in first.error.message
     assert h.manager.entry("broken").loads == 1
     # A storm meanwhile gets the reason at once, without a new load.
     for _ in range(20):

@@ -17,9 +17,10 @@ import onnx
 import pytest
 from inferd.daemon.pipeline import parse_spec
 from inferd.daemon.processors import ProcessorRegistry
-from inferd.daemon.worker import LocalTicket, Workers, WorkItem
+from inferd.daemon.worker import Workers, WorkItem
 from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.ipc.protocol import Op, Reply, Request
+from inferd.ipc.replies import LocalTicket, ReplySink
 from inferd.libbackends.contract import LoadOptions
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
 from onnx import TensorProto, helper
@@ -55,13 +56,12 @@ def start(name: str, model: Any, settings: dict[str, Any], items: list[tuple[str
           collector: Collector, instances: int = 1,
           registry: ProcessorRegistry | None = None) -> Workers:
     """Queue ``items`` first, then start the workers (so batching sees them together)."""
-    work: queue.Queue[WorkItem | None] = queue.Queue(64)
+    work: queue.Queue[Any] = queue.Queue(64)
     for rid, inputs in items:
         work.put(WorkItem(Request(rid, Op.INFER, model=name, inputs=inputs),
                           collector.ticket(rid)))
     spec = parse_spec(name, settings, registry or ProcessorRegistry())
-    workers = Workers(name, model, work, lambda t, r: t.deliver(r), lambda: None,
-                      instances, spec=spec, backend="onnxruntime")
+    workers = Workers(name, model, work, ReplySink(), instances, spec=spec, backend="onnxruntime")
     workers.start()
     return workers
 
@@ -190,9 +190,9 @@ def test_mixed_shapes_are_not_merged_and_bad_requests_are_refused_alone(
             replies[rid].outputs["save_infer_model/scale_0.tmp_1"],
             cls_model.run(dict(items[[i[0] for i in items].index(rid)][1]))[
                 "save_infer_model/scale_0.tmp_1"], atol=1e-5)
-    assert replies["rank3"].error[0] is ErrorCode.INVALID_ARGUMENT
-    assert "rank" in replies["rank3"].error[1]
-    assert replies["int"].error[0] is ErrorCode.INVALID_ARGUMENT
+    assert replies["rank3"].error.code is ErrorCode.INVALID_ARGUMENT
+    assert "rank" in replies["rank3"].error.message
+    assert replies["int"].error.code is ErrorCode.INVALID_ARGUMENT
     assert workers.batched_requests == 2  # the two 192-wide ones, not the 160-wide one
 
 
@@ -274,9 +274,9 @@ def test_deadline_passed_in_queue_is_answered_not_run(cls_model: Any) -> None:
     ticket.deadline = time.monotonic() - 1
     work.put(WorkItem(Request("late", Op.INFER, model="m", inputs={"x": cls_input(0)},
                               timeout_ms=1), ticket))
-    workers = Workers("m", cls_model, work, lambda t, r: t.deliver(r), lambda: None)
+    workers = Workers("m", cls_model, work, ReplySink())
     workers.start()
     try:
-        assert collector.wait(1)["late"].error[0] is ErrorCode.DEADLINE_EXCEEDED
+        assert collector.wait(1)["late"].error.code is ErrorCode.DEADLINE_EXCEEDED
     finally:
         assert workers.stop(30)

@@ -185,7 +185,7 @@ def test_full_queue_and_queued_deadline(daemon):
         codes = []
         for p in [*pending, late]:
             r = p.reply(timeout=60)
-            codes.append(r.error[0] if r.error else "ok")
+            codes.append(r.error.code if r.error else "ok")
     assert "ok" in codes
     assert ErrorCode.RESOURCE_EXHAUSTED in codes[:12]
     assert codes[12] in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.RESOURCE_EXHAUSTED)
@@ -200,8 +200,8 @@ def test_deadline_exceeded_while_queued(daemon):
         late = c.submit("infer", "ocr-det", big, timeout=0.002)
         assert first.reply().ok
         r = late.reply(timeout=30)
-    assert r.error is not None and r.error[0] == ErrorCode.DEADLINE_EXCEEDED, r
-    assert "deadline" in r.error[1]
+    assert r.error is not None and r.error.code == ErrorCode.DEADLINE_EXCEEDED, r
+    assert "deadline" in r.error.message
 
 
 # ------------------------------------------------------------------ concurrency
@@ -287,7 +287,7 @@ def test_sigterm_answers_everything_in_flight_and_exits_zero(models_dir, start_d
             for p in pending:
                 r = p.reply()
                 with lock:
-                    outcomes.append("ok" if r.ok else str(r.error[0]))
+                    outcomes.append("ok" if r.ok else str(r.error.code))
 
     threads = [threading.Thread(target=client) for _ in range(4)]
     for t in threads:

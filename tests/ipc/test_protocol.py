@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from inferd.ipc.errors import ErrorCode, ProtocolError
+from inferd.ipc.errors import ErrorCode, Failure, ProtocolError
 from inferd.ipc.protocol import (
     TAG, Op, Reply, Request, decode_reply, decode_request, encode_reply, encode_request,
 )
@@ -55,7 +55,8 @@ def test_string_tensors_round_trip():
 
 
 def test_error_reply_round_trip():
-    reply = decode_reply(_bytes(encode_reply(Reply(id="e", error=(ErrorCode.NOT_FOUND, "no")))))
+    error = Failure(ErrorCode.NOT_FOUND, "no")
+    reply = decode_reply(_bytes(encode_reply(Reply(id="e", error=error))))
     assert not reply.ok and reply.error == (ErrorCode.NOT_FOUND, "no")
 
 

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from tests.libbackends.plugin_kit import copy_into, expected_relu_sigmoid, make_plugin_zoo
 
+from inferd.ipc import defs
 from inferd.libbackends.contract import LoadOptions
 from inferd.libbackends.loader import (
-    DEFAULT_PATH, Loader, check_contract, discover, load_backends, search_path, usable_dirs,
+    Loader, check_contract, discover, load_backends, search_path, usable_dirs,
 )
 from inferd.libbackends.registry import CandidateError, CandidateStatus, Registry, Stage
 
@@ -30,7 +31,7 @@ def test_search_path_strength() -> None:
     assert search_path(["/cli"], env, ["/cfg"]) == (["/cli"], "--backends-dir")
     assert search_path(None, env, ["/cfg"]) == (["/e1", "/e2"], "$INFERD_BACKENDS_PATH")
     assert search_path(None, {}, ["/cfg"]) == (["/cfg"], "backends.paths")
-    assert search_path(None, {"INFERD_BACKENDS_PATH": ""}, []) == ([DEFAULT_PATH], "default")
+    assert search_path(None, {"INFERD_BACKENDS_PATH": ""}, []) == ([defs.BACKENDS_DIR], "default")
 
 
 def _config(paths: list[str], from_cli: bool = False) -> SimpleNamespace:

@@ -1,0 +1,71 @@
+"""Sizes and durations as the configuration files write them (``"256MiB"``, ``"40%"``,
+``"5m"``, ``"forever"``): parsed here for inferd.toml and model.toml alike."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import psutil
+
+UNLIMITED = ("unlimited", "none", "0")
+FOREVER = ("forever", "never", "inf")
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", re.IGNORECASE)
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
+          "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an integer or a string such as ``"256MiB"``; raises ValueError."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", value, re.IGNORECASE)
+        if m:
+            size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+            if size > 0:
+                return size
+    raise ValueError
+
+
+def parse_budget(value: Any) -> int | None:
+    """Bytes of the cache budget, or None for no limit.
+
+    Accepts a size (``536870912``, ``"512MiB"``), a share of physical memory
+    (``"40%"``), or ``"unlimited"``. Raises ValueError otherwise.
+    """
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in UNLIMITED:
+            return None
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", text)
+        if m:
+            share = float(m.group(1))
+            if not 0 < share <= 100:
+                raise ValueError
+            return int(psutil.virtual_memory().total * share / 100)
+    return parse_size(value)
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string such as ``"30s"``, ``"5m"``, ``"1h"``.
+
+    A negative number or ``"forever"`` means never (``math.inf``); 0 means at once.
+    Raises ValueError otherwise.
+    """
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, int | float):
+        if math.isnan(value):
+            raise ValueError
+        return math.inf if value < 0 else float(value)
+    if isinstance(value, str):
+        if value.strip().lower() in FOREVER:
+            return math.inf
+        m = _DURATION.fullmatch(value)
+        if m:
+            return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+    raise ValueError
