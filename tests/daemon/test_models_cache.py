@@ -245,7 +245,7 @@ def test_idle_models_unload_after_keep_alive_unless_pinned_or_extended(
         "ocr-cls": "pin = true\nkeep_alive = 0\n"})
     h = harness(repo, keep_alive="forever")
     h.manager.start()
-    assert h.manager.preload() == ["ocr-cls"]  # pin = true in model.toml
+    assert h.manager.load_pinned() == [] and h.manager.loaded() == ["ocr-cls"]  # pin = true
     assert h.infer("ocr-rec").ok                   # config default: forever
     assert h.infer("vad", keep_alive="1h").ok      # the request extends its keep-alive
     assert h.infer("ocr-det").ok
