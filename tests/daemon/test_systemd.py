@@ -19,6 +19,7 @@ from inferd.daemon import systemd
 from inferd.daemon.config import load_config
 from inferd.daemon.runtime import Runtime
 from inferd.daemon.systemd import Notifier, Watchdog, monotonic_usec, watchdog_interval
+from inferd.daemon.worker import STOP
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 MODULE = Path(systemd.__file__)
@@ -282,7 +283,7 @@ def test_health_probe_sees_a_stuck_io_loop_and_a_dead_worker(runtime):
 
     entry = runtime.models.entry("ocr-cls")
     worker = entry.workers.threads[0]
-    entry.queue.put(None)  # the stop sentinel: the worker ends behind the model's back
+    entry.queue.put(STOP)  # the stop sentinel: the worker ends behind the model's back
     worker.join(10)
     reason = runtime._health(5.0)
     assert reason is not None and worker.name in reason
