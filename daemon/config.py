@@ -143,7 +143,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "probe_timeout_s": Setting(10.0, _positive_float, "a positive number of seconds"),
     },
     "customops": {
-        "paths": Key([], _string_list, "a list of absolute directory paths"),
+        "paths": Setting([], _string_list, "a list of absolute directory paths"),
     },
     "processors": {
         "directory": Setting(defs.PROCESSORS_DIR, _string, "a directory path"),

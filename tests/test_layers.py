@@ -12,7 +12,8 @@ import pytest
 
 LIBBACKENDS = ["inferd.libbackends.contract", "inferd.libbackends.dtypes",
                "inferd.libbackends.registry", "inferd.libbackends.native",
-               "inferd.libbackends.loader", "inferd.libbackends.onnxruntime_cpu"]
+               "inferd.libbackends.loader", "inferd.libbackends.onnxruntime_cpu",
+               "inferd.libbackends.customops.plan"]
 # What the backends may use above them: the shared error types, and the install paths
 # (a leaf module that imports nothing).
 SHARED = {"inferd.ipc", "inferd.ipc.errors", "inferd.ipc.defs"}
