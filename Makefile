@@ -7,8 +7,10 @@ RUNDIR ?= $(or $(XDG_RUNTIME_DIR),/tmp/inferd-$(shell id -u))
 SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
 
 # Debian packages the build and the tests need (libzmq3-dev: the C client example;
-# fonts: the OCR tests render their images). Installed by `make setup` when run as root.
-SYSTEM_PACKAGES := python3-venv gcc libc6-dev libzmq3-dev fonts-dejavu-core
+# fonts: the OCR tests render their images; pocl + OpenCL headers and loader: the
+# OpenCL custom op example and its tests). Installed by `make setup` when run as root.
+SYSTEM_PACKAGES := python3-venv gcc libc6-dev libzmq3-dev fonts-dejavu-core \
+	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev
 
 .PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint
 
@@ -61,9 +63,11 @@ lint: setup
 bench: setup
 	$(PY) bench/run.py
 
-# The example backends (docs/backends.md): examples/backends/build/libelementwise_backend.so
+# The example backends (docs/backends.md): examples/backends/build examples/customops/build/libelementwise_backend.so
+# and custom ops (docs/customops.md): examples/customops/build/{cpu,gpu}/libinferdcst_*.so
 examples:
 	$(MAKE) -C examples/backends
+	$(MAKE) -C examples/customops
 
 # Debian packages inferd (all) and inferd-backend-onnxruntime (this arch) in build/deb/.
 deb: $(STAMP)
@@ -74,4 +78,4 @@ deb-test: deb models/.complete
 	$(PY) tests/packaging/check_debs.py build/deb models
 
 clean:
-	rm -rf $(VENV) models .cache build *.egg-info examples/backends/build
+	rm -rf $(VENV) models .cache build *.egg-info examples/backends/build examples/customops/build

@@ -133,8 +133,9 @@ def show_backends(b: dict[str, Any]) -> str:
     ops = b.get("customops")
     if ops:
         rows = [[o["op_type"], o["domain"] if o["domain"] is not None else "(any)",
-                 o["kind"], o["source"]] for o in ops["ops"]]
-        out += "\n\n" + _table(rows, ["CUSTOM OP", "DOMAIN", "KIND", "SOURCE"])
+                 o["kind"], o.get("kernel") or o.get("reason"), o["source"]]
+                for o in ops["ops"]]
+        out += "\n\n" + _table(rows, ["CUSTOM OP", "DOMAIN", "KIND", "KERNEL", "SOURCE"])
         if ops["skipped"]:
             rows = [[s["path"], s["stage"], s["reason"]] for s in ops["skipped"]]
             out += "\n\n" + _table(rows, ["SKIPPED OP FILE", "STAGE", "REASON"])

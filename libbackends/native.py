@@ -353,8 +353,12 @@ class _Child:
     timed_out: bool = False
 
 
-def probe_in_children(paths: Iterable[Path], timeout_s: float) -> dict[Path, ChildReport]:
+def probe_in_children(paths: Iterable[Path], timeout_s: float,
+                      module: str = "inferd.libbackends.native") -> dict[Path, ChildReport]:
     """Open, check and probe each plugin in its own child process, all at once.
+
+    ``module`` is run as the child (``python -m module PATH PARENT_PID``) and reports on
+    stdout in this module's protocol (the custom-op loader uses its own child).
 
     Each plugin has ``timeout_s`` from the moment its child is ready to dlopen it (the
     interpreter's own start-up, slow on a busy device, does not count, up to
@@ -366,7 +370,7 @@ def probe_in_children(paths: Iterable[Path], timeout_s: float) -> dict[Path, Chi
     now = time.monotonic()
     for path in paths:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "inferd.libbackends.native", str(path), str(os.getpid())],
+            [sys.executable, "-m", module, str(path), str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True)  # its own process group: killed whole on a hang
         child = _Child(path, proc, now + STARTUP_ALLOWANCE_S + timeout_s)
@@ -429,19 +433,26 @@ def _interpret(out: bytes, err: bytes, rc: int, timed_out: bool,
                                      f"calling {doing}{detail}")
 
 
-def _child_main(path: str, parent: int) -> int:
+def child_setup(parent: int) -> bool:
+    """In a probe child: no core dumps, die with the daemon; False if it is gone."""
     import resource
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash here is expected, not a core
     # Die with the daemon: a hung plugin must not outlive a daemon killed during boot.
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the daemon is already gone
-        return 1
+    return os.getppid() == parent
 
-    def report(msg: dict[str, Any]) -> None:
-        sys.stdout.write(_REPORT + json.dumps(msg) + "\n")
-        sys.stdout.flush()
+
+def report(msg: dict[str, Any]) -> None:
+    """In a probe child: one report line for :func:`probe_in_children`."""
+    sys.stdout.write(_REPORT + json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def _child_main(path: str, parent: int) -> int:
+    if not child_setup(parent):  # the daemon is already gone
+        return 1
 
     def step(what: str, stage: Stage) -> None:
         report({"doing": what, "stage": str(stage)})

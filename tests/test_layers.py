@@ -13,7 +13,8 @@ import pytest
 LIBBACKENDS = ["inferd.libbackends.contract", "inferd.libbackends.dtypes",
                "inferd.libbackends.registry", "inferd.libbackends.native",
                "inferd.libbackends.loader", "inferd.libbackends.onnxruntime_cpu",
-               "inferd.libbackends.customops.plan"]
+               "inferd.libbackends.customops.plan", "inferd.libbackends.customops.native",
+               "inferd.libbackends.customops.native_run", "inferd.libbackends.customops.opencl"]
 # What the backends may use above them: the shared error types, and the install paths
 # (a leaf module that imports nothing).
 SHARED = {"inferd.ipc", "inferd.ipc.errors", "inferd.ipc.defs"}

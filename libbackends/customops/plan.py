@@ -10,11 +10,12 @@ step boundaries as they are (numpy arrays handed from one engine to the next, no
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,8 @@ unknown rank)"""
 
 
 def load_model(backend: Backend, path: Path, options: LoadOptions, *, model: str,
-               ops: OpRegistry | None = None, fallbacks: Sequence[Backend] = ()
-               ) -> LoadedModel:
+               ops: OpRegistry | None = None, fallbacks: Sequence[Backend] = (),
+               tables: Mapping[str, Any] | None = None) -> LoadedModel:
     """Load ``path`` on ``backend``, partitioned if some nodes need another executor.
 
     Args:
@@ -50,6 +51,8 @@ def load_model(backend: Backend, path: Path, options: LoadOptions, *, model: str
         ops: the custom ops this model may use.
         fallbacks: other backends, in the order they are asked for nodes that
             ``backend`` lacks.
+        tables: the model's model.toml; a fallback backend's sub-graphs get its own
+            table (``[<backend id>]``) as their ``LoadOptions.options``.
 
     Raises:
         ModelError: a node nobody runs (UNSUPPORTED, naming its op), a custom op that
@@ -66,7 +69,22 @@ def load_model(backend: Backend, path: Path, options: LoadOptions, *, model: str
                        ops)
     if all(b is backend for _, b, _ in executors):
         return backend.load(path, options)
-    return PartitionedModel.build(proto, executors, options, model, path)
+    return PartitionedModel.build(proto, executors, _per_backend(backend, options, tables,
+                                                                 model), model, path,
+                                  options.intra_op_threads)
+
+
+def _per_backend(chosen: Backend, options: LoadOptions, tables: Mapping[str, Any] | None,
+                 model: str) -> Callable[[Backend], LoadOptions]:
+    def options_for(b: Backend) -> LoadOptions:
+        if b is chosen:
+            return options
+        table = (tables or {}).get(b.id, {})
+        if not isinstance(table, dict):
+            raise ModelError(f"model {model}: model.toml '{b.id}' must be a table ([{b.id}]) "
+                             f"of settings for that backend", ErrorCode.INTERNAL)
+        return dataclasses.replace(options, options=dict(table))
+    return options_for
 
 
 def np_dtype(elem: int) -> np.dtype[Any]:
@@ -137,11 +155,12 @@ class PartitionedModel(LoadedModel):
         self.plan: dict[str, Any] = {}
 
     @classmethod
-    def build(cls, proto: ModelProto, executors: list[Any], options: LoadOptions,
-              model: str, path: Path) -> PartitionedModel:
+    def build(cls, proto: ModelProto, executors: list[Any],
+              options: Callable[[Backend], LoadOptions], model: str, path: Path,
+              threads: int = 1) -> PartitionedModel:
         self = cls(model, path)
         try:
-            self._build(proto, executors, options)
+            self._build(proto, executors, options, threads)
         except BaseException:
             self.unload()
             raise
@@ -149,12 +168,13 @@ class PartitionedModel(LoadedModel):
                  extra={"MODEL": model.split(" ")[0]})
         return self
 
-    def _build(self, proto: ModelProto, executors: list[Any], options: LoadOptions) -> None:
+    def _build(self, proto: ModelProto, executors: list[Any],
+               options: Callable[[Backend], LoadOptions], threads: int) -> None:
         g = proto.graph
         steps = order_and_group(g, executors)
         types = _value_types(proto)
         inits = {t.name: t for t in g.initializer}
-        ctx = BindContext(self._model, max(1, options.intra_op_threads))
+        ctx = BindContext(self._model, max(1, threads))
         details: dict[int, str] = {}
         for k, step in enumerate(steps):
             if step.op is not None:
@@ -186,7 +206,7 @@ class PartitionedModel(LoadedModel):
                 sub = self._subgraph(proto, step, types, k)
                 file = self._tmp / f"step{k}.onnx"
                 onnx.save(sub, str(file))
-                loaded = step.backend.load(file, options)
+                loaded = step.backend.load(file, options(step.backend))
                 self._steps.append((step, loaded, None, []))
         self._plan_frees(steps, {o.name for o in g.output})
         self.inputs = tuple(_spec(i.name, types) for i in g.input if i.name not in inits)
@@ -286,14 +306,15 @@ class PartitionedModel(LoadedModel):
 
 def load_planned(backend: Backend, path: Path, options: LoadOptions, *, model: str,
                  model_dir: Path, ops: OpRegistry | None, fallbacks: Sequence[Backend],
-                 probe_timeout_s: float = 10.0) -> LoadedModel:
+                 probe_timeout_s: float = 10.0, tables: Mapping[str, Any] | None = None
+                 ) -> LoadedModel:
     """The model manager's hook: the model's own ``customops/`` folder over the daemon's
     ops, then :func:`load_model`."""
     from inferd.libbackends.customops.discovery import load_model_ops
 
     return load_model(backend, path, options, model=model,
                       ops=load_model_ops(model_dir, ops, probe_timeout_s),
-                      fallbacks=fallbacks)
+                      fallbacks=fallbacks, tables=tables)
 
 
 def plan_note(model: LoadedModel) -> str:

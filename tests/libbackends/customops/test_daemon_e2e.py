@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from onnx import helper
 
 from inferd.ipc import ErrorCode, RequestError
 from tests.libbackends.customops import kit
+from tests.libbackends.customops.conftest import KINDS, op_folder
 
 pytestmark = pytest.mark.slow
 
@@ -53,17 +53,16 @@ def make_repo(root: Path) -> Path:
     return repo
 
 
-def python_ops(root: Path) -> Path:
-    ops = root / "ops"
-    ops.mkdir()
-    (ops / "sigmoid.py").write_text(kit.PY_OPS)
-    (ops / "broken.py").write_text("import no_such_module_here\n")
-    return ops
-
-
-def check_daemon(start_daemon: Any, root: Path, ops: Path, executor: str) -> None:
-    repo = make_repo(root)
-    daemon = start_daemon("--models", str(repo), env={"INFERD_CUSTOMOPS_PATH": str(ops)})
+@pytest.mark.parametrize("kind", KINDS)
+def test_custom_op_through_a_real_daemon(kind, start_daemon, short_tmp, example_ops):
+    ops = op_folder(kind, short_tmp, example_ops)
+    if kind == "python":
+        (ops / "broken.py").write_text("import no_such_module_here\n")
+    executor = f"{kind}:cstSigmoid"
+    repo = make_repo(short_tmp)
+    env = {"INFERD_CUSTOMOPS_PATH": str(ops), "POCL_CACHE_DIR": str(short_tmp / "pocl"),
+           "XDG_CACHE_HOME": str(short_tmp / "xdg")}
+    daemon = start_daemon("--models", str(repo), env=env)
     x = kit.sample(2)
     with daemon.client() as c:
         out = c.infer("conv", {"x": x})
@@ -94,13 +93,13 @@ def check_daemon(start_daemon: Any, root: Path, ops: Path, executor: str) -> Non
     log = daemon.log()
     assert "model conv version 1 loaded on onnxruntime in" in log
     assert f", partitioned: 3 steps, 2 cuts: onnxruntime 1 node | {executor}" in log
+    if kind == "native-cpu":
+        lib = ops / "libinferdcst_sigmoid.so"
+        assert f"custom op cstSigmoid (any domain) registered from {lib} (native-cpu, " \
+               f"kernel " in log
     assert "model orphan version 1 failed to load: model orphan version 1: node lost needs " \
            "op cstMissing" in log
-    if executor.startswith("python"):
+    if kind == "python":
         assert f"custom op file {ops / 'broken.py'} skipped at stage 'opened': import raised " \
                f"ModuleNotFoundError" in log
         assert [s["stage"] for s in view["skipped"]] == ["opened"]
-
-
-def test_python_op_through_a_real_daemon(start_daemon, short_tmp):
-    check_daemon(start_daemon, short_tmp, python_ops(short_tmp), "python:cstSigmoid")

@@ -19,6 +19,7 @@ from inferd.libbackends.customops.partition import node_support
 from inferd.libbackends.customops.plan import PartitionedModel, load_model, plan_note
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend, OrtModel
 from tests.libbackends.customops import kit
+from tests.libbackends.customops.conftest import KINDS, op_folder
 
 
 class PickyBackend(OnnxRuntimeCpuBackend):
@@ -30,6 +31,11 @@ class PickyBackend(OnnxRuntimeCpuBackend):
     def __init__(self, refused: set[str]) -> None:
         super().__init__()
         self.refused = refused
+        self.tables: list[dict[str, Any]] = []
+
+    def load(self, model_path: Path, options: LoadOptions) -> Any:
+        self.tables.append(options.options)
+        return super().load(model_path, options)
 
     def supported_nodes(self, model: Any) -> list[str]:
         base = super().supported_nodes(model)
@@ -49,14 +55,21 @@ def python_ops(tmp_path: Path) -> OpRegistry:
 ORT = OnnxRuntimeCpuBackend()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", sorted(kit.CASES))
-def test_custom_node_models_match_numpy(case, python_ops, tmp_path):
+def test_custom_node_models_match_numpy(case, kind, tmp_path, example_ops):
+    ops = OpRegistry()
+    load_folders([op_folder(kind, tmp_path, example_ops)], ops)
+    assert [o.kind for o in ops.all_ops()] == [kind]
     build, reference, cuts = kit.CASES[case]
     path = kit.save(build(), tmp_path / "model.onnx")
-    model = load_model(ORT, path, LoadOptions(), model=case, ops=python_ops, fallbacks=[ORT])
+    model = load_model(ORT, path, LoadOptions(intra_op_threads=2), model=case, ops=ops,
+                       fallbacks=[ORT])
     try:
         assert isinstance(model, PartitionedModel)
         assert model.plan["cuts"] == cuts
+        assert {s["executor"] for s in model.plan["steps"]} == {"onnxruntime",
+                                                              f"{kind}:cstSigmoid"}
         assert [s.name for s in model.inputs] == ["x"]
         for n in (1, 3):
             x = kit.sample(n)
@@ -111,14 +124,21 @@ def test_standard_node_the_backend_lacks_runs_on_onnxruntime(tmp_path, models_di
     CPU, the rest on the picky backend, and the outputs equal onnxruntime alone."""
     path = models_dir / "ocr-cls" / "1" / "model.onnx"
     picky = PickyBackend({"Add"})
+    fallback = PickyBackend(set())
+    fallback.id = "onnxruntime"
     assert any(node_support(picky, __import__("onnx").load(str(path))))
-    model = load_model(picky, path, LoadOptions(), model="ocr-cls", fallbacks=[picky, ORT])
+    model = load_model(picky, path, LoadOptions(options={"mine": 1}), model="ocr-cls",
+                       fallbacks=[picky, fallback],
+                       tables={"picky": {"mine": 1}, "onnxruntime": {"theirs": 2}})
     try:
         plan = model.describe()["plan"]
         executors = {s["executor"] for s in plan["steps"]}
         assert executors == {"picky", "onnxruntime"} and plan["cuts"] >= 2
         adds = [n for s in plan["steps"] if s["executor"] == "onnxruntime" for n in s["nodes"]]
         assert adds and all("add" in n.lower() for n in adds)
+        # each backend's sub-graphs get that backend's own model.toml table
+        assert picky.tables and all(t == {"mine": 1} for t in picky.tables)
+        assert fallback.tables and all(t == {"theirs": 2} for t in fallback.tables)
         x = np.random.default_rng(1).standard_normal((2, 3, 48, 192)).astype(np.float32)
         whole = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         expected = whole.run(None, {"x": x})[0]
