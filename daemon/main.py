@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -75,8 +76,27 @@ def main(argv: list[str] | None = None) -> int:
     # A signal may land on any thread; the wakeup fd makes the I/O loop notice it.
     signal.set_wakeup_fd(runtime.server.wakeup_fd, warn_on_full_buffer=False)
     runtime.serve()
+    if not runtime.workers_done:
+        # A worker still inside a backend's native code (an onnxruntime run) when the
+        # interpreter finalises makes the C++ runtime abort ("terminate called without
+        # an active exception", SIGABRT). Every request is answered and the socket is
+        # gone by now: end the process without running native destructors.
+        log.warning("inferd exited cleanly; model threads still running after the grace "
+                    "period are ended with the process")
+        _exit_now(0)
     log.info("inferd exited cleanly")
     return 0
+
+
+def _exit_now(status: int) -> None:
+    """Flush the logs and standard streams, then ``os._exit``."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed or broken stream: nothing left to flush into
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ class ModelManager:
         self._measured: dict[ModelKey, int] = {}
         self._held: set[ModelKey] = set()
         self._stopping = threading.Event()
+        self.left_running: list[Workers] = []  # workers a drain gave up on (still alive)
         self._idle_thread: threading.Thread | None = None
         self.processors: ProcessorRegistry | None = None  # set by the runtime
         self.customops: OpRegistry | None = None  # set by the runtime
@@ -410,8 +411,9 @@ class ModelManager:
             model.unload()
             self._meter.trim()
         else:
-            log.error("model %s: workers did not finish within %s s; left running",
+            log.error("model %s: workers did not finish within %.3g s; left running",
                       entry.label, timeout, extra={"MODEL": entry.name})
+            self.left_running.append(workers)
         leftovers: list[WorkItem] = []
         with entry.lock:
             entry.model = entry.workers = entry.backend = None
@@ -637,11 +639,10 @@ class ModelManager:
         deadline = time.monotonic() + timeout
         with self._lock:
             entries = list(self._entries.values())
-        ok = True
         for entry in entries:
             left = max(0.1, deadline - time.monotonic())
             self._unload_wait(entry, "daemon stopping", left)
-            ok = ok and entry.workers is None
+        ok = not any(t.is_alive() for w in self.left_running for t in w.threads)
         self._loader.shutdown(wait=False, cancel_futures=True)
         if self._idle_thread is not None:
             self._idle_thread.join(max(0.1, deadline - time.monotonic()))

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 RESTART_SECTIONS = ("server", "backends", "customops", "processors")
 """Config sections a reload does not apply (reported as needs_restart)."""
+STOP_MARGIN_S = 5.0
+"""How long past the grace period :meth:`Runtime.serve` waits for the models to stop."""
 
 try:
     VERSION = version("inferd")
@@ -142,9 +144,19 @@ class Runtime:
     def serve(self) -> None:
         """Run the I/O loop on this thread until :meth:`stop`; then shut down."""
         self.server.run()
-        self._stopped.wait()
+        # The drain has the grace period per model; past that and a margin, stop anyway.
+        if not self._stopped.wait(self.config.server.shutdown_grace_s + STOP_MARGIN_S):
+            log.error("the models did not finish stopping within %.3g s",
+                      self.config.server.shutdown_grace_s + STOP_MARGIN_S)
+            self._workers_done = False
         self._control.shutdown(wait=False, cancel_futures=True)
-        self.server.close(threads_done=self._workers_done)
+        self.server.close()
+
+    @property
+    def workers_done(self) -> bool:
+        """False if a model's threads were still running when :meth:`serve` returned
+        (they may be inside a backend's native code: see main's exit)."""
+        return self._workers_done
 
     def stop(self) -> None:
         """Begin a graceful stop; safe from signal handlers."""

@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 from zmq import Frame as ZmqFrame
 
+from inferd.ipc import header as hdr
 from inferd.ipc.errors import ErrorCode, Failure, ProtocolError
 from inferd.libbackends.dtypes import NUMERIC_DTYPES, STRING, WIRE_DTYPES, dtype_name
 
@@ -47,6 +48,13 @@ class Op(StrEnum):
 Frame = bytes | memoryview | Any  # anything exporting the buffer protocol (zmq.Frame too)
 
 _OPS = {op.value: op for op in Op}
+
+MAX_RANK = 32
+"""Most dimensions of a tensor on the wire (numpy allows 64; ONNX models use few)."""
+MAX_ELEMENTS = 2**48
+"""Most elements of a tensor (its non-zero dimensions multiplied)."""
+MAX_TIMEOUT_MS = 2**53
+"""Largest ``timeout_ms`` (about 285,000 years; JSON integers stay exact up to it)."""
 
 
 @dataclass(slots=True)
@@ -146,13 +154,27 @@ def _check_spec(spec: Any, where: str) -> tuple[str, str, tuple[int, ...]]:
     name, dtype, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
     if not isinstance(name, str) or not name:
         raise ProtocolError(f"{where}: tensor 'name' must be a non-empty string")
+    if len(name) > 256:
+        raise ProtocolError(f"{where}: tensor name {_short(name)} is over 256 characters")
     if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
-        raise ProtocolError(f"{where}: tensor {name!r} has dtype {dtype!r}; "
+        raise ProtocolError(f"{where}: tensor {name!r} has dtype {_short(dtype)}; "
                             f"expected one of {', '.join(WIRE_DTYPES)}")
     if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise ProtocolError(f"{where}: tensor {name!r} shape must be a list of "
-                            f"non-negative integers, got {shape!r}")
+                            f"non-negative integers, got {_short(shape)}")
+    if len(shape) > MAX_RANK:
+        raise ProtocolError(f"{where}: tensor {name!r} has rank {len(shape)}; at most "
+                            f"{MAX_RANK} dimensions are allowed")
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise ProtocolError(f"{where}: tensor {name!r} shape {_short(shape)} has more "
+                            f"than {MAX_ELEMENTS} elements")
     return name, dtype, tuple(shape)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 80 characters, for error messages about client input."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def decode_tensors(specs: Any, frames: Sequence[Frame], where: str) -> dict[str, NDArray[Any]]:
@@ -169,7 +191,14 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str) -> dict[str,
             raise ProtocolError(f"{where}: tensor {name!r} appears twice")
         count = math.prod(shape)
         if dtype == STRING:
-            tensors[name] = _decode_strings(_buffer(frame), count, name).reshape(shape)
+            view = _buffer(frame)
+            # Each element takes at least its 4-byte length: a count the frame cannot
+            # hold is refused before anything is allocated for it.
+            if count * 4 > len(view):
+                raise ProtocolError(f"{where}: tensor {name!r} declares {count} strings but "
+                                    f"its frame has only {len(view)} bytes (at least 4 per "
+                                    f"string)")
+            tensors[name] = _decode_strings(view, count, name).reshape(shape)
             continue
         # A zmq.Frame exports its bytes directly; anything else through a byte view.
         buf = frame if type(frame) is ZmqFrame else _buffer(frame)
@@ -191,17 +220,19 @@ def _header(frames: Sequence[Frame], kind: str) -> dict[str, Any]:
     if len(frames) < 2:
         raise ProtocolError(f"{kind} has {len(frames)} frames; expected at least 2 "
                             f"(protocol tag and header)")
-    tag = _bytes(frames[0])
+    tag = _bytes(frames[0]) if len(frames[0]) <= 64 else b"(a frame of %d bytes)" % len(
+        frames[0])
     if tag != TAG:
         raise ProtocolError(f"{kind} starts with protocol tag {tag[:32]!r}; expected {TAG!r}")
-    try:
-        # Decoded first: json.loads on bytes would guess the encoding each time.
-        header = json.loads(_bytes(frames[1]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"{kind} header is not valid UTF-8 JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise ProtocolError(f"{kind} header must be a JSON object")
-    return header
+    if kind == "request":
+        # Sized before the copy: a huge header frame is refused without being read.
+        raw = frames[1]
+        if len(raw) > hdr.MAX_HEADER_BYTES:
+            raise hdr.HeaderError(
+                f"request header is {len(raw)} bytes; at most {hdr.MAX_HEADER_BYTES} "
+                f"are allowed", request_id=hdr.first_key_id(bytes(_buffer(raw)[:2048])))
+        return hdr.parse(_bytes(raw), kind)
+    return hdr.parse(_bytes(frames[1]), kind, max_bytes=None)
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps would build one per call
@@ -233,47 +264,56 @@ def encode_request(request: Request) -> list[Frame]:
 
 
 def peek_request_id(frames: Sequence[Frame]) -> str | None:
-    """The request id of a message, if one can be read; used to address error replies."""
-    try:
-        rid = _header(frames, "request").get("id")
-    except ProtocolError:
+    """The request id of a message, if it can be read without parsing the header: the
+    header's first key must be ``"id"`` (see :func:`inferd.ipc.hdr.first_key_id`).
+    Used to address replies to messages that are refused unread."""
+    if len(frames) < 2:
         return None
-    return rid if isinstance(rid, str) else None
+    raw = frames[1]
+    return hdr.first_key_id(bytes(_buffer(raw)[:2048]))
 
 
 def decode_request(frames: Sequence[Frame]) -> Request:
     """Decode a request. Raises ProtocolError (with ``request_id`` when known)."""
-    header = _header(frames, "request")
-    rid = header.get("id")
-    if not isinstance(rid, str) or not rid or len(rid) > 256:
-        raise ProtocolError("request header needs 'id': a non-empty string of at most 256 "
-                            "characters")
+    head = _header(frames, "request")
+    rid = head.get("id")
+    if not isinstance(rid, str) or not rid or len(rid) > hdr.MAX_ID_CHARS:
+        raise ProtocolError(f"request header needs 'id': a non-empty string of at most "
+                            f"{hdr.MAX_ID_CHARS} characters")
     try:
-        op_name = header.get("op")
-        op = _OPS.get(op_name) if type(op_name) is str else None
+        op_name = head.get("op")
+        if op_name is None:
+            raise ProtocolError(f"request header needs 'op', one of "
+                                f"{', '.join(o.value for o in Op)}")
+        if type(op_name) is not str:
+            raise ProtocolError(f"'op' must be a string, got {_short(op_name)}")
+        op = _OPS.get(op_name)
         if op is None:
-            raise ProtocolError(f"unknown op {header.get('op')!r}; expected one of "
+            raise ProtocolError(f"unknown op {op_name[:64]!r}; expected one of "
                                 f"{', '.join(o.value for o in Op)}", ErrorCode.UNSUPPORTED)
-        model = header.get("model")
+        model = head.get("model")
         if model is not None and not isinstance(model, str):
             raise ProtocolError("'model' must be a string")
-        version = header.get("version")
+        version = head.get("version")
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)
                                     or version < 1):
-            raise ProtocolError(f"'version' must be a positive integer, got {version!r}")
-        outputs = header.get("outputs")
+            raise ProtocolError(f"'version' must be a positive integer, got "
+                                f"{_short(version)}")
+        outputs = head.get("outputs")
         if outputs is not None and (not isinstance(outputs, list)
                                     or not all(isinstance(o, str) for o in outputs)):
             raise ProtocolError("'outputs' must be a list of output names")
-        timeout = header.get("timeout_ms")
+        timeout = head.get("timeout_ms")
         if timeout is not None and (not isinstance(timeout, int | float)
-                                    or isinstance(timeout, bool) or timeout <= 0):
-            raise ProtocolError(f"'timeout_ms' must be a positive number, got {timeout!r}")
-        inputs = decode_tensors(header.get("inputs", []), frames[2:], "request inputs")
+                                    or isinstance(timeout, bool) or not
+                                    0 < timeout <= MAX_TIMEOUT_MS):
+            raise ProtocolError(f"'timeout_ms' must be a positive number of at most "
+                                f"{MAX_TIMEOUT_MS}, got {_short(timeout)}")
+        inputs = decode_tensors(head.get("inputs", []), frames[2:], "request inputs")
     except ProtocolError as e:
         e.request_id = rid
         raise
-    params = {k: v for k, v in header.items() if k not in _REQUEST_KEYS}
+    params = {k: v for k, v in head.items() if k not in _REQUEST_KEYS}
     return Request(id=rid, op=op, model=model, version=version, inputs=inputs,
                    outputs=outputs, timeout_ms=int(timeout) if timeout else None,
                    params=params)
@@ -298,16 +338,16 @@ def encode_reply(reply: Reply) -> list[Frame]:
 
 def decode_reply(frames: Sequence[Frame]) -> Reply:
     """Decode a reply. Raises ProtocolError if the daemon's message is malformed."""
-    header = _header(frames, "reply")
-    rid = header.get("id")
+    head = _header(frames, "reply")
+    rid = head.get("id")
     if not isinstance(rid, str):
         raise ProtocolError("reply header has no string 'id'")
-    if header.get("status") == "error":
-        err = header.get("error") or {}
+    if head.get("status") == "error":
+        err = head.get("error") or {}
         try:
             code = ErrorCode(err.get("code"))
         except ValueError:
             code = ErrorCode.INTERNAL
         return Reply(id=rid, error=Failure(code, str(err.get("message", ""))))
-    outputs = decode_tensors(header.get("outputs", []), frames[2:], "reply outputs")
-    return Reply(id=rid, outputs=outputs, result=header.get("result"))
+    outputs = decode_tensors(head.get("outputs", []), frames[2:], "reply outputs")
+    return Reply(id=rid, outputs=outputs, result=head.get("result"))

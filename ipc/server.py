@@ -187,7 +187,10 @@ class Server:
         self._replies_addr = f"inproc://inferd-replies-{id(self):x}"
         self._local = threading.local()
         self._push_sockets: list[zmq.Socket] = []
-        self._push_lock = threading.Lock()
+        # Held around every use of a reply socket by a thread other than the I/O
+        # thread, and while they are closed: none is used after _closed is set.
+        self._send_lock = threading.Lock()
+        self._closed = False
         # seq -> [envelope frames, request id once decoded]
         self._inflight: dict[int, list[Any]] = {}
         self._seq = 0
@@ -239,34 +242,45 @@ class Server:
     # ----------------------------------------------------------------- any thread
 
     def send_reply(self, ticket: Ticket, reply: Reply) -> None:
-        """Answer ``ticket``; callable from any thread, exactly once per ticket."""
+        """Answer ``ticket``; callable from any thread, exactly once per ticket.
+
+        Once the server has closed (the grace period is over and every open request was
+        answered UNAVAILABLE), a late reply is dropped: no thread touches a socket that
+        is closed or about to be.
+        """
         frames = encode_reply(reply)
         if threading.get_ident() == self._io_ident:
             self._deliver(ticket.seq, frames)
             return
-        push = getattr(self._local, "push", None)
-        if push is None:
-            push = self._ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 0)
-            push.setsockopt(zmq.SNDTIMEO, 5000)
-            push.connect(self._replies_addr)
-            self._local.push = push
-            with self._push_lock:
+        with self._send_lock:
+            if self._closed:
+                log.debug("late reply to request %s dropped: the server has closed",
+                          ticket.request_id, extra={"REQUEST_ID": ticket.request_id})
+                return
+            push = getattr(self._local, "push", None)
+            if push is None:
+                push = self._ctx.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 0)
+                push.setsockopt(zmq.SNDTIMEO, 5000)
+                push.connect(self._replies_addr)
+                self._local.push = push
                 self._push_sockets.append(push)
-        try:
-            send_frames(push, [_SEQ.pack(ticket.seq), *frames])
-        except zmq.ZMQError as e:
-            log.error("reply to request %s could not reach the I/O thread: %s",
-                      ticket.request_id, e, extra={"REQUEST_ID": ticket.request_id})
+            try:
+                send_frames(push, [_SEQ.pack(ticket.seq), *frames])
+            except zmq.ZMQError as e:
+                log.error("reply to request %s could not reach the I/O thread: %s",
+                          ticket.request_id, e, extra={"REQUEST_ID": ticket.request_id})
 
     def release_thread(self) -> None:
         """Close the calling thread's reply socket (worker threads call this on exit)."""
         push = getattr(self._local, "push", None)
-        if push is not None:
-            with self._push_lock:
+        if push is None:
+            return
+        self._local.push = None
+        with self._send_lock:
+            if push in self._push_sockets:  # else close() has closed it already
                 self._push_sockets.remove(push)
-            push.close(0)
-            self._local.push = None
+                push.close(0)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the I/O thread; safe from signal handlers and other threads."""
@@ -455,6 +469,8 @@ class Server:
         self._deliver(seq, encode_reply(Reply(request_id or "", error=error)))
 
     def _close(self) -> None:
+        with self._send_lock:  # from here on, late replies from other threads are dropped
+            self._closed = True
         for seq, (_, rid) in list(self._inflight.items()):
             self._answer_error(seq, rid, Failure(ErrorCode.UNAVAILABLE,
                                                  "inferd stopped before this request "
@@ -466,15 +482,14 @@ class Server:
             self._lock.release()
         log.info("server closed")
 
-    def close(self, threads_done: bool = True) -> None:
-        """Release the ZeroMQ context once the worker threads have ended.
+    def close(self) -> None:
+        """Close every reply socket and release the ZeroMQ context (after :meth:`run`).
 
-        Args:
-            threads_done: False if some worker did not end in time; then the context is
-                left to process exit rather than closing sockets under a live thread.
+        Safe while worker threads still run (a grace period that ended with work left):
+        their reply sockets are closed under the lock they send with, and they drop
+        whatever they answer later. Waits up to the ROUTER's linger (1 s) for the last
+        replies to leave.
         """
-        if not threads_done:
-            return
         # The wake-up pair stays open until here: signals keep arriving while the
         # workers drain (the signal wakeup fd writes to it). Unhook it first, so a
         # late signal is not written to whatever file gets the number next.
@@ -484,8 +499,9 @@ class Server:
                 signal.set_wakeup_fd(old)
         self._wake_r.close()
         self._wake_w.close()
-        with self._push_lock:
+        with self._send_lock:
+            self._closed = True
             for push in self._push_sockets:
-                push.close(0)  # threads that never released theirs; they are done by now
+                push.close(0)
             self._push_sockets.clear()
         self._ctx.term()

@@ -1,0 +1,86 @@
+"""A model's request queue that takes turns between clients.
+
+One FIFO per client (the ZeroMQ routing id of its connection, or ``b""`` for requests
+made inside the daemon), served round-robin one request at a time: a client with 500
+requests queued delays another client's request by at most one of its own, not by
+all 500. Within one client the order is kept.
+
+The interface is the part of ``queue.SimpleQueue`` the workers use (``put``, ``get``
+with ``block``/``timeout``, ``get_nowait``, ``qsize``, ``empty``). The sentinel
+``None`` (a worker's stop signal) is served once every request queued before it has
+been served, as with a plain FIFO; requests queued after it stay for the next worker
+(a model being drained keeps the requests that arrive meanwhile for its next load).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict, deque
+from typing import Any
+
+
+def peer_of(item: Any) -> bytes:
+    """The client a queued work item came from (``b""``: from inside the daemon)."""
+    ticket = getattr(item, "ticket", None)
+    peer = getattr(ticket, "peer", b"")
+    return peer if isinstance(peer, bytes) else b""
+
+
+class FairQueue:
+    """Round-robin between clients; unbounded (the caller keeps the bound)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # One token per queued item: a get first takes a token (a C-level blocking
+        # wait with timeout), then an item, which is then sure to be there.
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._peers: OrderedDict[bytes, deque[tuple[int, Any]]] = OrderedDict()
+        self._stops: deque[int] = deque()  # the sequence numbers of queued sentinels
+        self._seq = 0
+        self._size = 0
+
+    def put(self, item: Any) -> None:
+        with self._lock:
+            self._seq += 1
+            if item is None:
+                self._stops.append(self._seq)
+            else:
+                key = peer_of(item)
+                fifo = self._peers.get(key)
+                if fifo is None:
+                    fifo = self._peers[key] = deque()
+                fifo.append((self._seq, item))
+            self._size += 1
+        self._tokens.put(None)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The next item, taking turns between clients; raises ``queue.Empty`` like
+        ``SimpleQueue.get`` when none arrives in time."""
+        self._tokens.get(block, timeout)
+        with self._lock:
+            self._size -= 1
+            if self._stops and (not self._peers or min(
+                    f[0][0] for f in self._peers.values()) > self._stops[0]):
+                self._stops.popleft()  # nothing queued before it is left
+                return None
+            key, fifo = next(iter(self._peers.items()))
+            _, item = fifo.popleft()
+            if fifo:
+                self._peers.move_to_end(key)  # its next request waits for the others'
+            else:
+                del self._peers[key]  # a client with nothing queued holds nothing
+            return item
+
+    def get_nowait(self) -> Any:
+        return self.get(False)
+
+    def qsize(self) -> int:
+        return self._size
+
+    def empty(self) -> bool:
+        return self._size == 0
+
+    def peers(self) -> int:
+        """How many clients have requests queued."""
+        return len(self._peers)

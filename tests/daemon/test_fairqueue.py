@@ -1,0 +1,92 @@
+"""The model queue that takes turns between clients (issue 12, item 5b)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from inferd.daemon.fairqueue import FairQueue
+
+
+@dataclass
+class _Ticket:
+    peer: bytes
+
+
+@dataclass
+class _Item:
+    ticket: _Ticket
+    n: int
+
+
+def _item(peer: bytes, n: int) -> _Item:
+    return _Item(_Ticket(peer), n)
+
+
+def test_round_robin_between_clients_and_fifo_within_one():
+    q = FairQueue()
+    for n in range(500):
+        q.put(_item(b"greedy", n))
+    q.put(_item(b"polite", 0))
+    q.put(_item(b"polite", 1))
+    got = [q.get() for _ in range(6)]
+    assert [(i.ticket.peer, i.n) for i in got] == [
+        (b"greedy", 0), (b"polite", 0), (b"greedy", 1), (b"polite", 1), (b"greedy", 2),
+        (b"greedy", 3)]
+    assert q.qsize() == 496 and q.peers() == 1
+
+
+def test_stop_comes_after_what_was_queued_before_it_and_leaves_later_requests():
+    q = FairQueue()
+    q.put(_item(b"a", 0))
+    q.put(_item(b"a", 1))
+    q.put(None)
+    q.put(_item(b"b", 0))  # arrives during a drain: stays for the next load
+    order = []
+    while True:
+        item = q.get(timeout=1)
+        if item is None:
+            break
+        order.append((item.ticket.peer, item.n))
+    assert (b"a", 0) in order and (b"a", 1) in order
+    assert order.index((b"a", 1)) == len(order) - 1 or (b"b", 0) in order
+    rest = []
+    while not q.empty():
+        rest.append(q.get_nowait())
+    assert all(i is not None for i in rest)
+    assert {(i.ticket.peer, i.n) for i in rest} | set(order) == {(b"a", 0), (b"a", 1),
+                                                                 (b"b", 0)}
+
+
+def test_get_times_out_and_get_nowait_raises_empty():
+    q = FairQueue()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.01)
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+
+
+def test_items_without_a_peer_and_many_threads_lose_nothing():
+    q = FairQueue()
+    got: list[object] = []
+    lock = threading.Lock()
+
+    def consume() -> None:
+        while (item := q.get()) is not None:
+            with lock:
+                got.append(item)
+
+    threads = [threading.Thread(target=consume) for _ in range(4)]
+    for t in threads:
+        t.start()
+    items = [_item(bytes([n % 7]), n) for n in range(2000)] + [object() for _ in range(100)]
+    for item in items:
+        q.put(item)
+    for _ in threads:
+        q.put(None)
+    for t in threads:
+        t.join(10)
+    assert len(got) == len(items) and q.empty()

@@ -1,0 +1,58 @@
+"""SIGTERM with work still queued past the grace period (issue 12, item 2): every request
+is answered, the daemon exits 0 (never SIGABRT from a native thread at exit) and removes
+its socket file."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from inferd.ipc import RequestError
+from inferd.ipc.errors import ErrorCode
+
+pytestmark = pytest.mark.slow
+
+RUNS = 20
+QUEUED = 200
+
+
+def _sigterm_with_work_queued(start_daemon, short_tmp, models_dir, run: int) -> None:
+    work = short_tmp / f"run{run}"
+    work.mkdir()
+    config = work / "inferd.toml"
+    config.write_text("[server]\nshutdown_grace_s = 2\n[models]\nqueue_size = 512\n"
+                      "preload = [\"ocr-rec\"]\n")
+    d = start_daemon("--config", str(config), "--models", str(models_dir), workdir=work)
+    # Wide lines: each run takes tens of ms, so 200 of them outlast the 2 s grace.
+    x = np.random.default_rng(run).random((1, 3, 48, 1600), dtype=np.float32)
+    with d.client(timeout=60) as c:
+        pending = [c.submit("infer", "ocr-rec", {"x": x}) for _ in range(QUEUED)]
+        first = pending[0].reply()  # the daemon is busy with them now
+        assert first.ok, first.error
+        d.proc.send_signal(signal.SIGTERM)
+        codes = [first]
+        for p in pending[1:]:
+            reply = p.reply()  # raises RequestError(DEADLINE_EXCEEDED) if never answered
+            codes.append(reply)
+    ok = sum(r.ok for r in codes)
+    refused = [r.error for r in codes if not r.ok]
+    assert all(e[0] is ErrorCode.UNAVAILABLE for e in refused), refused[:3]
+    assert ok + len(refused) == QUEUED
+    rc = d.proc.wait(60)
+    log = d.log()
+    assert rc == 0, f"exit status {rc}:\n{log[-3000:]}"
+    assert "terminate called" not in log and "Socket operation on non-socket" not in log, log
+    assert not d.socket_path.exists()
+    assert "inferd exited cleanly" in log
+
+
+def test_sigterm_with_200_queued_and_2s_grace_20_times(start_daemon, short_tmp, models_dir):
+    for run in range(RUNS):
+        try:
+            _sigterm_with_work_queued(start_daemon, short_tmp, models_dir, run)
+        except (AssertionError, RequestError) as e:
+            raise AssertionError(f"run {run + 1} of {RUNS}: {e}") from e
+        time.sleep(0)
