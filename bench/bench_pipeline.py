@@ -24,6 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "daemon"))
 
+from inferd.daemon.model_settings import check_settings  # noqa: E402
 from inferd.daemon.pipeline import parse_spec  # noqa: E402
 from inferd.daemon.processors import ProcessorRegistry  # noqa: E402
 from inferd.daemon.worker import Workers, WorkItem  # noqa: E402
@@ -50,9 +51,9 @@ def three_stage() -> None:
     n = 60
     done = threading.Semaphore(0)
     work: queue.Queue[Any] = queue.Queue()
-    spec = parse_spec("rec3", {"pre": [{"op": "sleep", "ms": STAGE_MS}],
-                               "post": [{"op": "sleep", "ms": STAGE_MS}]},
-                      ProcessorRegistry())
+    spec = parse_spec("rec3", check_settings("rec3", {
+        "pre": [{"op": "sleep", "ms": STAGE_MS}], "post": [{"op": "sleep", "ms": STAGE_MS}]}),
+        ProcessorRegistry())
     workers = Workers("rec3", model, work, ReplySink(), 1, spec=spec)
     workers.start()
     t0 = time.perf_counter()

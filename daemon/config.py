@@ -19,8 +19,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from inferd.daemon.pipeline import PROCESS_CORES, parse_affinity
-from inferd.daemon.units import parse_budget, parse_duration, parse_size
+from inferd.daemon.units import (
+    PROCESS_CORES, parse_affinity, parse_budget, parse_duration, parse_size,
+)
 from inferd.ipc import defs
 from inferd.ipc.errors import ConfigError
 

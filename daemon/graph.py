@@ -43,7 +43,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from inferd.daemon.pipeline import parse_affinity
+from inferd.daemon.units import parse_affinity
 from inferd.daemon.processors import Context, ProcessorRegistry, Step
 from inferd.daemon.repository import Repository, check_name
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure

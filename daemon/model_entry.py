@@ -1,4 +1,5 @@
-"""One cache entry: the state of one version of one model, its queue, its counters."""
+"""One cache entry: the state of one version of one model, its queue, its counters; and
+the ``models`` listing built from the entries (:func:`describe_cache`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import StrEnum
@@ -134,3 +136,33 @@ class ModelEntry:
         }
 
 
+def describe_cache(catalog: dict[str, Any], entries: dict[ModelKey, ModelEntry],
+                   pinned: Callable[[ModelEntry], bool],
+                   settings: Callable[[Any], Any]) -> list[dict[str, Any]]:
+    """The ``models`` listing: every model the catalog offers (its default version,
+    loaded or not) and every version in memory, with state, pins and settings."""
+    out = []
+    for name in sorted(set(catalog) | {n for n, _ in entries}):
+        spec = catalog.get(name)
+        rows = [e for (n, _), e in sorted(entries.items()) if n == name
+                and (e.state is not State.UNLOADED or (spec and e.version == spec.default))]
+        if spec and (name, spec.default) not in entries:
+            rows.append(ModelEntry(name, spec.default, 1))
+        for e in rows:
+            with e.lock:
+                info = e.describe()
+                info["pinned"] = pinned(e)
+            if spec is None:
+                info["error"] = info["error"] or "removed from the repository"
+            elif spec.error:
+                info.update(state=str(State.FAILED), error=spec.error)
+            if e.state is State.UNLOADED and spec and not spec.error:
+                keep = settings(spec).keep_alive
+                info["keep_alive_s"] = None if math.isinf(keep) else keep
+            if spec and not spec.error:
+                info["batching"] = {"max_batch": spec.settings.max_batch,
+                                    "max_delay_ms": spec.settings.max_delay_ms}
+            info["versions"] = list(spec.versions) if spec else []
+            info["default"] = bool(spec and spec.default == e.version)
+            out.append(info)
+    return out

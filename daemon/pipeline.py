@@ -1,7 +1,7 @@
-"""Per-model pipeline settings read from ``model.toml``, and thread placement.
+"""A model's pipeline (steps, batching, cores) built from its ``model.toml``
+(:mod:`inferd.daemon.model_settings` checks the keys), and thread placement.
 
-The keys this module owns (``instances``, ``backends`` and ``queue_size`` are read by
-the model manager)::
+The keys it uses::
 
     cpu_affinity = [0, 1]          # cores every thread of the model may run on
     max_batch = 8                  # dynamic batching: rows merged into one run (1 = off)
@@ -25,14 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inferd.daemon.model_settings import ModelSettings
 from inferd.daemon.processors import Context, ProcessorRegistry, Step
+from inferd.daemon.units import PROCESS_CORES
 from inferd.ipc.errors import ErrorCode, ModelError
 
 log = logging.getLogger(__name__)
-
-PROCESS_CORES = frozenset(os.sched_getaffinity(0))
-"""The cores this process may use, read at start-up before any thread is pinned."""
-
 
 @dataclass
 class PipelineSpec:
@@ -46,53 +44,19 @@ class PipelineSpec:
     stage_queue_size: int = 8
 
 
-def _int(name: str, key: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ModelError(f"model {name}: model.toml '{key}' = {value!r}: expected an integer "
-                         f">= {minimum}", ErrorCode.INTERNAL)
-    return value
-
-
-def parse_affinity(cores: Any) -> list[int]:
-    """A checked, sorted core list; raises ValueError saying what is wrong."""
-    if (not isinstance(cores, list) or not cores
-            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
-                       for c in cores)):
-        raise ValueError("expected a non-empty list of core numbers")
-    missing = sorted(set(cores) - PROCESS_CORES)
-    if missing:
-        raise ValueError(f"cores {missing} are not usable by this process (it may use "
-                         f"{sorted(PROCESS_CORES)})")
-    return sorted(set(cores))
-
-
-def parse_spec(name: str, raw: dict[str, Any], registry: ProcessorRegistry | None,
+def parse_spec(name: str, settings: ModelSettings, registry: ProcessorRegistry | None,
                model_path: Callable[[str], Path] | None = None) -> PipelineSpec:
-    """Build the pipeline spec of model ``name`` from its parsed model.toml.
+    """Build the pipeline of model ``name`` from its checked model.toml: its steps are
+    built here (with the processors registry), the rest is copied.
 
     Raises:
-        ModelError: a bad value, naming the model, the key and what was expected.
+        ModelError: a step that cannot be built, naming the model, the key and the step.
     """
-    spec = PipelineSpec()
-    cores = raw.get("cpu_affinity")
-    if cores is not None:
-        try:
-            spec.cpu_affinity = parse_affinity(cores)
-        except ValueError as e:
-            raise ModelError(f"model {name}: model.toml 'cpu_affinity' = {cores!r}: {e}",
-                             ErrorCode.INTERNAL) from None
-    spec.max_batch = _int(name, "max_batch", raw.get("max_batch", 1), 1)
-    delay = raw.get("max_delay_ms", 0.0)
-    if isinstance(delay, bool) or not isinstance(delay, int | float) or delay < 0:
-        raise ModelError(f"model {name}: model.toml 'max_delay_ms' = {delay!r}: expected a "
-                         f"number >= 0", ErrorCode.INTERNAL)
-    spec.max_delay_ms = float(delay)
-    spec.stage_queue_size = _int(name, "stage_queue_size", raw.get("stage_queue_size", 8), 1)
+    spec = PipelineSpec(cpu_affinity=settings.cpu_affinity, max_batch=settings.max_batch,
+                        max_delay_ms=settings.max_delay_ms,
+                        stage_queue_size=settings.stage_queue_size)
     for key in ("pre", "post"):
-        steps = raw.get(key, [])
-        if not isinstance(steps, list):
-            raise ModelError(f"model {name}: model.toml '{key}' must be a list of step tables",
-                             ErrorCode.INTERNAL)
+        steps = getattr(settings, key)
         if steps and registry is None:
             raise ModelError(f"model {name}: '{key}' steps given but no processors",
                              ErrorCode.INTERNAL)
@@ -100,7 +64,7 @@ def parse_spec(name: str, raw: dict[str, Any], registry: ProcessorRegistry | Non
         for i, step in enumerate(steps):
             where = f"model {name}: {key}[{i}]"
             assert registry is not None
-            built.append((f"{key}[{i}] {step.get('op') if isinstance(step, dict) else '?'}",
+            built.append((f"{key}[{i}] {step.get('op', '?')}",
                           registry.build(step, Context(model_path, name), where)))
         setattr(spec, key, built)
     return spec

@@ -10,40 +10,68 @@ fresh look at the repository, applied without failing a request.
   budget, the old one is drained first and requests wait in the new one's queue.
 - Versions no longer offered are drained; the budget is enforced again (it may have
   shrunk); pinned models that are not loaded are loaded.
+- A changed model.toml or pin is reported under "changed". A loaded model keeps the
+  threads, steps and backend it was loaded with until its next load (``inferctl unload``
+  then a request, or ``inferctl load``); its keep-alive changes at once.
+
+It works through the manager's public methods only (:class:`Cache` says which).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from inferd.daemon.model_entry import State
+from inferd.daemon.budget import MemoryBudget
+from inferd.daemon.catalog import Catalog
+from inferd.daemon.model_entry import ModelEntry, State
 from inferd.daemon.repository import ModelSpec
 from inferd.ipc.errors import ErrorCode, InferdError
-
-if TYPE_CHECKING:
-    from inferd.daemon.models import ModelManager
 
 log = logging.getLogger(__name__)
 
 
-def reload_catalog(manager: ModelManager, config: Any) -> dict[str, list[str]]:
+class Cache(Protocol):
+    """What a reload needs of the model manager (:class:`~inferd.daemon.models.ModelManager`)."""
+
+    catalog: Catalog
+    budget: MemoryBudget
+
+    def version_state(self, name: str, version: int) -> State: ...
+    def refresh_keep_alives(self) -> None: ...
+    def unload(self, name: str, version: int | None = None, timeout: float | None = None,
+               reason: str = ...) -> ModelEntry: ...
+    def retire_stale(self) -> None: ...
+    def load_pinned(self, before_each: Callable[[int, int, str], None] | None = None
+                    ) -> list[str]: ...
+    def load(self, name: str, version: int | None = None) -> ModelEntry: ...
+    def load_after(self, name: str, version: int, first: Any) -> ModelEntry: ...
+
+
+def reload_catalog(manager: Cache, config: Any) -> dict[str, list[str]]:
     """Apply ``config`` and the repository as it is now (see the module docstring).
 
     Returns:
         Model names by what happened: added, removed, changed ("name: version a -> b"),
         failed (a new version or a pinned model that did not load; the old one serves).
     """
-    old = manager.catalog
-    new = manager.use_config(config)
+    catalog = manager.catalog
+    old, old_pins = catalog.snapshot(), set(catalog.pinned_names())
+    new = catalog.use_config(config)
     summary: dict[str, list[str]] = {"added": sorted(new.keys() - old.keys()),
                                      "removed": sorted(old.keys() - new.keys()),
                                      "changed": [], "failed": []}
     installed, swaps = dict(new), []
     for name, spec in new.items():
         prev = old.get(name)
-        if prev is None or prev.default == spec.default:
+        if prev is None:
+            continue
+        if (prev.settings, prev.error) != (spec.settings, spec.error):
+            summary["changed"].append(f"{name}: model.toml changed"
+                                      + (f" ({spec.error})" if spec.error else ""))
+        if prev.default == spec.default:
             continue
         if manager.version_state(name, prev.default) in (State.READY, State.LOADING):
             # Serve the old version until the new one is ready.
@@ -52,32 +80,40 @@ def reload_catalog(manager: ModelManager, config: Any) -> dict[str, list[str]]:
             swaps.append((name, prev.default, spec))
         else:
             summary["changed"].append(f"{name}: version {prev.default} -> {spec.default}")
-    manager.install(installed)
-    manager.forget(summary["removed"])
+    catalog.install(installed)
+    manager.refresh_keep_alives()
+    catalog.forget(summary["removed"])
+    pins = set(catalog.pinned_names())
+    summary["changed"] += [f"{n}: now pinned" for n in sorted(pins - old_pins) if n in new]
+    summary["changed"] += [f"{n}: no longer pinned" for n in sorted(old_pins - pins)
+                           if n in new]
     for name in summary["removed"]:
-        manager.retire(name, None, "removed from the repository")
+        manager.unload(name, None, reason="removed from the repository")
     for name, old_version, spec in swaps:
         if _swap(manager, name, old_version, spec):
             summary["changed"].append(f"{name}: version {old_version} -> {spec.default}")
         else:
             summary["failed"].append(name)
     manager.retire_stale()
-    manager.enforce_budget()
+    try:  # the budget may have shrunk
+        manager.budget.enforce()
+    except InferdError as e:
+        log.warning("cache is over its budget and cannot evict more: %s", e.message)
     summary["failed"] += manager.load_pinned()
     log.info("reload: %s", "; ".join(f"{k} {', '.join(v)}" for k, v in summary.items() if v)
              or "nothing changed")
     return summary
 
 
-def _swap(manager: ModelManager, name: str, old_version: int, spec: ModelSpec) -> bool:
+def _swap(manager: Cache, name: str, old_version: int, spec: ModelSpec) -> bool:
     """Load ``spec.default`` beside ``old_version``, make it the default, retire the old
     one. False (the old one kept as default) if the new version cannot load."""
     def make_default() -> None:
-        manager.install({name: spec})
-        manager.retire(name, old_version, f"replaced by version {spec.default}")
+        manager.catalog.install({name: spec})
+        manager.unload(name, old_version, reason=f"replaced by version {spec.default}")
 
     try:
-        with manager.hold(name, old_version):
+        with manager.budget.hold(name, old_version):
             manager.load(name, spec.default)
     except InferdError as e:
         if e.code is not ErrorCode.RESOURCE_EXHAUSTED:

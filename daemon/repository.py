@@ -8,17 +8,19 @@ N`` offers only the latest N (the default is then the highest of them).
 
 from __future__ import annotations
 
+import logging
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inferd.daemon.model_settings import ModelSettings, read_settings
 from inferd.ipc.errors import ErrorCode, ModelError
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MODEL_FILE = "model.onnx"
-SETTINGS_FILE = "model.toml"
 
 
 def check_name(name: Any) -> str:
@@ -35,12 +37,11 @@ def check_name(name: Any) -> str:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """One version of one model as found on disk, with its model.toml settings."""
+    """One version of one model as found on disk."""
 
     name: str
     version: int
     path: Path
-    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,26 +51,20 @@ class ModelSpec:
     Attributes:
         versions: versions a request may name, ascending.
         default: the version served when a request names none.
-        settings: the parsed model.toml ({} if absent or unreadable).
+        settings: its checked model.toml (defaults if absent or unusable).
         error: why the model cannot be served (a bad model.toml), else None.
     """
 
     name: str
     versions: tuple[int, ...]
     default: int
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: ModelSettings = field(default_factory=ModelSettings)
     error: str | None = None
 
 
-def _version_policy(name: str, on_disk: list[int], settings: dict[str, Any]
+def _version_policy(name: str, on_disk: list[int], settings: ModelSettings
                     ) -> tuple[tuple[int, ...], int]:
-    keep = settings.get("keep_versions")
-    pinned = settings.get("version")
-    for key, value in (("keep_versions", keep), ("version", pinned)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise ModelError(f"model {name}: model.toml {key} = {value!r}: expected a "
-                             f"positive integer", ErrorCode.INTERNAL)
+    keep, pinned = settings.keep_versions, settings.version
     versions = on_disk[-keep:] if keep else on_disk
     if pinned is None:
         return tuple(versions), versions[-1]
@@ -101,30 +96,21 @@ class Repository:
         return sorted(int(p.name) for p in base.iterdir()
                       if p.name.isdigit() and int(p.name) > 0 and (p / MODEL_FILE).is_file())
 
-    def settings(self, name: str) -> dict[str, Any]:
-        """The parsed ``model.toml`` of ``name`` ({} if absent)."""
-        path = self.root / check_name(name) / SETTINGS_FILE
-        try:
-            with open(path, "rb") as f:
-                return tomllib.load(f)
-        except FileNotFoundError:
-            return {}
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ModelError(f"model {name}: cannot read {path}: {e}",
-                             ErrorCode.INTERNAL) from e
-
     def spec(self, name: str) -> ModelSpec | None:
-        """What ``name`` offers now, or None if it has no version on disk. A bad
-        model.toml gives a spec with ``error`` set rather than an exception, so one bad
-        model does not hide the others."""
+        """What ``name`` offers now, or None if it has no version on disk. Its
+        model.toml is read and checked here, once per scan. A bad model.toml gives a
+        spec with ``error`` set (and is logged) rather than an exception, so one bad
+        model fails only itself: the others, and reloads, go on."""
         on_disk = self.versions(name)
         if not on_disk:
             return None
         try:
-            settings = self.settings(name)
+            settings = read_settings(name, self.root / name)
             versions, default = _version_policy(name, on_disk, settings)
         except ModelError as e:
-            return ModelSpec(name, tuple(on_disk), on_disk[-1], {}, e.message)
+            log.error("model %s cannot be served: %s", name, e.message,
+                      extra={"MODEL": name})
+            return ModelSpec(name, tuple(on_disk), on_disk[-1], ModelSettings(), e.message)
         return ModelSpec(name, versions, default, settings)
 
     def scan(self) -> dict[str, ModelSpec]:
@@ -152,5 +138,4 @@ class Repository:
         elif version not in versions:
             raise ModelError(f"model {name!r} has no version {version}; available: "
                              f"{', '.join(map(str, versions))}", ErrorCode.NOT_FOUND)
-        path = self.root / name / str(version) / MODEL_FILE
-        return ModelSource(name, version, path, self.settings(name))
+        return ModelSource(name, version, self.root / name / str(version) / MODEL_FILE)

@@ -239,7 +239,7 @@ class Runtime:
         op = request.op
         if op is Op.INFER:
             # Models first: that test is a dict lookup, the graph test reads the disk.
-            if not self.models.knows(request.model) and self.graphs.is_graph(request.model):
+            if not self.models.catalog.knows(request.model) and self.graphs.is_graph(request.model):
                 self.graphs.submit(request, ticket)
             else:
                 self.models.submit(request, ticket)

@@ -1,13 +1,20 @@
-"""Sizes and durations as the configuration files write them (``"256MiB"``, ``"40%"``,
-``"5m"``, ``"forever"``): parsed here for inferd.toml and model.toml alike."""
+"""Sizes, durations and core lists as the configuration files write them (``"256MiB"``,
+``"40%"``, ``"5m"``, ``"forever"``, ``[0, 1]``): parsed here for inferd.toml, model.toml
+and graph.toml alike."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any
 
 import psutil
+
+from inferd.ipc.errors import ErrorCode, ModelError
+
+PROCESS_CORES = frozenset(os.sched_getaffinity(0))
+"""The cores this process may use, read at start-up before any thread is pinned."""
 
 UNLIMITED = ("unlimited", "none", "0")
 FOREVER = ("forever", "never", "inf")
@@ -69,3 +76,32 @@ def parse_duration(value: Any) -> float:
         if m:
             return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
     raise ValueError
+
+
+def parse_affinity(cores: Any) -> list[int]:
+    """A checked, sorted core list; raises ValueError saying what is wrong."""
+    if (not isinstance(cores, list) or not cores
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                       for c in cores)):
+        raise ValueError("expected a non-empty list of core numbers")
+    missing = sorted(set(cores) - PROCESS_CORES)
+    if missing:
+        raise ValueError(f"cores {missing} are not usable by this process (it may use "
+                         f"{sorted(PROCESS_CORES)})")
+    return sorted(set(cores))
+
+
+def request_keep_alive(params: dict[str, Any]) -> float | None:
+    """The ``keep_alive`` a request's header asks for, in seconds, or None.
+
+    Raises:
+        ModelError (INVALID_ARGUMENT): not a duration.
+    """
+    value = params.get("keep_alive")
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError:
+        raise ModelError(f"keep_alive = {value!r}: expected seconds or a duration such "
+                         f"as '5m', or 'forever'", ErrorCode.INVALID_ARGUMENT) from None

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from inferd.daemon.model_settings import ModelSettings
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.libbackends.contract import LoadedModel, TensorSpec, check_inputs
 
@@ -34,17 +35,14 @@ def _shape(spec: TensorSpec, dynamic: int) -> list[int]:
 
 
 def warmup_inputs(label: str, model: LoadedModel, model_path: Path,
-                  settings: dict[str, Any], dynamic: int) -> dict[str, NDArray[Any]]:
+                  settings: ModelSettings, dynamic: int) -> dict[str, NDArray[Any]]:
     """The warm-up inputs for ``model`` (see the module docstring).
 
     Raises:
-        ModelError: a warm-up file is unreadable or ``warmup_shapes`` is malformed.
+        ModelError: a warm-up file is unreadable.
     """
     folder = model_path.parent / WARMUP_DIR
-    shapes = settings.get("warmup_shapes", {})
-    if not isinstance(shapes, dict):
-        raise ModelError(f"model {label}: model.toml warmup_shapes must be a table of "
-                         f"input name -> list of sizes", ErrorCode.INTERNAL)
+    shapes = settings.warmup_shapes
     inputs = {}
     for spec in model.inputs:
         path = folder / f"{spec.name}.npy"
@@ -56,24 +54,18 @@ def warmup_inputs(label: str, model: LoadedModel, model_path: Path,
                                  ErrorCode.INTERNAL) from e
             continue
         shape = shapes.get(spec.name)
-        if shape is None:
-            shape = _shape(spec, dynamic)
-        elif not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0
-                                                  for d in shape)):
-            raise ModelError(f"model {label}: model.toml warmup_shapes.{spec.name} = "
-                             f"{shape!r}: expected a list of sizes", ErrorCode.INTERNAL)
-        inputs[spec.name] = _zeros(spec, shape)
+        inputs[spec.name] = _zeros(spec, _shape(spec, dynamic) if shape is None else shape)
     return inputs
 
 
-def warm_up(label: str, model: LoadedModel, model_path: Path, settings: dict[str, Any],
+def warm_up(label: str, model: LoadedModel, model_path: Path, settings: ModelSettings,
             dynamic: int) -> bool:
     """Run the warm-up if model.toml asks for one; True if it ran.
 
     Raises:
         ModelError: the warm-up failed; the model must not be served.
     """
-    if not settings.get("warmup", False):
+    if not settings.warmup:
         return False
     inputs = warmup_inputs(label, model, model_path, settings, dynamic)
     try:

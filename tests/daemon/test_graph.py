@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 from inferd.daemon.config import load_config
-from inferd.daemon.graphs import Edge, GraphManager
+from inferd.daemon.executors import Edge
+from inferd.daemon.graphs import GraphManager
 from inferd.daemon.models import ModelManager
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository

@@ -1,4 +1,5 @@
-"""daemon/cache.py: budget and duration parsing, eviction choice, memory measurement."""
+"""daemon/budget.py and daemon/units.py: budget and duration parsing, eviction choice,
+memory measurement."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import psutil
 import pytest
 
-from inferd.daemon.cache import (
+from inferd.daemon.budget import (
     Evictable, MemoryMeter, choose_victims, model_cost,
 )
 from inferd.daemon.config import load_config

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+from inferd.daemon.model_settings import check_settings
 from inferd.daemon.pipeline import parse_spec
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.worker import Workers, WorkItem
@@ -60,7 +61,7 @@ def start(name: str, model: Any, settings: dict[str, Any], items: list[tuple[str
     for rid, inputs in items:
         work.put(WorkItem(Request(rid, Op.INFER, model=name, inputs=inputs),
                           collector.ticket(rid)))
-    spec = parse_spec(name, settings, registry or ProcessorRegistry())
+    spec = parse_spec(name, check_settings(name, settings), registry or ProcessorRegistry())
     workers = Workers(name, model, work, ReplySink(), instances, spec=spec, backend="onnxruntime")
     workers.start()
     return workers
@@ -263,7 +264,7 @@ def test_fixed_batch_dimension_turns_batching_off(tmp_path: Path) -> None:
 def test_bad_model_toml_pipeline_settings_name_the_key(settings: dict[str, Any],
                                                        words: str) -> None:
     with pytest.raises(ModelError) as e:
-        parse_spec("m", settings, ProcessorRegistry())
+        parse_spec("m", check_settings("m", settings), ProcessorRegistry())
     assert "model m" in e.value.message and words in e.value.message
 
 

@@ -1,0 +1,129 @@
+"""The model.toml schema (daemon/model_settings.py): every key checked once per scan,
+an unknown key or a bad value is one load error naming the model, the file and the key,
+a backend's own table passes through to that backend, and a broken file fails only its
+own model (the repository scan goes on)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from inferd.daemon.config import load_config
+from inferd.daemon.model_settings import SCHEMA, ModelSettings, check_settings, read_settings
+from inferd.daemon.models import ModelManager
+from inferd.daemon.repository import Repository
+from inferd.ipc.errors import ErrorCode, ModelError
+from inferd.ipc.replies import ReplySink
+from inferd.libbackends.contract import LoadOptions
+from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
+from inferd.libbackends.registry import Registry
+
+
+def test_defaults_when_there_is_no_model_toml(tmp_path: Path) -> None:
+    assert read_settings("m", tmp_path) == ModelSettings()
+    assert ModelSettings().max_batch == 1 and ModelSettings().instances is None
+
+
+def test_every_schema_key_is_a_settings_field() -> None:
+    fields = set(ModelSettings.__dataclass_fields__) - {"backend_tables"}
+    assert fields == set(SCHEMA)
+
+
+@pytest.mark.parametrize("raw, key, words", [
+    ({"instances": "two"}, "instances", "expected a positive integer"),
+    ({"instancse": 2}, "instancse", "unknown key 'instancse'; known keys: pin,"),
+    ({"pin": "yes"}, "pin", "true or false"),
+    ({"keep_alive": "soon"}, "keep_alive", "a duration"),
+    ({"backends": "cpu"}, "backends", "a list of backend ids"),
+    ({"max_batch": 0}, "max_batch", "a positive integer"),
+    ({"max_delay_ms": -1}, "max_delay_ms", ">= 0"),
+    ({"cpu_affinity": [99999]}, "cpu_affinity", "not usable by this process"),
+    ({"warmup_shapes": {"x": [1, "a"]}}, "warmup_shapes", "list of sizes"),
+    ({"pre": "softmax"}, "pre", "list of step tables"),
+    ({"version": 0}, "version", "positive integer"),
+])
+def test_a_bad_key_names_the_model_the_file_and_the_key(raw: dict[str, Any], key: str,
+                                                         words: str) -> None:
+    with pytest.raises(ModelError) as e:
+        check_settings("m", raw, "/repo/m/model.toml")
+    message = e.value.message
+    assert message.startswith("model m: /repo/m/model.toml: ") and key in message, message
+    assert words in message and e.value.code is ErrorCode.INTERNAL
+
+
+def test_tables_named_after_backends_pass_through_unchecked() -> None:
+    s = check_settings("m", {"instances": 2, "openvino": {"device": "GPU", "anything": 1},
+                             "onnxruntime-gpu": {"device_id": 0}})
+    assert s.instances == 2
+    assert s.backend_options("openvino") == {"device": "GPU", "anything": 1}
+    assert s.backend_options("onnxruntime-gpu") == {"device_id": 0}
+    assert s.backend_options("rknn") == {}
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"instances = \n", "Invalid value (at line 1, column 13)"),
+    (b'name = "\xff"\n', "not UTF-8 (byte"),
+    (b"[openvino\n", "Expected ']'"),
+])
+def test_an_unreadable_model_toml_fails_only_its_own_model_and_is_logged(
+        tmp_path: Path, content: bytes, words: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in ("bad", "good"):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "1" / "model.onnx").write_bytes(b"x")
+    (tmp_path / "bad" / "model.toml").write_bytes(content)
+    (tmp_path / "good" / "model.toml").write_text("instances = 2\n")
+    caplog.set_level(logging.ERROR, "inferd.daemon.repository")
+    specs = Repository(tmp_path).scan()
+    assert specs["good"].error is None and specs["good"].settings.instances == 2
+    error = specs["bad"].error
+    assert error is not None and words in error
+    assert f"cannot read {tmp_path / 'bad' / 'model.toml'}" in error
+    assert f"model bad cannot be served: {error}" in caplog.text
+
+
+class _Recording(OnnxRuntimeCpuBackend):
+    """The real onnxruntime backend under another id, keeping the options it was given."""
+
+    id = "recording"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.options: list[dict[str, Any]] = []
+
+    def load(self, model_path: Path, options: LoadOptions) -> Any:
+        self.options.append(options.options)
+        return super().load(model_path, options)
+
+
+def test_the_chosen_backend_gets_its_own_table_as_load_options(
+        tmp_path: Path, models_dir: Path) -> None:
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.onnx").symlink_to(models_dir / "ocr-cls" / "1" /
+                                                      "model.onnx")
+    (tmp_path / "m" / "model.toml").write_text(
+        'backends = ["recording"]\n[recording]\nthreads = 3\n[openvino]\ndevice = "GPU"\n')
+    backend = _Recording()
+    registry = Registry()
+    registry.register(backend)
+    manager = ModelManager(Repository(tmp_path), registry,
+                           load_config(None, {"models.repository": str(tmp_path)}),
+                           ReplySink())
+    try:
+        assert manager.load("m").backend == "recording"
+        assert backend.options == [{"threads": 3}]
+    finally:
+        assert manager.stop(30)
+
+
+def test_the_model_toml_reference_lists_every_schema_key_and_no_other() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "model-toml.md").read_text()
+    table = text.split("## Keys", 1)[1].split("\n\n", 2)[1]
+    documented = set()
+    for row in table.splitlines()[2:]:
+        cell = row.split("|")[1]
+        documented |= {k.strip(" `") for k in cell.split(",")}
+    assert documented == set(SCHEMA)
