@@ -17,7 +17,7 @@ from inferd.daemon.graph import Executor, graph_names, graph_path, load_graph_fi
 from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
-from inferd.ipc.errors import ErrorCode, InferdError
+from inferd.ipc.errors import ErrorCode, InferdError, failure
 from inferd.ipc.protocol import Request
 from inferd.ipc.replies import ReplySink
 
@@ -41,6 +41,7 @@ class GraphManager:
         self._call = ModelCaller(submit)
         self._sink = sink
         self._graphs: dict[str, TaskExecutor | PipelineExecutor] = {}
+        self._errors: dict[str, str] = {}  # the last load error of each graph not loaded
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="inferd-graph-loader",
                                           initializer=unpin_current_thread)
@@ -69,13 +70,21 @@ class GraphManager:
         with self._lock:
             ex = self._graphs.get(name)
             if ex is None:
-                spec = load_graph_file(self.repo, name, self.registry)
+                try:
+                    spec = load_graph_file(self.repo, name, self.registry)
+                except Exception as e:  # shown by `inferctl models` until it loads
+                    code, message = failure(e, f"graph {name}", log, model=name)
+                    self._errors[name] = message
+                    log.error("graph %s failed to load: %s", name, message,
+                              extra={"MODEL": name})
+                    raise InferdError(message, code) from e
                 if spec is None:
                     raise InferdError(f"graph {name!r} not found", ErrorCode.NOT_FOUND)
                 ex = (PipelineExecutor(spec, self._call, self._sink)
                       if spec.executor is Executor.PIPELINE
                       else TaskExecutor(spec, self._call, self._sink))
                 self._graphs[name] = ex
+                self._errors.pop(name, None)
         return ex
 
     def submit(self, request: Request, ticket: Any) -> None:
@@ -101,8 +110,10 @@ class GraphManager:
             if self.repo.versions(name):
                 continue
             ex = self._graphs.get(name)
+            error = None if ex else self._errors.get(name)
             info: dict[str, Any] = {"name": name, "kind": "graph",
-                                    "state": "ready" if ex else "unloaded"}
+                                    "state": "ready" if ex else "failed" if error
+                                    else "unloaded", "error": error}
             if ex is not None:
                 info.update(executor=ex.spec.executor,
                             nodes=[{"name": n.name, "model": n.model,
@@ -132,6 +143,7 @@ class GraphManager:
         with self._lock:
             moved = repo.root != self.repo.root
             self.repo = repo
+            self._errors.clear()  # a fixed graph.toml is tried again by its next request
             stale = {name: ex for name, ex in self._graphs.items()
                      if moved or _source(repo, name) != ex.spec.source}
             for name in stale:

@@ -132,6 +132,9 @@ class ModelEntry:
             "keep_alive_s": None if math.isinf(self.keep_alive) else self.keep_alive,
             "threads": [t.name for t in self.workers.threads] if self.workers else [],
             "placement": self.workers.placement() if self.workers else [],
+            "batching": ({"max_batch": self.workers.max_batch,
+                          "max_delay_ms": self.workers.spec.max_delay_ms}
+                         if self.workers else None),
             "plan": m.describe().get("plan") if m else None,
         }
 
@@ -159,7 +162,7 @@ def describe_cache(catalog: dict[str, Any], entries: dict[ModelKey, ModelEntry],
             if e.state is State.UNLOADED and spec and not spec.error:
                 keep = settings(spec).keep_alive
                 info["keep_alive_s"] = None if math.isinf(keep) else keep
-            if spec and not spec.error:
+            if spec and not spec.error and info["batching"] is None:  # as configured
                 info["batching"] = {"max_batch": spec.settings.max_batch,
                                     "max_delay_ms": spec.settings.max_delay_ms}
             info["versions"] = list(spec.versions) if spec else []

@@ -174,11 +174,16 @@ class Runtime:
             What changed: models added, removed, changed, failed; keys needing a restart.
 
         Raises:
-            ConfigError: the new config is invalid; the old one stays in force.
+            InferdError: the reload failed (a ConfigError: the new config is invalid);
+                the old configuration stays in force. Logged here.
         """
         self.notifier.reloading()
         try:
             return self._reload()
+        except Exception as e:  # SIGHUP and `inferctl reload` log it alike
+            code, message = failure(e, "reload", log, named=False)
+            log.error("reload failed, keeping the running configuration: %s", message)
+            raise InferdError(message, code) from e
         finally:
             if self.ready.is_set():
                 self.notifier.ready(self.status_line())
@@ -214,10 +219,8 @@ class Runtime:
     def _reload_logged(self) -> None:
         try:
             self.reload()
-        except InferdError as e:
-            log.error("reload failed, keeping the running configuration: %s", e.message)
-        except Exception:
-            log.exception("reload failed")
+        except InferdError:
+            return  # reload() logged it; a SIGHUP has no one else to tell
 
     def _on_stop(self) -> None:
         # On the I/O thread: drain the models elsewhere so replies keep flowing.

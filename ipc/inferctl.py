@@ -88,6 +88,7 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
                 out += (f"\n\n{m['name']}\n  inputs:  {_tensors(m['inputs'])}"
                         f"\n  outputs: {_tensors(m['outputs'])}"
                         f"\n  threads: {', '.join(m.get('threads', [])) or '-'}")
+                out += f"\n  batching: {_batching(m.get('batching'))}"
             if m.get("kind") == "graph" and m.get("threads"):
                 out += (f"\n\n{m['name']} (graph, {m['executor']} executor)"
                         f"\n  inputs:  {', '.join(m['graph_inputs'])}"
@@ -105,6 +106,12 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
                         f"cpus {_cores(p['affinity'])}, backend {p['backend'] or '-'}"
                         + (f" ({p['error']})" if p.get("error") else ""))
     return out
+
+
+def _batching(b: dict[str, Any] | None) -> str:
+    if not b or b.get("max_batch", 1) <= 1:
+        return "off"
+    return f"on (max_batch {b['max_batch']}, max_delay_ms {b['max_delay_ms']:g})"
 
 
 def show_reload(r: dict[str, Any]) -> str:

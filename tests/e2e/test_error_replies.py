@@ -59,6 +59,8 @@ def test_unexpected_exception_in_a_graph_load_is_an_internal_reply_with_the_id(
             assert reply.error is not None and reply.error.code is ErrorCode.INTERNAL, reply
             assert "RuntimeError: boom while building the step" in reply.error.message
         assert c.ping()["pong"]  # the control thread survived
+        row = next(m for m in c.models() if m["name"] == "g")
+        assert row["state"] == "failed" and "RuntimeError: boom" in row["error"]
     log = d.log()
-    assert "load of g: RuntimeError: boom while building the step" in log
+    assert "graph g failed to load: graph g: RuntimeError: boom while building" in log
     assert "Traceback" in log
