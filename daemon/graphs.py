@@ -77,6 +77,8 @@ class GraphManager:
                     self._errors[name] = message
                     log.error("graph %s failed to load: %s", name, message,
                               extra={"MODEL": name})
+                    if isinstance(e, InferdError):
+                        raise
                     raise InferdError(message, code) from e
                 if spec is None:
                     raise InferdError(f"graph {name!r} not found", ErrorCode.NOT_FOUND)
