@@ -183,8 +183,9 @@ class RknnModel(LoadedModel):
         self.outputs = tuple(outputs)
 
     def _once(self, arrays: list[NDArray[Any]]) -> list[NDArray[Any]]:
-        formats = ["nchw" if a.ndim == 4 else None for a in arrays]
-        result = self._rt.inference(inputs=arrays, data_format=formats)
+        # ONNX models take NCHW; RKNN assumes NHWC for 4-D inputs unless told (and
+        # ignores the format of the others, but refuses a None in the list).
+        result = self._rt.inference(inputs=arrays, data_format=["nchw"] * len(arrays))
         if result is None or len(result) != len(self.outputs):
             raise BackendError(f"RKNN inference of {self._path} failed (no outputs; see "
                                f"the host's output in the daemon's debug log)")

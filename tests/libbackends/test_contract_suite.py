@@ -1,6 +1,8 @@
 """One contract suite, stamped onto every backend: the built-in onnxruntime, the Python
-example (examples/backends/onnx_reference.py) and the C example
-(examples/backends/elementwise, compiled with gcc by its Makefile during the test).
+example (examples/backends/onnx_reference.py), the C example
+(examples/backends/elementwise, compiled with gcc by its Makefile during the test) and
+the rknn backend in simulator mode (out of process, in the .venv-rknn interpreter;
+marked slow and rknn, skipped without that venv unless INFERD_TEST_RKNN=1).
 
 Each backend is obtained the way the daemon gets it: through the loader, from a
 backends directory holding only that plugin (the built-in from no directory at all).
@@ -9,11 +11,13 @@ backends directory holding only that plugin (the built-in from no directory at a
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from tests.libbackends.plugin_kit import copy_into, expected_relu_sigmoid
+from tests.libbackends.rknn_kit import install_plugin, simulator_python
 
 from inferd.ipc.errors import InferdError
 from inferd.libbackends.contract import (
@@ -22,12 +26,38 @@ from inferd.libbackends.contract import (
 from inferd.libbackends.loader import BUILTINS, Loader
 from inferd.libbackends.registry import CandidateStatus, Registry
 
-BACKENDS = ["onnxruntime", "onnx-reference", "elementwise-c"]
+BACKENDS = ["onnxruntime", "onnx-reference", "elementwise-c",
+            pytest.param("rknn", marks=[pytest.mark.slow, pytest.mark.rknn])]
+# Relative tolerance of each backend's results (the RKNN simulator computes in fp16).
+RTOL = {"rknn": 2e-3}
+
+
+def close(backend: Backend, got: np.ndarray, want: np.ndarray) -> bool:
+    return bool(np.allclose(got, want, rtol=RTOL.get(backend.id, 1e-6),
+                            atol=RTOL.get(backend.id, 0)))
+
+
+@pytest.fixture(scope="session")
+def rknn_simulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    """The rknn plugin through the loader, once per session (its probe imports
+    rknn-toolkit2 in a host: seconds)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("INFERD_RKNN_PYTHON", simulator_python())
+    backends = tmp_path_factory.mktemp("rknn-backends")
+    install_plugin(backends)
+    registry = Registry()
+    Loader(registry, builtins=()).load([backends])
+    [candidate] = registry.candidates
+    assert candidate.status is CandidateStatus.REGISTERED, candidate
+    yield registry.records["rknn"].backend
+    mp.undo()
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     ident = request.param
+    if ident == "rknn":
+        return request.getfixturevalue("rknn_simulator")
     registry = Registry()
     if ident == "onnxruntime":
         Loader(registry).load([])
@@ -92,7 +122,7 @@ def test_run_computes_the_model(backend: Backend, elementwise_model: Path) -> No
         out = model.run({"x": x})
         assert list(out) == ["y"]
         assert out["y"].dtype == np.float32 and out["y"].shape == (3, 4)
-        np.testing.assert_allclose(out["y"], expected_relu_sigmoid(x), rtol=1e-6)
+        assert close(backend, out["y"], expected_relu_sigmoid(x))
         assert list(model.run({"x": x}, ["y"])) == ["y"]
     finally:
         model.unload()
@@ -103,7 +133,7 @@ def test_two_loads_are_independent(backend: Backend, elementwise_model: Path) ->
     b = backend.load(elementwise_model, LoadOptions())
     a.unload()
     x = np.ones((1, 4), np.float32)
-    np.testing.assert_allclose(b.run({"x": x})["y"], expected_relu_sigmoid(x), rtol=1e-6)
+    assert close(backend, b.run({"x": x})["y"], expected_relu_sigmoid(x))
     b.unload()
 
 
@@ -115,7 +145,7 @@ def test_runs_from_several_threads(backend: Backend, elementwise_model: Path) ->
         x = np.random.default_rng(seed).standard_normal((8, 4)).astype(np.float32)
         for _ in range(20):
             y = model.run({"x": x})["y"]
-            if not np.allclose(y, expected_relu_sigmoid(x), rtol=1e-6):
+            if not close(backend, y, expected_relu_sigmoid(x)):
                 errors.append(f"thread {seed}: wrong result")
                 return
 
