@@ -12,7 +12,8 @@ SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
 SYSTEM_PACKAGES := python3-venv gcc libc6-dev libzmq3-dev fonts-dejavu-core \
 	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev
 
-.PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint
+.PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint \
+        venv-rknn test-rknn
 
 setup: system-packages $(STAMP) models/.complete
 
@@ -55,6 +56,30 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+# The RKNN simulator (rknn-toolkit2 2.5.0) in its own venv, for the rknn backend's
+# simulator mode and `inferd-convert rknn` (docs/backends.md, "Out-of-process
+# backends"). About 1.5 GB, 1.5 min. torch first, as the CPU build (`torch==2.13.0` is
+# on this machine kind's disk; rknn-toolkit2's own pin would pull a CUDA build of
+# several GB), then the toolkit's other requirements, then the toolkit with --no-deps.
+VENV_RKNN := .venv-rknn
+RKNN_STAMP := $(VENV_RKNN)/.installed
+RKNN_TORCH ?= torch==2.13.0
+
+venv-rknn: $(RKNN_STAMP)
+
+$(RKNN_STAMP): packaging/rknn/simulator-requirements.txt
+	test -x $(VENV_RKNN)/bin/python || $(PYTHON) -m venv $(VENV_RKNN)
+	$(VENV_RKNN)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_RKNN)/bin/python -m pip install --quiet '$(RKNN_TORCH)'
+	$(VENV_RKNN)/bin/python -m pip install --quiet -r packaging/rknn/simulator-requirements.txt
+	$(VENV_RKNN)/bin/python -m pip install --quiet --no-deps rknn-toolkit2==2.5.0
+	$(VENV_RKNN)/bin/python -c 'from rknn.api import RKNN'
+	touch $@
+
+# The simulator tests (also part of `make test`, where they skip without the venv).
+test-rknn: setup venv-rknn
+	INFERD_TEST_RKNN=1 $(PY) -m pytest -q -m rknn
+
 lint: setup
 	$(PY) -m pip install --quiet ruff mypy
 	$(VENV)/bin/ruff check daemon ipc libbackends bench examples tests
@@ -78,4 +103,5 @@ deb-test: deb models/.complete
 	$(PY) tests/packaging/check_debs.py build/deb models
 
 clean:
-	rm -rf $(VENV) models .cache build *.egg-info examples/backends/build examples/customops/build
+	rm -rf $(VENV) $(VENV_RKNN) models .cache build *.egg-info examples/backends/build \
+	  examples/customops/build

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build inferd's two Debian packages into build/deb/ (`make deb`).
+# Build inferd's Debian packages into build/deb/ (`make deb`): inferd (all) and the
+# add-ons inferd-backend-onnxruntime and inferd-backend-rknn (this architecture).
 #
 # Stages the tracked (and untracked, not ignored) files into build/deb/inferd-VERSION/
 # with packaging/debian as debian/, puts the onnxruntime wheel for this architecture
@@ -32,6 +33,25 @@ if [ -z "$wheel" ]; then
     wheel=$(ls "$cache"/onnxruntime-"$ORT_VERSION"-cp"$pyver"-*"$machine".whl | head -1)
 fi
 
+# inferd-backend-rknn: on arm64 it carries the board runtime rknn-toolkit-lite2 (RKNNLite;
+# aarch64 wheels only). On amd64 the package holds the plugin alone, whose probe says why
+# it cannot run there.
+RKNN_LITE_VERSION=${RKNN_LITE_VERSION:-2.5.0}
+lite=""
+if [ "$machine" = aarch64 ]; then
+    lite_cache=.cache/wheels/rknn
+    lite=$(ls "$lite_cache"/rknn_toolkit_lite2-"$RKNN_LITE_VERSION"-cp"$pyver"-*aarch64.whl \
+           2>/dev/null | head -1 || true)
+    if [ -z "$lite" ]; then
+        mkdir -p "$lite_cache"
+        "$PIP_PYTHON" -m pip download --quiet --no-deps --only-binary :all: \
+            --implementation cp --python-version "${pyver:0:1}.${pyver:1}" --abi "cp$pyver" \
+            --platform "manylinux_2_17_aarch64" -d "$lite_cache" \
+            "rknn-toolkit-lite2==$RKNN_LITE_VERSION"
+        lite=$(ls "$lite_cache"/rknn_toolkit_lite2-"$RKNN_LITE_VERSION"-*aarch64.whl | head -1)
+    fi
+fi
+
 version=$(dpkg-parsechangelog -l packaging/debian/changelog -SVersion)
 out=build/deb
 src=$out/inferd-$version
@@ -44,6 +64,7 @@ rm -rf "$src/debian"
 cp -a packaging/debian "$src/debian"
 mkdir -p "$src/debian/vendor"
 cp "$wheel" "$src/debian/vendor/"
+if [ -n "$lite" ]; then cp "$lite" "$src/debian/vendor/"; fi
 
 cd "$src"
 dpkg-buildpackage -us -uc -b
