@@ -45,7 +45,7 @@ from pathlib import Path
 
 from inferd.daemon.logs import decode_journal
 
-PACKAGES = ("inferd", "inferd-backend-onnxruntime")
+PACKAGES = ("inferd", "inferd-backend-onnxruntime", "inferd-backend-rknn")
 UNIT = Path("/lib/systemd/system/inferd.service")
 RUN_DIR = Path("/run/inferd")
 SOCKET = RUN_DIR / "inferd.sock"
@@ -415,8 +415,9 @@ def main() -> int:
         assert extend.get("STATUS") == "preloading model ocr-cls (1/1)", extend
         ready = notify.wait_for("READY")
         status = ready.get("STATUS", "")
-        # the add-on's plugin replaces the built-in (no onnxruntime in Debian's python)
-        assert status == ("ready; backends: 1 loaded (onnxruntime), 0 failed; "
+        # the add-on's plugin replaces the built-in (no onnxruntime in Debian's python);
+        # the rknn add-on is there, unavailable without an NPU (check_rknn_unavailable)
+        assert status == ("ready; backends: 1 loaded (onnxruntime), 1 failed (rknn); "
                           "models warm: 1 (ocr-cls)"), ready
         step(f"READY=1, STATUS={status}")
         for _ in range(2):
@@ -428,6 +429,7 @@ def main() -> int:
         assert st.st_gid == grp.getgrnam("inferd").gr_gid
         assert oct(RUN_DIR.stat().st_mode & 0o777) == "0o750"
         check_clients(daemon, tmp, status)
+        check_rknn_unavailable()
         if journal is not None:
             check_journal(journal)
 
@@ -515,6 +517,20 @@ def check_clients(daemon: InstalledDaemon, tmp: Path, status: str) -> None:
               f"s.connect({str(SOCKET)!r})", user=OUTSIDER, check=False)
     assert "PermissionError" in raw.stderr, raw.stderr
     step("user outside group inferd: refused (client message and kernel EACCES)")
+
+
+def check_rknn_unavailable() -> None:
+    """The rknn add-on cannot run here (no NPU): its probe, run in a real backend host
+    process under the unit's sandbox, says why, and the daemon serves on."""
+    out = run("inferctl", "--socket", f"ipc://{SOCKET}", "--json", "backends",
+              user=MEMBER).stdout
+    [rknn] = [b for b in json.loads(out)["backends"] if b["id"] == "rknn"]
+    assert rknn["status"] == "unavailable", rknn
+    machine = os.uname().machine
+    expected = ("/usr/lib/librknnrt.so not found" if machine == "aarch64"
+                else f"runs on aarch64 boards only, not {machine}")
+    assert expected in rknn["reason"], rknn
+    step(f"rknn add-on: unavailable, reason: {rknn['reason']}")
 
 
 def check_journal(journal: FakeJournald) -> None:
