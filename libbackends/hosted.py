@@ -118,7 +118,7 @@ class HostProcess:
         self._tail: collections.deque[str] = collections.deque(maxlen=12)
         self._lock = threading.Lock()
         self._dir = tempfile.mkdtemp(prefix="inferd-host-")
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PAIR)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._proc: subprocess.Popen[bytes] | None = None
