@@ -140,17 +140,20 @@ class Host:
             ok, why = self.backend.supports(Path(header["path"]))
             return Reply("", result=[bool(ok), str(why)])
         if op == "load":
-            from inferd.libbackends.contract import LoadOptions
+            from inferd.libbackends.contract import DeviceKind, LoadOptions
 
             fields = {f.name for f in dataclasses.fields(LoadOptions)}
-            options = LoadOptions(**{k: v for k, v in header.get("options", {}).items()
-                                     if k in fields})
+            given = {k: v for k, v in header.get("options", {}).items() if k in fields}
+            if isinstance(given.get("kind"), str):  # a DeviceKind, sent as its value
+                given["kind"] = DeviceKind(given["kind"])
+            options = LoadOptions(**given)
             model = self.backend.load(Path(header["path"]), options)
             handle, self._next = self._next, self._next + 1
             self.models[handle] = model
             return Reply("", result={"handle": handle,
                                      "inputs": [s.to_json() for s in model.inputs],
                                      "outputs": [s.to_json() for s in model.outputs],
+                                     "device": str(getattr(model, "device", "") or ""),
                                      "memory_bytes": model.memory_bytes()})
         model = self.models.get(header.get("handle", -1))
         if model is None:

@@ -266,6 +266,7 @@ class HostedModel(LoadedModel):
         self._host, self._handle = host, int(result["handle"])
         self.inputs = _specs(result["inputs"])
         self.outputs = _specs(result["outputs"])
+        self.device = str(result.get("device") or "")  # as the hosted model names it
 
     def run(self, inputs: dict[str, NDArray[Any]],
             outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:

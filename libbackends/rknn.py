@@ -174,7 +174,8 @@ class RknnModel(LoadedModel):
     """One RKNN runtime (RKNNLite on a board, RKNN's simulator on x86) for one model."""
 
     def __init__(self, runtime: Any, path: Path, inputs: list[TensorSpec],
-                 outputs: list[TensorSpec], rowwise: bool) -> None:
+                 outputs: list[TensorSpec], rowwise: bool, device: str) -> None:
+        self.device = device  # "npu core 0_1", "npu core auto", "rk3588 simulator"
         self._rt = runtime
         self._path = path
         self._rowwise = rowwise
@@ -313,8 +314,12 @@ class RknnBackend(Backend):
                                    f"{mask} (is {rknn_file} built for {board_soc()}?)")
         specs = [TensorSpec(s.name, s.dtype, (None, *shape[1:]) if rowwise else tuple(shape))
                  for s, shape in zip(inputs, shapes)]
+        if self.mode == "board":
+            device = f"npu core {next(k for k, v in CORE_MASKS.items() if v == mask)}"
+        else:
+            device = f"{target} simulator"
         return RknnModel(rknn, rknn_file if self.mode == "board" else model_path,
-                         specs, outputs, rowwise)
+                         specs, outputs, rowwise, device)
 
     @staticmethod
     def _rknn_specs(rknn_file: Path, onnx_path: Path

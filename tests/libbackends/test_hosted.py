@@ -53,6 +53,7 @@ def test_probe_load_run_unload_through_a_host(elementwise_model: Path) -> None:
     pid = model.host_pid
     assert pid is not None and pid != os.getpid() and alive(pid)
     assert [(s.name, s.dtype, s.shape) for s in model.inputs] == [("x", "float32", (None, 4))]
+    assert model.device == "test cpu 0"  # what the hosted model says it runs on
     out = model.run({"x": X})
     np.testing.assert_allclose(out["y"], expected_relu_sigmoid(X), rtol=1e-6)
     assert model.memory_bytes() and model.memory_bytes() > 1 << 20  # the host's RSS

@@ -24,6 +24,8 @@ from inferd.libbackends.contract import (
 
 
 class Model(LoadedModel):
+    device = "test cpu 0"
+
     def __init__(self) -> None:
         self.inputs = (TensorSpec("x", "float32", (None, 4)),)
         self.outputs = (TensorSpec("y", "float32", (None, 4)),)
