@@ -1,4 +1,5 @@
-"""The RKNN simulator (rknn backend, out of process), for information: how long
+"""The RKNN simulator (rknn backend, out of process), for information: what one run
+through a backend host costs (any out-of-process backend), how long
 ``inferd-convert rknn`` takes on ocr-cls, the simulated latency of one row through the
 backend host against onnxruntime (1 thread) in this process, both in the same run, and
 the largest difference between their results. The simulator computes on the CPU (fp16
@@ -9,6 +10,7 @@ Needs the simulator's venv (`make venv-rknn`); without it, says so and exits 0.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -36,7 +38,34 @@ def timed(fn, runs: int) -> list[float]:  # type: ignore[no-untyped-def]
     return out
 
 
+def host_round_trip() -> None:
+    """The pattern's own cost: one run through a backend host (this interpreter, a numpy
+    backend) against the same backend called in this process."""
+    from inferd.libbackends.contract import DeviceKind, LoadOptions
+    from inferd.libbackends.hosted import HostedBackend, HostSpec
+
+    target = ROOT / "tests" / "libbackends" / "plugins" / "hosted_target.py"
+    spec = importlib.util.spec_from_file_location("hosted_target", target)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    onnx = Path(__file__)  # any file: the test backend does not read it
+    direct = module.create_backend().load(onnx, LoadOptions())
+    hosted = HostedBackend("hosted-test", DeviceKind.CPU, "0",
+                           HostSpec(sys.executable, f"{target}:create_backend"))
+    model = hosted.load(onnx, LoadOptions())
+    for rows in (1, 1024):
+        x = {"x": np.ones((rows, 4), np.float32)}
+        model.run(x)
+        far = statistics.median(timed(lambda: model.run(x), 200))
+        near = statistics.median(timed(lambda: direct.run(x), 200))
+        print(f"backend host round trip, {rows}x4 float32: {far * 1e6:.0f} µs vs "
+              f"{near * 1e6:.0f} µs in process (+{(far - near) * 1e6:.0f} µs)")
+    model.unload()
+
+
 def main() -> int:
+    host_round_trip()
     python = os.environ.get("INFERD_RKNN_PYTHON") or str(ROOT / ".venv-rknn" / "bin" / "python")
     if not Path(python).is_file():
         print(f"skipped: no RKNN simulator venv ({python}); run `make venv-rknn`")
@@ -65,7 +94,6 @@ def main() -> int:
               f"{wall:.1f} s with the interpreter start; model.rknn {done['bytes']} bytes")
         (version / "model.rknn").unlink()
 
-        import importlib.util
         spec = importlib.util.spec_from_file_location("rknn_plugin", PLUGIN / "__init__.py")
         assert spec and spec.loader
         plugin = importlib.util.module_from_spec(spec)
