@@ -230,6 +230,9 @@ class RknnBackend(Backend):
     def _detect() -> tuple[str | None, str]:
         machine = platform.machine()
         if machine in ("aarch64", "armv7l"):
+            if not LIBRKNNRT.exists():  # before RKNNLite, whose import may need it
+                return None, (f"{LIBRKNNRT} not found: the NPU runtime library comes with "
+                              f"the board vendor's image (rknpu2)")
             try:
                 importlib.import_module("rknnlite.api")
                 return "board", ""
@@ -256,9 +259,6 @@ class RknnBackend(Backend):
         if self.mode is None:
             return Probe(False, self._why)
         if self.mode == "board":
-            if not LIBRKNNRT.exists():
-                return Probe(False, f"{LIBRKNNRT} not found: the NPU runtime library comes "
-                                    f"with the board vendor's image (rknpu2)")
             soc = board_soc()
             if soc is None:
                 return Probe(False, "no Rockchip RK35xx NPU in /proc/device-tree/compatible")
