@@ -42,11 +42,12 @@ OPS = ("probe", "supports", "load", "run", "unload", "exit")
 
 # The bootstrap the daemon runs with ``python -I -c``: it makes ``inferd.ipc`` and
 # ``inferd.libbackends`` importable from the daemon's own folders (whatever the layout:
-# an installed package or a source tree), puts vendored directories on sys.path, then
+# an installed package or a source tree; their __init__ files are not run, so only the
+# modules the host imports are), puts vendored directories on sys.path, then
 # calls ENTRY (``module:function``, usually this module's main) with the remaining
 # arguments. argv: [-c, JSON {"packages": {name: dir}, "sys_path": [dir]}, ENTRY, *args].
 BOOTSTRAP = """\
-import importlib.util, json, sys, types
+import importlib, json, sys, types
 if sys.version_info < (3, 11):
     sys.exit("inferd backend host needs Python >= 3.11; %s is %s"
              % (sys.executable, sys.version.split()[0]))
@@ -56,12 +57,11 @@ root = types.ModuleType("inferd")
 root.__path__ = []
 sys.modules["inferd"] = root
 for name, folder in cfg["packages"].items():
-    spec = importlib.util.spec_from_file_location(
-        name, folder + "/__init__.py", submodule_search_locations=[folder])
-    module = importlib.util.module_from_spec(spec)
+    module = types.ModuleType(name)
+    module.__path__ = [folder]
+    module.__package__ = name
     sys.modules[name] = module
     setattr(root, name.split(".")[-1], module)
-    spec.loader.exec_module(module)
 module, _, function = sys.argv[2].partition(":")
 sys.exit(getattr(importlib.import_module(module), function)(*sys.argv[3:]))
 """

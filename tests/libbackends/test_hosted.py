@@ -6,6 +6,7 @@ through the same path a failing plugin takes, and the model must serve again aft
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -166,3 +167,24 @@ def test_the_host_ends_when_the_daemon_dies(elementwise_model: Path, tmp_path: P
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(pid), "the host outlived the process that started it"
+
+
+def test_the_host_imports_only_what_it_needs(tmp_path: Path) -> None:
+    # The host's interpreter is another venv: the host module and the bootstrap must not
+    # pull in the daemon's dependencies (onnx, onnxruntime, psutil) or its other parts.
+    from inferd.libbackends.hosted import bootstrap_command
+
+    (tmp_path / "list_modules.py").write_text(
+        "import json, sys\n"
+        "def main():\n"
+        "    import inferd.libbackends.host\n"
+        "    print(json.dumps(sorted(sys.modules)))\n"
+        "    return 0\n")
+    proc = subprocess.run(bootstrap_command(sys.executable, (str(tmp_path),),
+                                            "list_modules:main"),
+                          capture_output=True, text=True, timeout=60, check=True)
+    modules = set(json.loads(proc.stdout))
+    assert {"zmq", "numpy", "inferd.ipc.protocol", "inferd.libbackends.host"} <= modules
+    heavy = {"onnx", "onnxruntime", "psutil", "inferd.ipc.client", "inferd.daemon",
+             "inferd.libbackends.contract", "inferd.libbackends.loader"} & modules
+    assert not heavy, f"the host imports {sorted(heavy)}"
