@@ -13,7 +13,7 @@ SYSTEM_PACKAGES := python3-venv gcc libc6-dev libzmq3-dev fonts-dejavu-core \
 	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev
 
 .PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint \
-        venv-rknn test-rknn
+        venv-rknn test-rknn lint-duplicates
 
 setup: system-packages $(STAMP) models/.complete
 
@@ -84,6 +84,27 @@ lint: setup
 	$(PY) -m pip install --quiet ruff mypy
 	$(VENV)/bin/ruff check daemon ipc libbackends bench examples tests
 	$(VENV)/bin/mypy daemon ipc libbackends
+	@$(MAKE) --no-print-directory lint-duplicates
+
+# Code copied within or between the source trees fails the lint (one piece of code should
+# serve); runs alike in shape only (other names and values) are listed, not failed.
+# `duplicates` (a command on PATH where the developers have it) is optional: without it
+# the check is skipped, and says so.
+DUPLICATE_TREES := daemon ipc libbackends
+lint-duplicates:
+	@if ! command -v duplicates >/dev/null 2>&1; then \
+	    echo "lint: 'duplicates' is not on PATH: the copied-code check of" \
+	         "$(DUPLICATE_TREES) is skipped"; \
+	else \
+	    out=$$(duplicates --most 200 --seconds 120); \
+	    echo "$$out" | sed 's/^/duplicates: /'; \
+	    copies=$$(echo "$$out" | grep -E '^D[0-9]+ ' | grep -v ' shape' \
+	              | grep -E ' ($(subst $(eval) ,|,$(DUPLICATE_TREES)))/' || true); \
+	    if [ -n "$$copies" ]; then \
+	        echo "lint: code copied in $(DUPLICATE_TREES): make one piece of code serve" >&2; \
+	        echo "$$copies" >&2; exit 1; \
+	    fi; \
+	fi
 
 bench: setup
 	$(PY) bench/run.py

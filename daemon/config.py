@@ -20,7 +20,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from inferd.daemon.units import (
-    PROCESS_CORES, parse_affinity, parse_budget, parse_duration, parse_size,
+    PROCESS_CORES, boolean, parse_affinity, parse_budget, parse_duration, parse_size,
+    positive_float, positive_int, string_list,
 )
 from inferd.ipc import defs
 from inferd.ipc.errors import ConfigError
@@ -37,33 +38,9 @@ class Setting:
     expected: str
 
 
-def _positive_int(v: Any) -> int:
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-        return v
-    raise ValueError
-
-
-def _positive_float(v: Any) -> float:
-    if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
-        return float(v)
-    raise ValueError
-
-
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    raise ValueError
-
-
 def _string(v: Any) -> str:
     if isinstance(v, str) and v:
         return v
-    raise ValueError
-
-
-def _string_list(v: Any) -> list[str]:
-    if isinstance(v, list) and all(isinstance(x, str) and x for x in v):
-        return list(v)
     raise ValueError
 
 
@@ -127,7 +104,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "socket_mode": Setting("0660", _mode, "an octal file mode string such as '0660'"),
         "max_message_bytes": Setting("256MiB", parse_size,
                                  "a positive size in bytes, e.g. 268435456 or '256MiB'"),
-        "shutdown_grace_s": Setting(10.0, _positive_float, "a positive number of seconds"),
+        "shutdown_grace_s": Setting(10.0, positive_float, "a positive number of seconds"),
         "socket_group": Setting("", _group, "a group name or number, or \"\" to leave the "
                             "daemon's own group"),
         "cpu_affinity": Setting([], _cores, f"a list of core numbers from "
@@ -135,33 +112,33 @@ SCHEMA: dict[str, dict[str, Setting]] = {
     },
     "models": {
         "repository": Setting(defs.REPOSITORY, _string, "a directory path"),
-        "preload": Setting([], _string_list, "a list of model names"),
-        "queue_size": Setting(64, _positive_int, "a positive integer"),
-        "instances": Setting(1, _positive_int, "a positive integer"),
+        "preload": Setting([], string_list, "a list of model names"),
+        "queue_size": Setting(64, positive_int, "a positive integer"),
+        "instances": Setting(1, positive_int, "a positive integer"),
     },
     "backends": {
-        "paths": Setting([], _string_list, "a list of absolute directory paths"),
-        "probe_timeout_s": Setting(10.0, _positive_float, "a positive number of seconds"),
+        "paths": Setting([], string_list, "a list of absolute directory paths"),
+        "probe_timeout_s": Setting(10.0, positive_float, "a positive number of seconds"),
     },
     "customops": {
-        "paths": Setting([], _string_list, "a list of absolute directory paths"),
+        "paths": Setting([], string_list, "a list of absolute directory paths"),
     },
     "processors": {
         "directory": Setting(defs.PROCESSORS_DIR, _string, "a directory path"),
     },
     "onnxruntime": {
-        "intra_op_threads": Setting(1, _positive_int, "a positive integer"),
-        "inter_op_threads": Setting(1, _positive_int, "a positive integer"),
-        "allow_spinning": Setting(True, _bool, "true or false"),
+        "intra_op_threads": Setting(1, positive_int, "a positive integer"),
+        "inter_op_threads": Setting(1, positive_int, "a positive integer"),
+        "allow_spinning": Setting(True, boolean, "true or false"),
     },
     "cache": {
         "max_memory": Setting("75%", parse_budget, "a size ('512MiB'), a share of physical memory "
                           "('40%') or 'unlimited'"),
         "keep_alive": Setting("5m", parse_duration, "a duration such as 30, '90s', '5m', '1h', or "
                           "'forever'"),
-        "failed_load_hold_s": Setting(10.0, _positive_float, "a positive number of seconds"),
-        "idle_check_s": Setting(1.0, _positive_float, "a positive number of seconds"),
-        "warmup_dim": Setting(64, _positive_int, "a positive integer"),
+        "failed_load_hold_s": Setting(10.0, positive_float, "a positive number of seconds"),
+        "idle_check_s": Setting(1.0, positive_float, "a positive number of seconds"),
+        "warmup_dim": Setting(64, positive_int, "a positive integer"),
     },
     "logging": {
         "level": Setting("info", _level, "one of debug, info, warning, error, critical"),
@@ -175,7 +152,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
                     "a list of group ids or existing group names"),
     },
     "systemd": {
-        "extend_timeout_s": Setting(90.0, _positive_float, "a positive number of seconds"),
+        "extend_timeout_s": Setting(90.0, positive_float, "a positive number of seconds"),
     },
 }
 

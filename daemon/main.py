@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handler = setup_logging(config.logging.level, config.logging.modules)
     log.debug("logging to %s", type(handler).__name__)
-    if config.dropins:
-        log.info("configuration: %s, then drop-ins %s", path,
-                 ", ".join(str(p) for p in config.dropins))
+    log.info("configuration: %s%s", path or "built-in defaults",
+             f", then drop-ins {', '.join(str(p) for p in config.dropins)}"
+             if config.dropins else "")
     runtime = Runtime(config, overrides)
 
     def on_signal(signum: int, _frame: Any) -> None:

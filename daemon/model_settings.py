@@ -26,36 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from inferd.daemon.config import Setting
-from inferd.daemon.units import parse_affinity, parse_duration
+from inferd.daemon.units import (
+    boolean, non_negative, parse_affinity, parse_duration, positive_int, string_list,
+)
 from inferd.ipc.errors import ErrorCode, ModelError
 
 log = logging.getLogger(__name__)
 
 SETTINGS_FILE = "model.toml"
-
-
-def _positive_int(v: Any) -> int:
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-        return v
-    raise ValueError
-
-
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    raise ValueError
-
-
-def _non_negative(v: Any) -> float:
-    if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0:
-        return float(v)
-    raise ValueError
-
-
-def _names(v: Any) -> list[str]:
-    if isinstance(v, list) and all(isinstance(x, str) and x for x in v):
-        return list(v)
-    raise ValueError
 
 
 def _cores(v: Any) -> list[int]:
@@ -79,28 +57,28 @@ def _steps(v: Any) -> list[dict[str, Any]]:
 
 SCHEMA: dict[str, Setting] = {
     # the cache (docs/cache.md)
-    "pin": Setting(False, _bool, "true or false"),
+    "pin": Setting(False, boolean, "true or false"),
     "keep_alive": Setting(None, parse_duration, "a duration such as 30, '90s', '5m' or "
                           "'forever' (default: [cache] keep_alive)"),
-    "warmup": Setting(False, _bool, "true or false"),
+    "warmup": Setting(False, boolean, "true or false"),
     "warmup_shapes": Setting({}, _shapes, "a table of input name = list of sizes, e.g. "
                              "{ x = [1, 3, 64, 64] }"),
     # versions (docs/cache.md)
-    "version": Setting(None, _positive_int, "a positive integer (a version on disk)"),
-    "keep_versions": Setting(None, _positive_int, "a positive integer"),
+    "version": Setting(None, positive_int, "a positive integer (a version on disk)"),
+    "keep_versions": Setting(None, positive_int, "a positive integer"),
     # backends (docs/backends.md)
-    "backends": Setting(None, _names, "a list of backend ids or device kinds, e.g. "
+    "backends": Setting(None, string_list, "a list of backend ids or device kinds, e.g. "
                         "[\"npu\", \"cpu\"]"),
     # the model's threads (docs/pipelines.md)
-    "instances": Setting(None, _positive_int, "a positive integer (default: [models] "
+    "instances": Setting(None, positive_int, "a positive integer (default: [models] "
                          "instances)"),
-    "queue_size": Setting(None, _positive_int, "a positive integer (default: [models] "
+    "queue_size": Setting(None, positive_int, "a positive integer (default: [models] "
                           "queue_size)"),
     "cpu_affinity": Setting(None, _cores, "a non-empty list of core numbers this process "
                             "may use"),
-    "max_batch": Setting(1, _positive_int, "a positive integer (1: no batching)"),
-    "max_delay_ms": Setting(0.0, _non_negative, "a number of milliseconds >= 0"),
-    "stage_queue_size": Setting(8, _positive_int, "a positive integer"),
+    "max_batch": Setting(1, positive_int, "a positive integer (1: no batching)"),
+    "max_delay_ms": Setting(0.0, non_negative, "a number of milliseconds >= 0"),
+    "stage_queue_size": Setting(8, positive_int, "a positive integer"),
     "pre": Setting([], _steps, "a list of step tables ([[pre]] with op = processor)"),
     "post": Setting([], _steps, "a list of step tables ([[post]] with op = processor)"),
 }

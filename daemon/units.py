@@ -105,3 +105,38 @@ def request_keep_alive(params: dict[str, Any]) -> float | None:
     except ValueError:
         raise ModelError(f"keep_alive = {value!r}: expected seconds or a duration such "
                          f"as '5m', or 'forever'", ErrorCode.INVALID_ARGUMENT) from None
+
+
+def positive_int(v: Any) -> int:
+    """A config value check: an integer > 0 (not a bool); raises ValueError."""
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    raise ValueError
+
+
+def positive_float(v: Any) -> float:
+    """A number > 0 (not a bool); raises ValueError."""
+    if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
+        return float(v)
+    raise ValueError
+
+
+def non_negative(v: Any) -> float:
+    """A number >= 0 (not a bool); raises ValueError."""
+    if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0:
+        return float(v)
+    raise ValueError
+
+
+def boolean(v: Any) -> bool:
+    """true or false; raises ValueError."""
+    if isinstance(v, bool):
+        return v
+    raise ValueError
+
+
+def string_list(v: Any) -> list[str]:
+    """A list of non-empty strings; raises ValueError."""
+    if isinstance(v, list) and all(isinstance(x, str) and x for x in v):
+        return list(v)
+    raise ValueError

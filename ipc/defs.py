@@ -29,3 +29,9 @@ BACKENDS_DIR = "/usr/lib/inferd/backends"
 
 BACKENDS_PATH_ENV = "INFERD_BACKENDS_PATH"
 """Environment variable with a colon-separated backend search path."""
+
+CUSTOMOPS_DIR = "/usr/lib/inferd/customops"
+"""The default directory of custom operators (searched when nothing else is named)."""
+
+CUSTOMOPS_PATH_ENV = "INFERD_CUSTOMOPS_PATH"
+"""Environment variable with a colon-separated custom-operator search path."""

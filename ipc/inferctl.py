@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -227,11 +228,19 @@ def _infer(c: Client, args: argparse.Namespace) -> None:
                           for k, v in outputs.items()}))
 
 
+def _version() -> str:
+    try:
+        return version("inferd")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "0+unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inferctl", description="Control and query inferd.")
     p.add_argument("--socket", default=None, help=f"daemon endpoint (default ${defs.SOCKET_ENV} "
                    f"or {defs.SOCKET})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--version", action="version", version=f"inferctl {_version()}")
     p.add_argument("--timeout", type=float, default=30.0, dest="request_timeout",
                    help="seconds to wait for a reply (default 30)")
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -28,21 +28,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from inferd.ipc import defs
 from inferd.ipc.errors import BackendError
 from inferd.libbackends.contract import (
     API_VERSION, BACKEND_ID, REQUIRED_ATTRIBUTES, REQUIRED_METHODS, Backend, DeviceKind, Probe,
 )
 from inferd.libbackends.native import ChildReport, open_native, probe_in_children, \
     version_problem
+from inferd.libbackends.searchpath import BACKENDS
 from inferd.libbackends.registry import (
     Candidate, CandidateError, CandidateStatus, Form, Registry, Stage,
 )
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PATH = defs.BACKENDS_DIR
-ENV_PATH = defs.BACKENDS_PATH_ENV
 FACTORY = "create_backend"
 NATIVE_NAME = re.compile(r"lib(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)_backend\.so")
 PYTHON_NAME = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_]*)(\.py)?")
@@ -70,40 +68,8 @@ BUILTINS: tuple[Builtin, ...] = (Builtin("onnxruntime", "onnxruntime", _onnxrunt
 
 # --------------------------------------------------------------------- search path
 
-
-def search_path(cli: Sequence[str] | None, env: Mapping[str, str],
-                configured: Sequence[str]) -> tuple[list[str], str]:
-    """The directories to search, as given, and where they came from."""
-    if cli:
-        return list(cli), "--backends-dir"
-    if env.get(ENV_PATH):
-        return [p for p in env[ENV_PATH].split(":") if p], f"${ENV_PATH}"
-    if configured:
-        return list(configured), "backends.paths"
-    return [DEFAULT_PATH], "default"
-
-
-def usable_dirs(paths: Sequence[str], source: str) -> list[Path]:
-    """The absolute, existing directories of ``paths``, each once; the rest is logged
-    (WARNING, or INFO for a missing default) and ignored."""
-    dirs: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if not path.is_absolute():
-            problem = "is not an absolute path"
-        elif not path.exists():
-            problem = "does not exist"
-        elif not path.is_dir():
-            problem = "is not a directory"
-        else:
-            real = path.resolve()
-            if real not in dirs:
-                dirs.append(real)
-            continue
-        level = logging.INFO if source == "default" else logging.WARNING
-        log.log(level, "backends directory %s (from %s) %s: ignored", raw, source, problem,
-                extra={"PLUGIN_PATH": raw})
-    return dirs
+search_path = BACKENDS.choose
+usable_dirs = BACKENDS.usable
 
 
 # --------------------------------------------------------------------- discovery
@@ -422,12 +388,8 @@ def load_backends(registry: Registry, config: Any,
             ``--backends-dir`` flag when ``config.overridden`` holds it.
         env: the environment (default ``os.environ``).
     """
-    env = os.environ if env is None else env
-    configured = list(config.backends.paths)
-    from_cli = "backends.paths" in getattr(config, "overridden", ())
-    paths, source = search_path(configured if from_cli else None, env,
-                                [] if from_cli else configured)
-    dirs = usable_dirs(paths, source)
+    paths, source = BACKENDS.from_config(config, os.environ if env is None else env)
+    dirs = BACKENDS.usable(paths, source)
     registry.search_path = [str(d) for d in dirs]
     registry.search_path_source = source
     log.info("searching backends in %s (from %s)",

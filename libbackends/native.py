@@ -92,13 +92,15 @@ def _no_step(what: str, stage: Stage) -> None:
     pass
 
 
-def version_problem(major: int, minor: int) -> str | None:
-    """Why a plugin built for API ``major.minor`` cannot load, or None if it can."""
-    ours = f"{API_VERSION[0]}.{API_VERSION[1]}"
-    if major != API_VERSION[0]:
+def version_problem(major: int, minor: int,
+                    api: tuple[int, int] = API_VERSION) -> str | None:
+    """Why a plugin built for API ``major.minor`` cannot load into this daemon's API
+    ``api`` (the backend contract's by default), or None if it can."""
+    ours = f"{api[0]}.{api[1]}"
+    if major != api[0]:
         return (f"API version {major}.{minor} is incompatible with the daemon's {ours}: "
                 f"the major version must be equal")
-    if minor > API_VERSION[1]:
+    if minor > api[1]:
         return (f"API version {major}.{minor} is newer than the daemon's {ours}: the "
                 f"minor version must not be greater (update inferd, or build the plugin "
                 f"against the header of inferd {ours})")

@@ -21,44 +21,16 @@ from typing import Any
 
 from inferd.libbackends.customops import pyops
 from inferd.libbackends.customops.contract import OpRegistry, Skipped
+from inferd.libbackends.searchpath import CUSTOMOPS
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PATH = "/usr/lib/inferd/customops"
-ENV_PATH = "INFERD_CUSTOMOPS_PATH"
 MODEL_FOLDER = "customops"
 NATIVE_NAME = re.compile(r"libinferdcst_(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)\.so")
 
 
-def search_path(cli: Sequence[str] | None, env: Mapping[str, str],
-                configured: Sequence[str]) -> tuple[list[str], str]:
-    """The directories to search, as given, and where they came from."""
-    if cli:
-        return list(cli), "--customops-dir"
-    if env.get(ENV_PATH):
-        return [p for p in env[ENV_PATH].split(":") if p], f"${ENV_PATH}"
-    if configured:
-        return list(configured), "customops.paths"
-    return [DEFAULT_PATH], "default"
-
-
-def usable_dirs(paths: Sequence[str], source: str) -> list[Path]:
-    """The absolute, existing directories of ``paths``, each once; the rest is logged
-    (WARNING, or INFO for a missing default) and ignored."""
-    dirs: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        problem = ("is not an absolute path" if not path.is_absolute() else
-                   "does not exist" if not path.exists() else
-                   "is not a directory" if not path.is_dir() else "")
-        if not problem:
-            if path.resolve() not in dirs:
-                dirs.append(path.resolve())
-            continue
-        level = logging.INFO if source == "default" else logging.WARNING
-        log.log(level, "custom ops directory %s (from %s) %s: ignored", raw, source,
-                problem, extra={"PLUGIN_PATH": raw})
-    return dirs
+search_path = CUSTOMOPS.choose
+usable_dirs = CUSTOMOPS.usable
 
 
 def load_folders(dirs: Sequence[Path], registry: OpRegistry,
@@ -94,12 +66,8 @@ def load_folders(dirs: Sequence[Path], registry: OpRegistry,
 
 def load_global(config: Any, env: Mapping[str, str] | None = None) -> OpRegistry:
     """The daemon's ops, found the way the daemon does at boot."""
-    env = os.environ if env is None else env
-    configured = list(config.customops.paths)
-    from_cli = "customops.paths" in getattr(config, "overridden", ())
-    paths, source = search_path(configured if from_cli else None, env,
-                                [] if from_cli else configured)
-    dirs = usable_dirs(paths, source)
+    paths, source = CUSTOMOPS.from_config(config, os.environ if env is None else env)
+    dirs = CUSTOMOPS.usable(paths, source)
     registry = OpRegistry(search_path=[str(d) for d in dirs], search_path_source=source)
     log.info("searching custom ops in %s (from %s)",
              ":".join(registry.search_path) or "no usable directory", source)

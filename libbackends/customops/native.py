@@ -95,15 +95,8 @@ FUNCTIONS = ("init", "prepare", "destroy", "last_error")
 
 
 def version_problem(packed: int) -> str | None:
-    major, minor = packed >> 16, packed & 0xFFFF
-    ours = f"{API_VERSION[0]}.{API_VERSION[1]}"
-    if major != API_VERSION[0]:
-        return (f"API version {major}.{minor} is incompatible with the daemon's {ours}: "
-                f"the major version must be equal")
-    if minor > API_VERSION[1]:
-        return (f"API version {major}.{minor} is newer than the daemon's {ours}: the "
-                f"minor version must not be greater")
-    return None
+    """The backends' version rule, for the custom-op API (``packed``: major << 16 | minor)."""
+    return backend_native.version_problem(packed >> 16, packed & 0xFFFF, API_VERSION)
 
 
 def open_table(path: Path, step: backend_native.StageHook = backend_native._no_step

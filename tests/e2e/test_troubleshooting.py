@@ -1,0 +1,310 @@
+"""docs/troubleshooting.md stays true: every log line and command output it quotes in a
+code block is produced here by provoking it on a real daemon (numbers, pids and paths
+are compared as placeholders). A quote with no provoker fails the first test, so a new
+recipe must come with its test.
+
+Only the absence of onnxruntime cannot exist on this machine: a stub package that
+raises ModuleNotFoundError on import stands in for it (PYTHONPATH, daemon only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inferd.ipc import Client, RequestError
+from inferd.ipc.protocol import Op
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
+DOC_SOCKET = "/run/inferd/inferd.sock"
+DOC_REPO = "/var/lib/inferd/models"
+
+
+def quotes() -> list[str]:
+    """Every line of the page's code blocks except shell commands and status boxes."""
+    out, block, lang = [], False, ""
+    for line in DOC.read_text().splitlines():
+        if line.startswith("```"):
+            block, lang = not block, line[3:].strip()
+            continue
+        if block and lang != "sh" and line.strip():
+            out.append(line)
+    return out
+
+
+def norm(text: str) -> str:
+    """Numbers (pids, uids, sizes, times, positions) become N, runs of spaces one."""
+    return re.sub(r" +", " ", re.sub(r"\d+(\.\d+)?", "N", text)).strip()
+
+
+def found(quote: str, produced: str, **paths: str) -> bool:
+    """Whether ``quote`` is one of ``produced``'s lines (or inside one), once the
+    produced paths are written as the page writes them (``paths``: real -> page)."""
+    for real, page in sorted(paths.items(), key=lambda kv: -len(kv[0])):
+        produced = produced.replace(real, page)
+    return any(norm(quote) in norm(line) for line in produced.splitlines())
+
+
+# quote (its start) -> the test below that provokes it
+PROVOKERS = {
+    'Status: "ready; backends: 1 loaded (onnxruntime)': "everyday",
+    "inferctl: UNAVAILABLE: permission denied on": "socket_group",
+    "inferctl: PERMISSION_DENIED: permission denied: uid": "everyday",
+    "inferctl: UNAVAILABLE: no inferd socket at": "everyday",
+    "inferd: invalid configuration:": "everyday",
+    "cannot start: another inferd": "everyday",
+    "built-in:onnxruntime  built-in  opened  failed": "no_backend",
+    "backend candidate built-in:onnxruntime failed at stage 'opened'": "no_backend",
+    "inferctl: UNAVAILABLE: model ocr-cls version 1 failed to load": "no_backend",
+    "ready; backends: 0 loaded, 1 failed": "no_backend",
+    "inferctl: NOT_FOUND: model 'ocr-dte' not found": "everyday",
+    "model a cannot be served:": "bad_files",
+    "graph g failed to load:": "bad_files",
+    "RESOURCE_EXHAUSTED: model ocr-det version 1: queue is full": "limits",
+    "RESOURCE_EXHAUSTED: message of": "limits",
+    "RESOURCE_EXHAUSTED: model ocr-det version 1 failed to load": "limits",
+    "model vad version 1 unloaded: evicted to make room": "limits",
+    "watchdog: not pinging systemd: worker threads are gone": "watchdog",
+    "model ocr-rec version 1: workers did not finish within": "sigterm",
+    "inferd exited cleanly; model threads still running": "sigterm",
+}
+
+
+def _provoker(quote: str) -> str | None:
+    return next((t for start, t in PROVOKERS.items() if quote.startswith(start)), None)
+
+
+def _quotes_of(name: str) -> list[str]:
+    return [q for q in quotes() if _provoker(q) == name]
+
+
+def test_every_quote_on_the_page_has_a_provoker() -> None:
+    unguarded = [q for q in quotes() if _provoker(q) is None]
+    assert unguarded == [], "quote without a test in tests/e2e/test_troubleshooting.py"
+    assert set(PROVOKERS.values()) <= {n.removeprefix("test_") for n in globals()
+                                       if n.startswith("test_")}
+
+
+def _inferctl(endpoint: str, *args: str, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--socket", endpoint,
+                           *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def _model(repo: Path, models_dir: Path, name: str, demo: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.onnx").symlink_to(models_dir / demo / "1" / "model.onnx")
+
+
+def _check(name: str, produced: str, **paths: str) -> None:
+    for q in _quotes_of(name):
+        assert found(q, produced, **paths), f"not produced: {q}\n--- produced:\n{produced}"
+
+
+@pytest.mark.slow
+def test_everyday(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    """Status line, refused client, no socket, bad drop-in, second daemon, NOT_FOUND."""
+    config = short_tmp / "inferd.toml"
+    config.write_text(f"[access]\nuids = [{os.getuid() + 4242}]\n")
+    refused = start_daemon("--config", str(config), "--models", str(models_dir),
+                           "--preload", "ocr-det", "--preload", "ocr-rec", ready=False)
+    deadline = time.monotonic() + 120
+    while "ready;" not in refused.log():
+        assert time.monotonic() < deadline, refused.log()
+        time.sleep(0.1)
+    sock = str(refused.socket_path)
+    out = [f'Status: "{line.split("inferd.daemon.runtime: ", 1)[1]}"'
+           for line in refused.log().splitlines() if "runtime: ready;" in line]
+    out.append(_inferctl(refused.endpoint, "ping").stderr)
+    out.append(_inferctl(f"ipc://{short_tmp}/nothing.sock", "ping").stderr)
+    # a second daemon on the same socket
+    again = subprocess.run([sys.executable, "-m", "inferd.daemon.main", "--socket",
+                            refused.endpoint, "--models", str(models_dir)],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "INFERD_CONFIG": str(config)})
+    assert again.returncode == 1
+    out.append(again.stderr)
+    # a drop-in with a misspelt key
+    (short_tmp / "conf.d").mkdir()
+    dropin = short_tmp / "conf.d" / "50-ocr.toml"
+    dropin.write_text("[models]\npreloads = [\"ocr-det\"]\n")
+    bad = subprocess.run([sys.executable, "-m", "inferd.daemon.main", "--config",
+                          str(config), "--socket", f"ipc://{short_tmp}/x.sock"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    out.append(bad.stderr)
+    dropin.unlink()
+    served = start_daemon("--models", str(models_dir), workdir=short_tmp / "conf.d")
+    out.append(_inferctl(served.endpoint, "infer", "ocr-dte").stderr)
+    _check("everyday", "\n".join(out), **{sock: DOC_SOCKET, str(short_tmp / "nothing.sock"):
+                                          DOC_SOCKET, str(models_dir): DOC_REPO,
+                                          str(dropin): "/etc/inferd/conf.d/50-ocr.toml"})
+
+
+@pytest.mark.slow
+def test_socket_group(start_daemon, short_tmp: Path) -> None:
+    """A user outside the socket's group: the client says so before sending."""
+    python = Path("/usr/bin/python3")
+    check = subprocess.run([str(python), "-c", "import zmq, numpy"], capture_output=True)
+    if os.getuid() != 0 or check.returncode != 0:
+        if os.environ.get("INFERD_CI"):
+            pytest.fail("CI runs as root with python3-zmq and python3-numpy")
+        pytest.skip("needs root and the system python3 with zmq and numpy (another user "
+                    "cannot run this venv's python)")
+    d = start_daemon()
+    d.workdir.chmod(0o755)  # the directory is open, the socket (0660, root) is not
+    # The source tree as the package `inferd`, for the system python of the other user.
+    pkg = short_tmp / "pkg" / "inferd"
+    pkg.mkdir(parents=True)
+    root = Path(__file__).resolve().parents[2]
+    for sub in ("ipc", "libbackends"):
+        (pkg / sub).symlink_to(root / sub)
+    (short_tmp / "pkg").chmod(0o755)
+    pkg.chmod(0o755)
+    r = subprocess.run([str(python), "-m", "inferd.ipc.inferctl", "--socket", d.endpoint,
+                        "ping"], capture_output=True, text=True, timeout=60,
+                       env={"PYTHONPATH": str(short_tmp / "pkg"), "PATH": "/usr/bin:/bin"},
+                       preexec_fn=lambda: (os.setgroups([]), os.setgid(65534),
+                                           os.setuid(65534)))
+    assert r.returncode == 1, r.stderr
+    _check("socket_group", r.stderr, **{str(d.socket_path): DOC_SOCKET})
+
+
+@pytest.mark.slow
+def test_no_backend(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    stub = short_tmp / "stub" / "onnxruntime"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'onnxruntime'\", name='onnxruntime')\n")
+    d = start_daemon("--models", str(models_dir), "--preload", "ocr-cls",
+                     env={"PYTHONPATH": str(short_tmp / "stub")})
+    x = short_tmp / "x.npy"
+    np.save(x, np.zeros((1, 3, 48, 192), np.float32))
+    out = [_inferctl(d.endpoint, "backends").stdout,
+           _inferctl(d.endpoint, "infer", "ocr-cls", "-i", f"x={x}").stderr, d.log()]
+    _check("no_backend", "\n".join(out))
+
+
+@pytest.mark.slow
+def test_bad_files(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    repo = short_tmp / "repo"
+    _model(repo, models_dir, "a", "ocr-cls")
+    (repo / "a" / "model.toml").write_text('instances = "two"\n')
+    (repo / "g").mkdir()
+    (repo / "g" / "graph.toml").write_text(
+        'inputs = ["x"]\n[outputs]\ny = "a.y"\n[[nodes]]\nname = "a"\nprocessor = "softmax"\n'
+        'params = { input = "x" }\ninputs = { x = "ghost.x" }\n')
+    d = start_daemon("--models", str(repo))
+    with d.client() as c:
+        with pytest.raises(RequestError):
+            c.call(Op.LOAD, "g")
+        rows = {m["name"]: m for m in c.models()}
+    assert rows["a"]["state"] == rows["g"]["state"] == "failed"
+    _check("bad_files", d.log(), **{str(repo.resolve()): DOC_REPO})
+
+
+@pytest.mark.slow
+def test_limits(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    """Queue full, message too large, a load over the budget, an eviction."""
+    repo = short_tmp / "repo"
+    for name in ("ocr-det", "ocr-cls", "vad"):
+        _model(repo, models_dir, name, name)
+    (repo / "ocr-det" / "model.toml").write_text("queue_size = 1\n")
+    out = []
+    # 1. No budget: measure two small models, then flood a model whose queue holds one.
+    d0 = start_daemon("--models", str(repo), workdir=_dir(short_tmp / "d0"))
+    with d0.client(timeout=120) as c:
+        vad, cls = c.load("vad")["memory_bytes"], c.load("ocr-cls")["memory_bytes"]
+        x = np.zeros((1, 3, 640, 640), np.float32)
+        for p in [c.submit(Op.INFER, "ocr-det", inputs={"x": x}) for _ in range(8)]:
+            r = p.reply()
+            if r.error is not None:
+                out.append(f"{r.error.code}: {r.error.message}")
+    assert vad and cls
+    # 2. A budget of 1 MiB and messages of at most 1 MiB.
+    config = short_tmp / "small.toml"
+    config.write_text('[server]\nmax_message_bytes = "1MiB"\n[cache]\nmax_memory = "1MiB"\n')
+    d1 = start_daemon("--config", str(config), "--models", str(repo),
+                      workdir=_dir(short_tmp / "d1"))
+    with d1.client(timeout=60) as c:
+        for model, x in (("ocr-det", np.zeros((1, 3, 64, 64), np.float32)),
+                         ("ocr-cls", np.zeros((4, 3, 48, 768), np.float32))):
+            with pytest.raises(RequestError) as e:
+                c.infer(model, {"x": x})
+            out.append(f"{e.value.code}: {e.value.message}")
+    # 3. Room for either small model, not both: the second evicts the first.
+    config = short_tmp / "budget.toml"
+    config.write_text(f"[cache]\nmax_memory = {max(vad, cls) + min(vad, cls) // 2}\n")
+    d2 = start_daemon("--config", str(config), "--models", str(repo),
+                      workdir=_dir(short_tmp / "d2"))
+    with d2.client(timeout=60) as c:
+        c.load("vad")
+        c.load("ocr-cls")
+    _check("limits", "\n".join(out) + "\n" + d2.log())
+
+
+def _dir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+@pytest.mark.slow
+def test_watchdog(short_tmp: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                  caplog: pytest.LogCaptureFixture) -> None:
+    """A worker thread that died: the watchdog stops pinging systemd and says why."""
+    from inferd.daemon.config import load_config
+    from inferd.daemon.runtime import Runtime
+    from inferd.daemon.worker import STOP
+
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(short_tmp / "notify"))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(short_tmp / "notify"))
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    caplog.set_level(logging.ERROR, "inferd.daemon.systemd")
+    rt = Runtime(load_config(None, {"server.socket": f"ipc://{short_tmp}/w.sock",
+                                    "models.repository": str(models_dir),
+                                    "models.preload": ["ocr-det"]}))
+    rt.start()
+    serve = threading.Thread(target=rt.serve, name="test-serve")
+    serve.start()
+    try:
+        assert rt.ready.wait(60)
+        rt.models.entry("ocr-det").queue.put(STOP)  # the worker ends behind the model's back
+        deadline = time.monotonic() + 30
+        while "worker threads are gone" not in caplog.text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        rt.stop()
+        serve.join(30)
+        notify.close()
+    _check("watchdog", caplog.text)
+
+
+@pytest.mark.slow
+def test_sigterm(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    """SIGTERM with more work queued than the grace period lets finish."""
+    config = short_tmp / "inferd.toml"
+    config.write_text("[server]\nshutdown_grace_s = 2\n[models]\nqueue_size = 512\n")
+    d = start_daemon("--config", str(config), "--models", str(models_dir),
+                     "--preload", "ocr-rec")
+    with Client(d.endpoint, timeout=120) as c:
+        x = np.zeros((1, 3, 48, 320), np.float32)
+        pending = [c.submit(Op.INFER, "ocr-rec", inputs={"x": x}) for _ in range(200)]
+        time.sleep(0.5)
+        d.proc.send_signal(signal.SIGTERM)
+        for p in pending:
+            p.reply()
+    assert d.stop() == 0
+    _check("sigterm", d.log_path.read_text())
