@@ -7,9 +7,10 @@ all 500. Within one client the order is kept.
 
 The interface is the part of ``queue.SimpleQueue`` the workers use (``put``, ``get``
 with ``block``/``timeout``, ``get_nowait``, ``qsize``, ``empty``). The sentinel
-``None`` (a worker's stop signal) is served once every request queued before it has
-been served, as with a plain FIFO; requests queued after it stay for the next worker
-(a model being drained keeps the requests that arrive meanwhile for its next load).
+:data:`~inferd.daemon.worker.STOP` (a worker's stop signal) is served once every
+request queued before it has been served, as with a plain FIFO; requests queued after
+it stay for the next worker (a model being drained keeps the requests that arrive
+meanwhile for its next load).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import queue
 import threading
 from collections import OrderedDict, deque
 from typing import Any
+
+from inferd.daemon.worker import STOP
 
 
 def peer_of(item: Any) -> bytes:
@@ -43,7 +46,7 @@ class FairQueue:
     def put(self, item: Any) -> None:
         with self._lock:
             self._seq += 1
-            if item is None:
+            if item is STOP:
                 self._stops.append(self._seq)
             else:
                 key = peer_of(item)
@@ -63,7 +66,7 @@ class FairQueue:
             if self._stops and (not self._peers or min(
                     f[0][0] for f in self._peers.values()) > self._stops[0]):
                 self._stops.popleft()  # nothing queued before it is left
-                return None
+                return STOP
             key, fifo = next(iter(self._peers.items()))
             _, item = fifo.popleft()
             if fifo:

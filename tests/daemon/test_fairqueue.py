@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from inferd.daemon.fairqueue import FairQueue
+from inferd.daemon.worker import STOP
 
 
 @dataclass
@@ -43,12 +44,12 @@ def test_stop_comes_after_what_was_queued_before_it_and_leaves_later_requests():
     q = FairQueue()
     q.put(_item(b"a", 0))
     q.put(_item(b"a", 1))
-    q.put(None)
+    q.put(STOP)
     q.put(_item(b"b", 0))  # arrives during a drain: stays for the next load
     order = []
     while True:
         item = q.get(timeout=1)
-        if item is None:
+        if item is STOP:
             break
         order.append((item.ticket.peer, item.n))
     assert (b"a", 0) in order and (b"a", 1) in order
@@ -56,7 +57,7 @@ def test_stop_comes_after_what_was_queued_before_it_and_leaves_later_requests():
     rest = []
     while not q.empty():
         rest.append(q.get_nowait())
-    assert all(i is not None for i in rest)
+    assert all(i is not STOP for i in rest)
     assert {(i.ticket.peer, i.n) for i in rest} | set(order) == {(b"a", 0), (b"a", 1),
                                                                  (b"b", 0)}
 
@@ -75,7 +76,7 @@ def test_items_without_a_peer_and_many_threads_lose_nothing():
     lock = threading.Lock()
 
     def consume() -> None:
-        while (item := q.get()) is not None:
+        while (item := q.get()) is not STOP:
             with lock:
                 got.append(item)
 
@@ -86,7 +87,7 @@ def test_items_without_a_peer_and_many_threads_lose_nothing():
     for item in items:
         q.put(item)
     for _ in threads:
-        q.put(None)
+        q.put(STOP)
     for t in threads:
         t.join(10)
     assert len(got) == len(items) and q.empty()

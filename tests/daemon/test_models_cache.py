@@ -393,10 +393,10 @@ def test_reload_swaps_a_new_version_in_under_load(
         models_dir / "ocr-det" / "1" / "model.onnx")
     config = load_config(None, {"models.repository": str(repo), "models.preload": ["vad"],
                                 "cache.max_memory": budget})
-    before = load.ok
     caplog.set_level(logging.INFO, "inferd.daemon.reload")
     assert m.reload(config)["changed"] == ["ocr-det: version 1 -> 2"]
-    wait_for(lambda: load.ok >= before + 3)
+    before = load.ok  # from here every request goes to version 2 (the old one served
+    wait_for(lambda: load.ok >= before + 3)  # those that came during the reload)
     load.halt.set()
     load.join(30)
     assert load.failures == []
