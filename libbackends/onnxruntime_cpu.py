@@ -19,6 +19,19 @@ log = logging.getLogger(__name__)
 # Ops onnxruntime runs without a kernel: it folds them into initializers at load.
 _NO_KERNEL = {("", "Constant")}
 
+
+def _is_function(op_type: str, version: int, domain: str) -> bool:
+    """Whether ONNX defines the op as a function, which onnxruntime expands into ops it
+    has kernels for."""
+    try:
+        from onnx import defs
+
+        schema = defs.get_schema(op_type, version, domain)
+    except Exception:  # noqa: BLE001  no such schema (onnx raises SchemaError)
+        return False
+    return bool(getattr(schema, "has_function", False)
+                or getattr(schema, "has_context_dependent_function", False))
+
 # onnxruntime type strings -> wire dtype names
 _ORT_TYPES = {
     "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
@@ -96,13 +109,15 @@ class OnnxRuntimeCpuBackend(Backend):
         kernel registry has a kernel for its op at the model's opset, else why not."""
         kernels = self._kernels()
         opsets = {(o.domain or ""): o.version for o in model.opset_import}
+        local = {(f.domain, f.name) for f in model.functions}  # inlined by onnxruntime
         answer = []
         for node in model.graph.node:
             domain = "" if node.domain in ("", "ai.onnx") else node.domain
             version = opsets.get(domain, opsets.get("ai.onnx", 0) if not domain else 1)
             ranges = kernels.get((domain, node.op_type), [])
-            if (domain, node.op_type) in _NO_KERNEL or \
-                    any(lo <= version <= hi for lo, hi in ranges):
+            if (domain, node.op_type) in _NO_KERNEL or (domain, node.op_type) in local or \
+                    any(lo <= version <= hi for lo, hi in ranges) or \
+                    _is_function(node.op_type, version, domain):
                 answer.append("")
             elif ranges:
                 answer.append(f"no CPU kernel for {node.op_type} at opset {version}")

@@ -69,11 +69,17 @@ def assign(model: ModelProto, name: str, chosen: Backend, fallbacks: Sequence[Ba
            ops: OpRegistry | None) -> list[tuple[str, Backend | None, CustomOp | None]]:
     """The executor of every node: (executor label, backend, op).
 
+    A node of a standard domain (or calling one of the model's own functions) that no
+    backend claims stays on the chosen backend, with a WARNING: only the engine itself
+    can be sure it lacks an op.
+
     Raises:
-        ModelError (UNSUPPORTED): a node no custom op and no backend runs; the message
-            names its op type and domain, each backend's reason and the custom ops known.
+        ModelError (UNSUPPORTED): a node of another domain that no custom op and no
+            backend runs; the message names its op type and domain, each backend's
+            reason and the custom ops known.
     """
     graph = model.graph
+    local = {(f.domain, f.name) for f in model.functions}
     answers: dict[str, list[str]] = {chosen.id: node_support(chosen, model)}
     out: list[tuple[str, Backend | None, CustomOp | None]] = []
     for i, node in enumerate(graph.node):
@@ -92,12 +98,27 @@ def assign(model: ModelProto, name: str, chosen: Backend, fallbacks: Sequence[Ba
                 break
         else:
             why = "; ".join(f"{b}: {a[i]}" for b, a in answers.items())
+            if _standard(node, local):
+                # A standard node nobody claims is given to the chosen backend anyway: a
+                # backend's answer may be too cautious (an op it expands as a function),
+                # and a model that loaded before partitioning existed must still load;
+                # a backend that really lacks it says so when it loads.
+                log.warning("model %s: node %s (%s) is claimed by no backend (%s); it "
+                            "stays on %s", name, node_label(graph, i), node.op_type, why,
+                            chosen.id, extra={"MODEL": name.split(" ")[0],
+                                              "BACKEND": chosen.id})
+                out.append((chosen.id, chosen, None))
+                continue
             known = ", ".join(ops.names()) if ops is not None and ops.all_ops() else "none"
             raise ModelError(f"model {name}: node {node_label(graph, i)} needs op "
                              f"{node.op_type} (domain {node.domain or 'ai.onnx'!r}), which no "
                              f"custom op and no backend provides ({why}); custom ops "
                              f"loaded: {known}", ErrorCode.UNSUPPORTED)
     return out
+
+
+def _standard(node: NodeProto, local: set[tuple[str, str]]) -> bool:
+    return (node.domain or "") in STANDARD_DOMAINS or (node.domain, node.op_type) in local
 
 
 def consumed(node: NodeProto) -> list[str]:

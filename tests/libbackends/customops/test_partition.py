@@ -148,8 +148,33 @@ def test_standard_node_the_backend_lacks_runs_on_onnxruntime(tmp_path, models_di
         model.unload()
 
 
-def test_without_a_fallback_the_lacking_node_fails_the_load(python_ops, tmp_path):
+def test_a_standard_node_nobody_claims_stays_on_the_chosen_backend(python_ops, tmp_path,
+                                                                  caplog):
     path = kit.save(kit.fan_out(), tmp_path / "model.onnx")
-    with pytest.raises(ModelError, match=r"node sub needs op Sub .*picky: picky refuses Sub"):
-        load_model(PickyBackend({"Sub"}), path, LoadOptions(), model="m", ops=python_ops,
-                   fallbacks=[])
+    picky = PickyBackend({"Sub"})
+    model = load_model(picky, path, LoadOptions(), model="m", ops=python_ops, fallbacks=[])
+    try:
+        assert model.describe()["plan"]["steps"][-1]["executor"] == "picky"
+        assert "sub" in model.describe()["plan"]["steps"][-1]["nodes"]
+    finally:
+        model.unload()
+    assert "model m: node sub (Sub) is claimed by no backend (picky: picky refuses Sub); " \
+           "it stays on picky" in caplog.text
+
+
+def test_onnxruntime_claims_function_ops_and_model_local_functions():
+    from onnx import TensorProto
+
+    fn = helper.make_function("my.fns", "Twice", ["a"], ["b"],
+                              [helper.make_node("Add", ["a", "a"], ["b"])],
+                              [helper.make_opsetid("", 17)])
+    graph = helper.make_graph([helper.make_node("Twice", ["x"], ["t"], domain="my.fns"),
+                               helper.make_node("MeanVarianceNormalization", ["t"], ["y"]),
+                               helper.make_node("Nope", ["y"], ["z"], domain="my.fns")],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                  [1, 2, 3, 4])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, functions=[fn], opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid("my.fns", 1)])
+    answer = ORT.supported_nodes(model)
+    assert answer[:2] == ["", ""] and "no CPU kernel for Nope" in answer[2]
