@@ -90,6 +90,14 @@ def test_custom_op_through_a_real_daemon(kind, start_daemon, short_tmp, example_
                           check=True).stdout
     assert f"plan: 3 steps, 2 cuts\n    step 0: onnxruntime: conv (x -> h)\n    step 1: " \
            f"{executor}" in text
+    text = subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--socket",
+                           daemon.endpoint, "backends"], capture_output=True, text=True,
+                          check=True).stdout
+    row = next(line for line in text.splitlines() if line.startswith("cstSigmoid"))
+    assert row.split()[:3] == ["cstSigmoid", "(any)", kind], row
+    if kind == "native-cpu":
+        assert row.split()[3] in ("avx2", "generic"), row
+    assert f"custom ops search path: {ops} (from $INFERD_CUSTOMOPS_PATH)" in text
     log = daemon.log()
     assert "model conv version 1 loaded on onnxruntime in" in log
     assert f", partitioned: 3 steps, 2 cuts: onnxruntime 1 node | {executor}" in log
