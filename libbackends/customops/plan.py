@@ -10,6 +10,7 @@ step boundaries as they are (numpy arrays handed from one engine to the next, no
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import shutil
@@ -58,20 +59,43 @@ def load_model(backend: Backend, path: Path, options: LoadOptions, *, model: str
         ModelError: a node nobody runs (UNSUPPORTED, naming its op), a custom op that
             cannot be bound, or a sub-graph its backend refuses.
     """
-    if path.suffix != ".onnx":
+    others = [b for b in fallbacks if b is not backend]
+    if path.suffix != ".onnx" or not _may_partition(backend, ops, others):
         return backend.load(path, options)
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # a broken file is the backend's to report
         log.debug("model %s: cannot read the graph (%s); loading it whole", model, e)
         return backend.load(path, options)
-    executors = assign(proto, model, backend, [b for b in fallbacks if b is not backend],
-                       ops)
+    executors = assign(proto, model, backend, others, ops)
     if all(b is backend for _, b, _ in executors):
+        del proto
+        _trim()  # the parsed graph must not count in the model's measured memory
         return backend.load(path, options)
     return PartitionedModel.build(proto, executors, _per_backend(backend, options, tables,
                                                                  model), model, path,
                                   options.intra_op_threads)
+
+
+def _may_partition(backend: Backend, ops: OpRegistry | None,
+                   others: Sequence[Backend]) -> bool:
+    """Whether a plan is possible at all: some custom op is loaded, or the backend can
+    say which nodes it lacks and another backend can say which it runs. Otherwise the
+    graph is not even read (reading it costs time and shows in the load's measured
+    memory) and a node nobody runs is the backend's own load error."""
+    if ops is not None and ops.all_ops():
+        return True
+    return callable(getattr(backend, "supported_nodes", None)) and \
+        any(callable(getattr(b, "supported_nodes", None)) for b in others)
+
+
+def _trim() -> None:
+    """Give the parsed graph's freed heap back to the system (glibc ``malloc_trim``): the
+    cache measures a load by its RSS delta."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def _per_backend(chosen: Backend, options: LoadOptions, tables: Mapping[str, Any] | None,

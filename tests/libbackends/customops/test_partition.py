@@ -102,12 +102,18 @@ def test_plan_lists_nodes_executors_and_cut_tensors(python_ops, tmp_path):
 
 
 def test_missing_op_fails_the_load_naming_it(tmp_path):
+    (tmp_path / "other.py").write_text(kit.PY_OPS.replace('"cstSigmoid"', '"cstOther"'))
+    ops = OpRegistry()
+    load_folders([tmp_path], ops)
     path = kit.save(kit.two_custom(), tmp_path / "model.onnx")
     with pytest.raises(ModelError) as e:
-        load_model(ORT, path, LoadOptions(), model="m", ops=OpRegistry(), fallbacks=[ORT])
+        load_model(ORT, path, LoadOptions(), model="m", ops=ops, fallbacks=[ORT])
     assert e.value.code is ErrorCode.UNSUPPORTED
     assert "node sig1 needs op cstSigmoid (domain 'inferd.test')" in e.value.message
-    assert "custom ops loaded: none" in e.value.message
+    assert "custom ops loaded: cstOther (any domain)" in e.value.message
+    # without any custom op the graph is not read: onnxruntime names the op itself
+    with pytest.raises(ModelError, match="cstSigmoid"):
+        load_model(ORT, path, LoadOptions(), model="m", ops=OpRegistry(), fallbacks=[ORT])
 
 
 def test_a_model_its_backend_runs_whole_is_not_partitioned(python_ops, tmp_path):
