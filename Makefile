@@ -13,7 +13,7 @@ SYSTEM_PACKAGES := python3-venv gcc libc6-dev libzmq3-dev fonts-dejavu-core \
 	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev
 
 .PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint \
-        venv-rknn test-rknn lint-duplicates
+        venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64
 
 setup: system-packages $(STAMP) models/.complete
 
@@ -115,13 +115,27 @@ examples:
 	$(MAKE) -C examples/backends
 	$(MAKE) -C examples/customops
 
-# Debian packages inferd (all) and inferd-backend-onnxruntime (this arch) in build/deb/.
+# Debian packages inferd (all) and every add-on of packaging/backends/ with wheels for
+# ARCH (amd64, this machine's, or arm64) in build/deb/$(ARCH)/ (docs/install.md).
+ARCH ?= $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
 deb: $(STAMP)
-	packaging/build-deb.sh
+	packaging/build-deb.sh $(ARCH)
 
 # Needs root: builds, lints, installs, runs and purges the packages (tests/packaging/).
 deb-test: deb models/.complete
-	$(PY) tests/packaging/check_debs.py build/deb models
+	$(PY) tests/packaging/check_debs.py build/deb/$(ARCH) models
+
+# Needs root: the amd64 packages in a Debian 12 container with systemd as PID 1.
+deb-test-systemd: models/.complete
+	$(MAKE) deb ARCH=amd64
+	$(PY) tests/packaging/check_systemd.py build/deb/amd64 models
+
+# Needs root: the arm64 packages in an arm64 Debian 12 root under qemu-user, their
+# results against the amd64 packages' (builds both).
+deb-test-arm64: models/.complete
+	$(MAKE) deb ARCH=amd64
+	$(MAKE) deb ARCH=arm64
+	$(PY) tests/packaging/check_arm64.py build/deb models
 
 clean:
 	rm -rf $(VENV) $(VENV_RKNN) models .cache build *.egg-info examples/backends/build \
