@@ -116,25 +116,30 @@ examples:
 	$(MAKE) -C examples/customops
 
 # Debian packages inferd (all) and every add-on of packaging/backends/ with wheels for
-# ARCH (amd64, this machine's, or arm64) in build/deb/$(ARCH)/ (docs/install.md).
+# ARCH (amd64, this machine's, or arm64) in build/deb/$(ARCH)/ (docs/install.md). Rebuilt
+# when a file of the source tree changed since the last build for that ARCH.
 ARCH ?= $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
-deb: $(STAMP)
-	packaging/build-deb.sh $(ARCH)
+DEB_SOURCES := $(shell git ls-files --cached --others --exclude-standard 2>/dev/null | \
+                 while IFS= read -r f; do test -e "$$f" && echo "$$f"; done)
+
+deb: build/deb/$(ARCH)/.built
+
+build/deb/%/.built: $(DEB_SOURCES) | $(STAMP)
+	packaging/build-deb.sh $*
+	touch $@
 
 # Needs root: builds, lints, installs, runs and purges the packages (tests/packaging/).
 deb-test: deb models/.complete
 	$(PY) tests/packaging/check_debs.py build/deb/$(ARCH) models
 
 # Needs root: the amd64 packages in a Debian 12 container with systemd as PID 1.
-deb-test-systemd: models/.complete
-	$(MAKE) deb ARCH=amd64
+deb-test-systemd: build/deb/amd64/.built models/.complete
 	$(PY) tests/packaging/check_systemd.py build/deb/amd64 models
 
 # Needs root: the arm64 packages in an arm64 Debian 12 root under qemu-user, their
-# results against the amd64 packages' (builds both).
-deb-test-arm64: models/.complete
-	$(MAKE) deb ARCH=amd64
-	$(MAKE) deb ARCH=arm64
+# results against the amd64 packages'.
+deb-test-arm64: build/deb/amd64/.built build/deb/arm64/.built models/.complete
+	lintian --fail-on error,warning build/deb/arm64/inferd_*_arm64.changes
 	$(PY) tests/packaging/check_arm64.py build/deb models
 
 clean:

@@ -31,7 +31,8 @@ for path in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
         f = dict(re.findall(r"^(\w[\w-]*):[ \t]*(.*)$", para, re.M))
         for uri in f.get("URIs", "").split():
             if f.get("Types") == "deb" and "debian.org" in uri:
-                lines.append(f"deb {uri} {f.get('Suites', '')} {f.get('Components', 'main')}")
+                for suite in f.get("Suites", "").split():
+                    lines.append(f"deb {uri} {suite} {f.get('Components', 'main')}")
 for path in glob.glob("/etc/apt/sources.list"):
     for line in open(path, errors="ignore"):
         line = line.split("#")[0].strip()

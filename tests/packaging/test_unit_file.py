@@ -81,3 +81,19 @@ def test_packaged_config_differs_from_the_defaults_only_in_the_socket_group():
     assert "s/^socket_group = \"\"$$/socket_group = \"inferd\"/" in rules
     assert re.search(r'^socket_group = ""$', (ROOT / "config" / "inferd.toml").read_text(),
                      re.M)
+
+
+def test_every_program_the_unit_runs_comes_with_a_dependency():
+    """ExecReload=/bin/kill is procps, which is not Essential (a minbase Debian 12 root
+    has no /bin/kill, and `systemctl reload inferd` failed there)."""
+    control = (PACKAGING / "debian" / "control").read_text()
+    core = control.split("Package: inferd\n", 1)[1].split("\nPackage:", 1)[0]
+    s = settings()
+    assert s["ExecReload"][0].startswith("/bin/kill ")
+    assert re.search(r"^Depends:.*\bprocps,", core, re.M | re.S)
+
+
+def test_addons_keep_vendored_library_names():
+    rules = (PACKAGING / "debian" / "rules").read_text()
+    addon_line = [line for line in rules.splitlines() if "dh_python3 -p inferd-backend-" in line]
+    assert addon_line and "--no-ext-rename" in addon_line[0]
