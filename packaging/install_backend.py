@@ -8,8 +8,9 @@ wheels unpacked into ``vendor/``; then, as ``packaging/backends/ID/package.toml`
 says for this architecture (resolved by stage_backends.py into
 ``debian/vendor/backends.json``), moves each of ``docs`` to
 ``/usr/share/doc/inferd-backend-ID/``, removes each glob of ``prune`` (both relative
-to ``vendor/``) and writes ``substvars`` to ``debian/inferd-backend-ID.substvars``. Directories become 0755 and
-files 0644 (the wheels' own shared objects are loaded, not executed).
+to ``vendor/``) and writes ``substvars`` to ``debian/inferd-backend-ID.substvars``.
+Directories become 0755 and files 0644 (the wheels' own shared objects are loaded, not
+executed).
 
 Usage (from the source tree's root): install_backend.py ID
 """

@@ -21,9 +21,10 @@ For each add-on built for ARCH, the wheels are downloaded once into
 ``debian/vendor/<id>/``; the stanza is appended to ``debian/control``, the copyright
 paragraph to ``debian/copyright``, the overrides and README.Debian become
 ``debian/inferd-backend-<id>.*``, and the add-on's settings for ARCH are added to
-``debian/vendor/backends.json``, which debian/rules and install_backend.py read. An add-on whose control does not list
-ARCH, or whose upstream publishes no wheel for it (pip finds none), is skipped with
-the reason printed; any other pip failure (network, typo) fails the build.
+``debian/vendor/backends.json``, which debian/rules and install_backend.py read. An
+add-on whose control does not list ARCH, or whose upstream publishes no wheel for it
+(pip finds none), is skipped with the reason printed; any other pip failure (network,
+typo) fails the build.
 
 Usage: stage_backends.py ARCH SOURCE_TREE CACHE PIP_PYTHON
 """

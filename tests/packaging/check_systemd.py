@@ -9,8 +9,9 @@ what it measured:
 
 1. boot; the distribution's systemd-sysusers and systemd-tmpfiles-setup units ran (or
    why not: the "Failed to set up credentials" question, see docs/install.md);
-2. ``apt-get install ./inferd_*_all.deb ./inferd-backend-onnxruntime_*.deb``: user and
-   group inferd made by the package's sysusers.d file, the unit enabled and started;
+2. ``apt-get install ./inferd_*_all.deb ./inferd-backend-*_amd64.deb`` (every add-on
+   built): user and group inferd made by the package's sysusers.d file, the unit
+   enabled and started;
 3. with ocr-cls in /var/lib/inferd/models and preloaded (a conf.d drop-in),
    ``systemctl restart inferd`` returns once READY=1 came: ``active (running)``, the
    status line says the model is warm;
@@ -26,7 +27,7 @@ what it measured:
 8. SIGSTOP of the daemon: the watchdog (WatchdogSec=30s) kills it and systemd restarts
    it within WatchdogSec x 2, measured from systemd's journal;
 9. SIGKILL: Restart=on-failure brings it back (measured);
-10. ``apt-get purge``: no file of either package left, the unit gone.
+10. ``apt-get purge``: no file of the packages left, the unit gone.
 
 Usage: check_systemd.py BUILD_DIR MODELS_DIR (make deb-test-systemd passes build/deb/amd64
 and models).
@@ -47,6 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from container import Container, cached_root  # noqa: E402
 
+# installed by every check; check_systemd installs every other add-on built too
 PACKAGES = ("inferd", "inferd-backend-onnxruntime")
 UNIT = "inferd.service"
 SHARE = "/srv/inferd-test"
@@ -64,12 +66,13 @@ def step(text: str) -> None:
 # ---------------------------------------------------------------- shared with check_arm64
 
 
-def make_share(build: Path, models: Path, model_names: list[str]) -> Path:
-    """A folder bound at /srv/inferd-test: the debs, the models, the probe."""
+def make_share(build: Path, models: Path, model_names: list[str],
+               packages: list[str]) -> Path:
+    """A folder bound at /srv/inferd-test: the debs of PACKAGES, the models, the probe."""
     share = Path(tempfile.mkdtemp(prefix="inferd-share-"))
     share.chmod(0o755)
     (share / "debs").mkdir()
-    for package in PACKAGES:
+    for package in packages:
         debs = sorted(build.glob(f"{package}_*.deb"))
         assert debs, f"no {package}_*.deb in {build}: run make deb"
         shutil.copy2(debs[-1], share / "debs" / debs[-1].name)
@@ -81,9 +84,14 @@ def make_share(build: Path, models: Path, model_names: list[str]) -> Path:
     return share
 
 
-def install(c: Container, models: list[str], preload: list[str]) -> float:
-    """apt-get install the debs in the container; models in place, preloaded; restarted.
-    Returns the seconds `systemctl restart` took (it returns after READY=1)."""
+def install(c: Container, models: list[str], preload: list[str],
+            unit_dropin: str = "") -> float:
+    """apt-get install the debs in the container (with UNIT_DROPIN as a drop-in of the
+    unit, if given); models in place, preloaded; restarted. Returns the seconds
+    `systemctl restart` took (it returns after READY=1)."""
+    if unit_dropin:
+        c.run("mkdir", "-p", f"/etc/systemd/system/{UNIT}.d")
+        c.run("tee", f"/etc/systemd/system/{UNIT}.d/50-deb-test.conf", input=unit_dropin)
     debs = sorted(c.run("sh", "-c", f"ls {SHARE}/debs/*.deb").stdout.split())
     out = c.run("apt-get", "install", "-y", "--no-install-recommends", *debs, timeout=900)
     assert "Setting up inferd " in out.stdout, out.stdout
@@ -340,11 +348,18 @@ def check_sigkill(c: Container) -> None:
     step(f"Restart=on-failure: {figures['SIGKILL']}")
 
 
-def check_purge(c: Container) -> None:
+def built_packages(build: Path) -> list[str]:
+    """inferd and every add-on built into BUILD (inferd-backend-*_ARCH.deb)."""
+    names = sorted({deb.name.split("_")[0] for deb in build.glob("inferd*.deb")})
+    assert set(PACKAGES) <= set(names), f"{build} lacks {set(PACKAGES) - set(names)}"
+    return names
+
+
+def check_purge(c: Container, packages: list[str]) -> None:
     files = {p: [f for f in c.run("dpkg-query", "-L", p).stdout.splitlines() if f not in ("", "/.")]
-             for p in PACKAGES}
+             for p in packages}
     c.run("rm", "-rf", DROPIN, "/var/lib/inferd/models/ocr-cls")
-    c.run("apt-get", "purge", "-y", *PACKAGES, timeout=600)
+    c.run("apt-get", "purge", "-y", *packages, timeout=600)
     left = []
     for paths in files.values():
         for path in paths:
@@ -359,7 +374,7 @@ def check_purge(c: Container) -> None:
     assert not left, f"apt-get purge left: {left}"
     load = c.show(UNIT, "LoadState")["LoadState"]
     assert load == "not-found", load
-    step("apt-get purge: no file of either package left, unit not-found "
+    step(f"apt-get purge {' '.join(packages)}: no file of theirs left, unit not-found "
          "(the system user inferd stays, as Debian keeps system users)")
 
 
@@ -386,7 +401,8 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     offline = offline_exposure(build)
     root = cached_root("amd64")
-    share = make_share(build, models, ["ocr-cls"])
+    packages = built_packages(build)
+    share = make_share(build, models, ["ocr-cls"], packages)
     np.save(share / "x.npy", np.zeros((1, 3, 48, 192), np.float32))
     (share / "x.npy").chmod(0o644)
     try:
@@ -403,7 +419,7 @@ def main(argv: list[str]) -> int:
                 check_sandbox(c, offline)
                 check_watchdog(c)
                 check_sigkill(c)
-                check_purge(c)
+                check_purge(c, packages)
             except BaseException:
                 print("--- journal of inferd ---\n" + c.journal("-u", UNIT, "-n", "80"),
                       file=sys.stderr)

@@ -35,9 +35,13 @@ def test_addon_folder_is_complete(addon: Path):
     assert arches and set(arches) <= set(stage_backends.MACHINES), arches
     assert re.search(r"^Depends:.*inferd \(= \$\{source:Version\}\)", control, re.M | re.S)
     spec = tomllib.loads((addon / "package.toml").read_text())
-    assert set(spec) <= {"wheels", "docs", "prune"}, spec
-    for requirement in spec.get("wheels", []):
-        stage_backends.wheel_names(requirement)  # pinned with ==
+    assert set(spec.get("arch", {})) <= set(arches), "an [arch.X] table for an unbuilt arch"
+    for arch in arches:
+        settings = stage_backends.settings(spec, arch)  # no unknown key
+        for requirement in settings["wheels"]:
+            stage_backends.wheel_names(requirement)  # pinned with ==
+        for name in settings["substvars"]:
+            assert f"${{{name}}}" in control, f"substvar {name} unused in control"
     copyright = (addon / "copyright").read_text()
     assert copyright.startswith(f"Files: debian/vendor/{addon.name}/*\n")
     assert re.search(r"^License: \S+", copyright, re.M)
@@ -47,6 +51,18 @@ def test_addon_folder_is_complete(addon: Path):
         blocks = [b.splitlines() for b in re.split(r"\n\s*\n", overrides.read_text().strip())]
         for block in blocks:
             assert block[0].startswith("#"), block
+
+
+def test_per_architecture_settings_add_to_the_common_ones():
+    spec = {"wheels": ["a==1"], "prune": ["x"],
+            "arch": {"arm64": {"wheels": ["b==2"], "substvars": {"b:Depends": "python3-b"}}}}
+    arm = stage_backends.settings(spec, "arm64")
+    amd = stage_backends.settings(spec, "amd64")
+    assert arm["wheels"] == ["a==1", "b==2"] and amd["wheels"] == ["a==1"]
+    assert arm["substvars"] == {"b:Depends": "python3-b"}
+    assert amd["substvars"] == {"b:Depends": ""}  # defined everywhere the stanza uses it
+    with pytest.raises(SystemExit, match="unknown package.toml keys"):
+        stage_backends.settings({"wheel": ["typo==1"]}, "amd64")
 
 
 def test_platforms_cover_every_manylinux_tag_of_debian_12():
