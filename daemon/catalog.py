@@ -141,6 +141,7 @@ class Catalog:
         root = Path(config.models.repository).resolve()
         if root != self.repo.root:
             self.repo = Repository(root)
+        self.repo.allow_external_links = config.models.allow_external_links
         return self.repo.scan()
 
     def install(self, specs: dict[str, ModelSpec]) -> None:

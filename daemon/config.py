@@ -27,6 +27,34 @@ from inferd.ipc import defs
 from inferd.ipc.errors import ConfigError
 
 SYSTEM_CONFIG = Path(defs.CONFIG_FILE)
+MAX_INT = 2**31 - 1
+"""Largest integer any count key takes (TOML integers go up to 2**63 - 1)."""
+MAX_SECONDS = 10**7
+"""Largest number of seconds any duration key takes (about 115 days)."""
+
+
+def _int_upto(limit: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if positive_int(v) <= limit:
+            return int(v)
+        raise ValueError
+    return check
+
+
+def _seconds(v: Any) -> float:
+    # TOML has inf and nan; a comparison with nan is False, so nan is refused too.
+    if positive_float(v) <= MAX_SECONDS:
+        return float(v)
+    raise ValueError
+
+
+def _size_upto(limit: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        size = parse_size(v)
+        if size <= limit:
+            return size
+        raise ValueError
+    return check
 
 @dataclass(frozen=True)
 class Setting:
@@ -63,7 +91,14 @@ def _level(v: Any) -> str:
 
 
 def _group(v: Any) -> str:
+    """A group that exists (checked here, so that a typo stops the daemon before it
+    binds its socket rather than after)."""
     if isinstance(v, str):
+        if v and not v.isdigit():
+            try:
+                grp.getgrnam(v)
+            except KeyError:
+                raise ValueError from None
         return v
     raise ValueError
 
@@ -102,23 +137,31 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "socket": Setting(defs.SOCKET, _endpoint, "a ZeroMQ endpoint such as "
                       "'ipc:///run/inferd/inferd.sock'"),
         "socket_mode": Setting("0660", _mode, "an octal file mode string such as '0660'"),
-        "max_message_bytes": Setting("256MiB", parse_size,
-                                 "a positive size in bytes, e.g. 268435456 or '256MiB'"),
-        "shutdown_grace_s": Setting(10.0, positive_float, "a positive number of seconds"),
-        "socket_group": Setting("", _group, "a group name or number, or \"\" to leave the "
-                            "daemon's own group"),
+        "max_message_bytes": Setting("256MiB", _size_upto(4 * 2**30),
+                                 "a positive size in bytes up to 4GiB, e.g. 268435456 or "
+                                 "'256MiB'"),
+        "max_requests_per_client": Setting(512, _int_upto(10**6),
+                                           "a positive integer up to 1000000"),
+        "max_bytes_per_client": Setting("128MiB", _size_upto(2**40),
+                                        "a positive size in bytes, e.g. '128MiB'"),
+        "max_replies_queued_per_client": Setting(1000, _int_upto(10**6),
+                                                 "a positive integer up to 1000000"),
+        "shutdown_grace_s": Setting(10.0, _seconds, "a positive number of seconds"),
+        "socket_group": Setting("", _group, "an existing group name, a group number, or "
+                                "\"\" to leave the daemon's own group"),
         "cpu_affinity": Setting([], _cores, f"a list of core numbers from "
                             f"{sorted(PROCESS_CORES)}, or [] for any core"),
     },
     "models": {
         "repository": Setting(defs.REPOSITORY, _string, "a directory path"),
         "preload": Setting([], string_list, "a list of model names"),
-        "queue_size": Setting(64, positive_int, "a positive integer"),
-        "instances": Setting(1, positive_int, "a positive integer"),
+        "queue_size": Setting(1024, _int_upto(10**6), "a positive integer up to 1000000"),
+        "instances": Setting(1, _int_upto(256), "a positive integer up to 256"),
+        "allow_external_links": Setting(False, boolean, "true or false"),
     },
     "backends": {
         "paths": Setting([], string_list, "a list of absolute directory paths"),
-        "probe_timeout_s": Setting(10.0, positive_float, "a positive number of seconds"),
+        "probe_timeout_s": Setting(10.0, _seconds, "a positive number of seconds"),
     },
     "customops": {
         "paths": Setting([], string_list, "a list of absolute directory paths"),
@@ -127,8 +170,8 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "directory": Setting(defs.PROCESSORS_DIR, _string, "a directory path"),
     },
     "onnxruntime": {
-        "intra_op_threads": Setting(1, positive_int, "a positive integer"),
-        "inter_op_threads": Setting(1, positive_int, "a positive integer"),
+        "intra_op_threads": Setting(1, _int_upto(1024), "a positive integer up to 1024"),
+        "inter_op_threads": Setting(1, _int_upto(1024), "a positive integer up to 1024"),
         "allow_spinning": Setting(True, boolean, "true or false"),
     },
     "cache": {
@@ -136,9 +179,9 @@ SCHEMA: dict[str, dict[str, Setting]] = {
                           "('40%') or 'unlimited'"),
         "keep_alive": Setting("5m", parse_duration, "a duration such as 30, '90s', '5m', '1h', or "
                           "'forever'"),
-        "failed_load_hold_s": Setting(10.0, positive_float, "a positive number of seconds"),
-        "idle_check_s": Setting(1.0, positive_float, "a positive number of seconds"),
-        "warmup_dim": Setting(64, positive_int, "a positive integer"),
+        "failed_load_hold_s": Setting(10.0, _seconds, "a positive number of seconds"),
+        "idle_check_s": Setting(1.0, _seconds, "a positive number of seconds"),
+        "warmup_dim": Setting(64, _int_upto(65536), "a positive integer up to 65536"),
     },
     "logging": {
         "level": Setting("info", _level, "one of debug, info, warning, error, critical"),
@@ -152,7 +195,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
                     "a list of group ids or existing group names"),
     },
     "systemd": {
-        "extend_timeout_s": Setting(90.0, positive_float, "a positive number of seconds"),
+        "extend_timeout_s": Setting(90.0, _seconds, "a positive number of seconds"),
     },
 }
 
@@ -221,6 +264,10 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
             raw = tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start} is not UTF-8 (TOML files are UTF-8, comments too)"
+                          ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     return _validate(raw, str(path))

@@ -6,9 +6,9 @@ requests queued delays another client's request by at most one of its own, not b
 all 500. Within one client the order is kept.
 
 The interface is the part of ``queue.SimpleQueue`` the workers use (``put``, ``get``
-with ``block``/``timeout``, ``get_nowait``, ``qsize``, ``empty``). The sentinel
-:data:`~inferd.daemon.worker.STOP` (a worker's stop signal) is served once every
-request queued before it has been served, as with a plain FIFO; requests queued after
+with ``block``/``timeout``, ``get_nowait``, ``qsize``, ``empty``). A request is an item
+with a ``ticket``; anything else is a sentinel (the workers' STOP), served once every
+request queued before it has been served, as with a plain FIFO. Requests queued after
 it stay for the next worker (a model being drained keeps the requests that arrive
 meanwhile for its next load).
 """
@@ -20,15 +20,6 @@ import threading
 from collections import OrderedDict, deque
 from typing import Any
 
-from inferd.daemon.worker import STOP
-
-
-def peer_of(item: Any) -> bytes:
-    """The client a queued work item came from (``b""``: from inside the daemon)."""
-    ticket = getattr(item, "ticket", None)
-    peer = getattr(ticket, "peer", b"")
-    return peer if isinstance(peer, bytes) else b""
-
 
 class FairQueue:
     """Round-robin between clients; unbounded (the caller keeps the bound)."""
@@ -39,17 +30,19 @@ class FairQueue:
         # wait with timeout), then an item, which is then sure to be there.
         self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._peers: OrderedDict[bytes, deque[tuple[int, Any]]] = OrderedDict()
-        self._stops: deque[int] = deque()  # the sequence numbers of queued sentinels
+        self._stops: deque[tuple[int, Any]] = deque()  # sentinels and their numbers
         self._seq = 0
         self._size = 0
 
     def put(self, item: Any) -> None:
         with self._lock:
             self._seq += 1
-            if item is STOP:
-                self._stops.append(self._seq)
+            ticket = getattr(item, "ticket", None)
+            if ticket is None:
+                self._stops.append((self._seq, item))
             else:
-                key = peer_of(item)
+                peer = getattr(ticket, "peer", b"")
+                key = peer if isinstance(peer, bytes) else b""
                 fifo = self._peers.get(key)
                 if fifo is None:
                     fifo = self._peers[key] = deque()
@@ -64,9 +57,8 @@ class FairQueue:
         with self._lock:
             self._size -= 1
             if self._stops and (not self._peers or min(
-                    f[0][0] for f in self._peers.values()) > self._stops[0]):
-                self._stops.popleft()  # nothing queued before it is left
-                return STOP
+                    f[0][0] for f in self._peers.values()) > self._stops[0][0]):
+                return self._stops.popleft()[1]  # nothing queued before it is left
             key, fifo = next(iter(self._peers.items()))
             _, item = fifo.popleft()
             if fifo:

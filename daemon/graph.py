@@ -379,8 +379,12 @@ def load_graph_file(repo: Repository, name: str,
 
 
 def graph_path(repo: Repository, name: str) -> Path:
-    """``<repository>/<name>/graph.toml``; raises ModelError if ``name`` is not plain."""
-    return Path(repo.root) / check_name(name) / GRAPH_FILE
+    """``<repository>/<name>/graph.toml``; raises ModelError if ``name`` is not plain or
+    the file is a link out of the repository (see Repository.inside)."""
+    path = Path(repo.root) / check_name(name) / GRAPH_FILE
+    if path.is_symlink() or path.parent.is_symlink():
+        repo.checked(path, name)
+    return path
 
 
 def graph_names(repo: Repository) -> list[str]:

@@ -53,9 +53,9 @@ class ModelEntry:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.state = State.UNLOADED
-        # SimpleQueue: a put is one C call (queue.Queue's Condition costs several µs per
-        # request); the bound is kept by ModelManager._enqueue under ``lock``.
-        self.queue: WorkQueue = queue.SimpleQueue()
+        # Takes turns between clients; the bound is kept by ModelManager._enqueue under
+        # ``lock``.
+        self.queue: WorkQueue = WorkQueue()
         self.queue_size = queue_size
         self.backend: str | None = None
         self.model: LoadedModel | None = None

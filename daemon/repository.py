@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from inferd.daemon.model_settings import ModelSettings, read_settings
+from inferd.daemon.model_settings import SETTINGS_FILE, ModelSettings, read_settings
 from inferd.ipc.errors import ErrorCode, ModelError
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,60 @@ def _version_policy(name: str, on_disk: list[int], settings: ModelSettings
 
 
 class Repository:
-    """Read-only view of a model repository directory."""
+    """Read-only view of a model repository directory.
 
-    def __init__(self, root: Path) -> None:
+    Every path is resolved before it is used: a model directory, version directory or
+    file that is a symbolic link to a place outside the repository is refused (logged
+    once, never read) unless ``allow_external_links`` (``[models]
+    allow_external_links``) is set.
+    """
+
+    def __init__(self, root: Path, allow_external_links: bool = False) -> None:
         self.root = root
+        self.allow_external_links = allow_external_links
+        self._real_root = root.resolve()
+        self._warned: set[str] = set()
+
+    def problem(self) -> str | None:
+        """Why the repository cannot offer any model (missing, not a directory,
+        unreadable), or None."""
+        try:
+            if not self.root.exists():
+                return f"model repository {self.root} does not exist"
+            if not self.root.is_dir():
+                return f"model repository {self.root} is not a directory"
+            next(iter(self.root.iterdir()), None)
+        except OSError as e:
+            return f"model repository {self.root} cannot be read: {e.strerror}"
+        return None
+
+    def inside(self, path: Path, name: str) -> bool:
+        """Whether ``path`` resolves to a place inside the repository (or outside links
+        are allowed); a refusal is logged once per path, without reading the file."""
+        if self.allow_external_links:
+            return True
+        try:
+            real = path.resolve()
+        except (OSError, RuntimeError):  # a symlink loop
+            real = None
+        if real is not None and real.is_relative_to(self._real_root):
+            return True
+        if str(path) not in self._warned:
+            if len(self._warned) > 4096:
+                self._warned.clear()
+            self._warned.add(str(path))
+            log.warning("model %s: %s is a link to %s outside the repository %s; refused "
+                        "(set [models] allow_external_links = true to serve it)", name, path,
+                        real or "a loop", self._real_root, extra={"MODEL": name})
+        return False
+
+    def checked(self, path: Path, name: str) -> Path:
+        """``path`` if it stays inside the repository; raises ModelError otherwise."""
+        if not self.inside(path, name):
+            raise ModelError(f"model {name}: {path.name} is a link to a place outside the "
+                             f"model repository; refused ([models] allow_external_links)",
+                             ErrorCode.NOT_FOUND)
+        return path
 
     def names(self) -> list[str]:
         """Model names present (directories holding at least one version), sorted."""
@@ -91,10 +141,19 @@ class Repository:
     def versions(self, name: str) -> list[int]:
         """Versions of ``name`` that hold a model file, ascending."""
         base = self.root / check_name(name)
-        if not base.is_dir():
+        if not base.is_dir() or not self.inside(base, name):
             return []
         return sorted(int(p.name) for p in base.iterdir()
-                      if p.name.isdigit() and int(p.name) > 0 and (p / MODEL_FILE).is_file())
+                      if p.name.isdigit() and int(p.name) > 0 and (p / MODEL_FILE).is_file()
+                      and self.inside(p / MODEL_FILE, name))
+
+    def _settings_link_check(self, name: str) -> None:
+        """Refuse (without reading it) a model.toml that is a link out of the repository."""
+        path = self.root / check_name(name) / SETTINGS_FILE
+        if (path.exists() or path.is_symlink()) and not self.inside(path, name):
+            raise ModelError(f"model {name}: {SETTINGS_FILE} is a link to a place outside "
+                             f"the model repository; refused, not read ([models] "
+                             f"allow_external_links)", ErrorCode.INTERNAL)
 
     def spec(self, name: str) -> ModelSpec | None:
         """What ``name`` offers now, or None if it has no version on disk. Its
@@ -105,6 +164,7 @@ class Repository:
         if not on_disk:
             return None
         try:
+            self._settings_link_check(name)
             settings = read_settings(name, self.root / name)
             versions, default = _version_policy(name, on_disk, settings)
         except ModelError as e:

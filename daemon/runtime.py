@@ -61,14 +61,19 @@ class Runtime:
         self.started = time.time()
         self.ready = threading.Event()
         self.registry = Registry()
-        self.repo = Repository(Path(config.models.repository).resolve())
+        self.repo = Repository(Path(config.models.repository).resolve(),
+                               config.models.allow_external_links)
         self.server = Server(config.server.socket, self.handle,
                              max_message_bytes=config.server.max_message_bytes,
                              socket_mode=config.server.socket_mode,
                              grace_s=config.server.shutdown_grace_s,
                              socket_group=config.server.socket_group,
                              cpu_affinity=config.server.cpu_affinity,
-                             access=Access.of(config.access.uids, config.access.gids))
+                             access=Access.of(config.access.uids, config.access.gids),
+                             max_requests_per_client=config.server.max_requests_per_client,
+                             max_bytes_per_client=config.server.max_bytes_per_client,
+                             max_replies_queued_per_client=(
+                                 config.server.max_replies_queued_per_client))
         self.server.on_stop = self._on_stop
         # wire tickets and in-process ones
         sink = ReplySink(self.server.send_reply, self.server.release_thread)
@@ -93,6 +98,10 @@ class Runtime:
         self.models.start()
         log.info("inferd %s serving %s (models in %s, pid %d)", VERSION,
                  self.config.server.socket, self.repo.root, os.getpid())
+        problem = self.repo.problem()
+        if problem:
+            log.warning("%s (models.repository): no model can be served until it is there "
+                        "and the daemon reloads", problem)
         interval = watchdog_interval()
         if interval is not None and self.notifier.enabled:
             self._watchdog = Watchdog(self.notifier, interval, self._health)
@@ -313,6 +322,8 @@ class Runtime:
             "endpoint": self.config.server.socket,
             "config": str(self.config.source) if self.config.source else None,
             "repository": str(self.repo.root),
+            "repository_problem": self.repo.problem(),
+            "clients_in_flight": self.server.clients.clients(),
             "backends": [{"id": r["id"], "kind": r["kind"], "status": r["status"]}
                          for r in self.registry.describe()],
             "loaded_models": self.models.loaded(),

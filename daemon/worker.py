@@ -27,9 +27,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
+from inferd.daemon.fairqueue import FairQueue
 from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
 from inferd.daemon.processors import run_steps
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
@@ -56,8 +57,9 @@ class WorkItem:
     ticket: AnyTicket
 
 
-WorkQueue = queue.SimpleQueue[WorkItem | _Stop]
-"""A model's request queue (one per model version, kept across loads)."""
+WorkQueue: TypeAlias = FairQueue
+"""A model's request queue (one per model version, kept across loads): it takes turns
+between clients (see :mod:`inferd.daemon.fairqueue`)."""
 
 
 @dataclass(slots=True)

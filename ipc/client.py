@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import random
 import threading
 import time
 import uuid
@@ -26,6 +27,17 @@ DEFAULT_ENDPOINT = defs.SOCKET
 DEFAULT_TIMEOUT = 30.0
 REPLY_GRACE_S = 1.0
 """Extra wait past a request's deadline for the daemon's own DEADLINE_EXCEEDED reply."""
+DEFAULT_MAX_IN_FLIGHT = 64
+"""Requests one client keeps in flight before a new one waits for a reply (flow
+control); the daemon's own limit per client is ``server.max_requests_per_client``."""
+BACKOFF_FIRST_S = 0.005
+BACKOFF_MAX_S = 0.5
+
+
+def backoff(attempt: int) -> float:
+    """Seconds to wait before retry ``attempt`` (0-based) of a RESOURCE_EXHAUSTED
+    request: exponential from 5 ms to 0.5 s, with jitter so clients do not retry in step."""
+    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**attempt) * random.uniform(0.5, 1.0)
 
 
 def default_endpoint() -> str:
@@ -52,9 +64,14 @@ def _check_reachable(endpoint: str) -> None:
 
 
 class _Base:
-    def __init__(self, endpoint: str | None, timeout: float) -> None:
+    def __init__(self, endpoint: str | None, timeout: float, max_in_flight: int,
+                 retry_exhausted: bool) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
+        self.max_in_flight = max_in_flight
+        self.retry_exhausted = retry_exhausted
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count(1)
         _check_reachable(self.endpoint)
@@ -70,6 +87,15 @@ class _Base:
                        outputs=list(outputs) if outputs is not None else None,
                        timeout_ms=int(timeout * 1000),
                        params={k: v for k, v in fields.items() if v is not None})
+
+    def _retry_pause(self, reply: Reply, attempt: int, give_up: float) -> float | None:
+        """How long to wait before sending ``reply``'s request again, or None to keep
+        the reply (not RESOURCE_EXHAUSTED, retries off, or no time left)."""
+        if not self.retry_exhausted or reply.error is None or \
+                reply.error.code is not ErrorCode.RESOURCE_EXHAUSTED:
+            return None
+        pause = backoff(attempt)
+        return pause if time.monotonic() + pause < give_up else None
 
     @staticmethod
     def _unwrap(reply: Reply) -> Reply:
@@ -103,6 +129,12 @@ class Client(_Base):
         endpoint: daemon endpoint; default ``$INFERD_SOCKET`` or
             ``ipc:///run/inferd/inferd.sock``.
         timeout: seconds to wait for each reply; also sent as the request deadline.
+        max_in_flight: requests in flight at once on this client (all threads together);
+            one more waits (receiving replies meanwhile) until a reply arrives or its
+            timeout passes (then DEADLINE_EXCEEDED), instead of being refused.
+        retry_exhausted: :meth:`infer` sends a request again when the daemon answers
+            RESOURCE_EXHAUSTED (a full queue, a per-client limit), after an exponential
+            backoff (:func:`backoff`), until its timeout. Off by default.
 
     Raises:
         RequestError: UNAVAILABLE at once if the ipc socket file is missing or not
@@ -110,8 +142,10 @@ class Client(_Base):
     """
 
     def __init__(self, endpoint: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 context: zmq.Context | None = None) -> None:
-        super().__init__(endpoint, timeout)
+                 context: zmq.Context | None = None, *,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                 retry_exhausted: bool = False) -> None:
+        super().__init__(endpoint, timeout, max_in_flight, retry_exhausted)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -121,6 +155,8 @@ class Client(_Base):
         self._sock.connect(self.endpoint)
         self._lock = threading.Lock()
         self._replies: dict[str, Reply] = {}
+        # Ids sent and not answered yet whose caller still waits: len() is what is in
+        # flight, for flow control. A received reply leaves it (into _replies).
         self._waiting: set[str] = set()
 
     def __enter__(self) -> Client:
@@ -142,36 +178,52 @@ class Client(_Base):
         return Pending(self, req.id, self._send(req))
 
     def _send(self, req: Request) -> float:
-        """Send ``req``; returns the monotonic time after which its reply is given up."""
+        """Send ``req`` once fewer than ``max_in_flight`` requests are in flight; returns
+        the monotonic time after which its reply is given up."""
         frames = encode_request(req)
-        with self._lock:
-            self._waiting.add(req.id)
-            send_frames(self._sock, frames)
-        return time.monotonic() + (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S
+        give_up = time.monotonic() + (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S
+        while True:
+            with self._lock:
+                if len(self._waiting) < self.max_in_flight:
+                    self._waiting.add(req.id)
+                    send_frames(self._sock, frames)
+                    return give_up
+                if time.monotonic() >= give_up:
+                    raise RequestError(f"no reply from {self.endpoint} within the client "
+                                       f"timeout: {len(self._waiting)} requests in flight "
+                                       f"(max_in_flight) left no room to send",
+                                       ErrorCode.DEADLINE_EXCEEDED)
+                self._receive_one(None)  # a slot frees when some reply arrives
+
+    def _receive_one(self, request_id: str | None) -> Reply | None:
+        """Receive one reply for up to the socket's 50 ms (caller holds ``_lock``): it if
+        it answers ``request_id``, else None (another caller's reply is kept for it)."""
+        try:
+            frames = recv_frames(self._sock)
+        except zmq.Again:
+            return None
+        got = decode_reply(frames)
+        if got.id not in self._waiting:
+            return None  # a late reply to a request whose caller gave up
+        self._waiting.discard(got.id)
+        if got.id == request_id:
+            return got
+        self._replies[got.id] = got
+        return None
 
     def _wait(self, request_id: str, deadline: float) -> Reply:
         while True:
             with self._lock:
                 reply = self._replies.pop(request_id, None)
                 if reply is not None:
-                    self._waiting.discard(request_id)
                     return reply
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if request_id not in self._waiting or deadline - time.monotonic() <= 0:
                     self._waiting.discard(request_id)
                     raise RequestError(f"no reply from {self.endpoint} within the "
                                        f"client timeout", ErrorCode.DEADLINE_EXCEEDED)
-                try:
-                    frames = recv_frames(self._sock)
-                except zmq.Again:
-                    continue
-                got = decode_reply(frames)
-                if got.id == request_id:
-                    self._waiting.discard(request_id)
+                got = self._receive_one(request_id)
+                if got is not None:
                     return got
-                if got.id in self._waiting:
-                    self._replies[got.id] = got
-                # else: a late reply to a request whose caller gave up
 
     def call(self, op: Op | str, model: str | None = None, **fields: Any) -> Any:
         """Send a control op and return its ``result``."""
@@ -188,9 +240,19 @@ class Client(_Base):
             RequestError: with ``.code`` the wire code and the daemon's message.
         """
         # submit(...).result() without the Pending: this is the hot path of most clients.
-        req = self._request(Op.INFER, model, inputs, outputs=outputs, version=version,
-                            timeout=timeout)
-        reply = self._wait(req.id, self._send(req))
+        timeout = timeout or self.timeout
+        give_up = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            req = self._request(Op.INFER, model, inputs, outputs=outputs, version=version,
+                                timeout=timeout)
+            reply = self._wait(req.id, self._send(req))
+            pause = self._retry_pause(reply, attempt, give_up)
+            if pause is None:
+                break
+            time.sleep(pause)
+            attempt += 1
+            timeout = max(0.001, give_up - time.monotonic())
         if reply.error is not None:
             raise RequestError(reply.error.message, reply.error.code)
         return reply.outputs
@@ -217,12 +279,18 @@ class Client(_Base):
 class AsyncClient(_Base):
     """asyncio client with the same methods as :class:`Client` (awaitable).
 
-    One receiver task routes replies to the awaiting coroutines by request id.
+    One receiver task routes replies to the awaiting coroutines by request id. At most
+    ``max_in_flight`` requests are in flight; more wait for a slot (``asyncio.gather``
+    of 200 calls sends 64 at a time by default). ``retry_exhausted`` as for
+    :class:`Client`.
     """
 
     def __init__(self, endpoint: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 context: zmq.asyncio.Context | None = None) -> None:
-        super().__init__(endpoint, timeout)
+                 context: zmq.asyncio.Context | None = None, *,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                 retry_exhausted: bool = False) -> None:
+        super().__init__(endpoint, timeout, max_in_flight, retry_exhausted)
+        self._slots: asyncio.Semaphore | None = None  # made on first use, in its loop
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -257,17 +325,28 @@ class AsyncClient(_Base):
                      inputs: dict[str, NDArray[Any]] | None = None, **fields: Any) -> Reply:
         if self._receiver is None:
             self._receiver = asyncio.create_task(self._receive())
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_in_flight)
         req = self._request(Op(op), model, inputs, **fields)
+        limit = (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S
+        give_up = time.monotonic() + limit
+        try:
+            await asyncio.wait_for(self._slots.acquire(), limit)
+        except asyncio.TimeoutError:
+            raise RequestError(f"no reply from {self.endpoint} within the client timeout: "
+                               f"{self.max_in_flight} requests in flight (max_in_flight) "
+                               f"left no room to send", ErrorCode.DEADLINE_EXCEEDED) from None
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._futures[req.id] = future
-        await self._sock.send_multipart(encode_request(req), copy=False)
         try:
-            return await asyncio.wait_for(future, (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S)
+            await self._sock.send_multipart(encode_request(req), copy=False)
+            return await asyncio.wait_for(future, max(0.001, give_up - time.monotonic()))
         except asyncio.TimeoutError:
             raise RequestError(f"no reply from {self.endpoint} within the client timeout",
                                ErrorCode.DEADLINE_EXCEEDED) from None
         finally:
             self._futures.pop(req.id, None)
+            self._slots.release()
 
     async def call(self, op: Op | str, model: str | None = None, **fields: Any) -> Any:
         return self._unwrap(await self.submit(op, model, **fields)).result
@@ -275,9 +354,18 @@ class AsyncClient(_Base):
     async def infer(self, model: str, inputs: dict[str, NDArray[Any]],
                     outputs: list[str] | None = None, *, version: int | None = None,
                     timeout: float | None = None) -> dict[str, NDArray[Any]]:
-        reply = await self.submit(Op.INFER, model, inputs, outputs=outputs, version=version,
-                                  timeout=timeout)
-        return self._unwrap(reply).outputs
+        timeout = timeout or self.timeout
+        give_up = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            reply = await self.submit(Op.INFER, model, inputs, outputs=outputs,
+                                      version=version, timeout=timeout)
+            pause = self._retry_pause(reply, attempt, give_up)
+            if pause is None:
+                return self._unwrap(reply).outputs
+            await asyncio.sleep(pause)
+            attempt += 1
+            timeout = max(0.001, give_up - time.monotonic())
 
     async def ping(self) -> dict[str, Any]:
         return await self.call(Op.PING)

@@ -59,6 +59,8 @@ def show_status(s: dict[str, Any]) -> str:
              f"(repository {s['repository']})",
              "backends: " + ", ".join(f"{b['id']} ({b['kind']}, {b['status']})"
                                       for b in s["backends"])]
+    if s.get("repository_problem"):
+        lines.append(f"warning:  {s['repository_problem']}")
     return "\n".join(lines)
 
 
@@ -179,7 +181,14 @@ def _load_input(path: str) -> np.ndarray:
     """A .npy file as saved, or an image file as uint8 HxWx3 BGR (OpenCV's order, what
     the OCR graph takes), decoded with OpenCV or else Pillow."""
     if Path(path).suffix.lower() not in IMAGE_SUFFIXES:
-        return np.load(path, allow_pickle=False)
+        try:
+            return np.load(path, allow_pickle=False)
+        except OSError as e:
+            raise SystemExit(f"inferctl: cannot read {path}: {e.strerror or e}") from None
+        except (ValueError, EOFError) as e:  # not .npy, truncated, or pickled objects
+            why = ("not a plain .npy array (inferctl never loads pickled Python objects)"
+                   if "allow_pickle" in str(e) else f"not a valid .npy file ({e})")
+            raise SystemExit(f"inferctl: cannot read {path}: {why}") from None
     try:
         import cv2
     except ImportError:
@@ -197,13 +206,18 @@ def _load_input(path: str) -> np.ndarray:
         return np.ascontiguousarray(np.array(im.convert("RGB"))[:, :, ::-1])
 
 
-def _infer(c: Client, args: argparse.Namespace) -> None:
+def _inputs(args: argparse.Namespace) -> dict[str, np.ndarray]:
+    """The ``-i NAME=FILE`` inputs, read before connecting (SystemExit with one line)."""
     inputs = {}
     for spec in args.input:
         name, sep, path = spec.partition("=")
         if not sep:
             raise SystemExit(f"inferctl: -i expects NAME=FILE.npy, got {spec!r}")
         inputs[name] = _load_input(path)
+    return inputs
+
+
+def _infer(c: Client, args: argparse.Namespace, inputs: dict[str, np.ndarray]) -> None:
     outputs = c.infer(args.model, inputs, args.output_names)
     if args.out_dir:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
@@ -272,10 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     args.socket = args.socket or default_endpoint()
     if args.cmd == "wait":
         return _wait(args)
+    inputs = _inputs(args) if args.cmd == "infer" else {}
     try:
         with Client(args.socket, timeout=args.request_timeout) as c:
             if args.cmd == "infer":
-                _infer(c, args)
+                _infer(c, args, inputs)
                 return 0
             if args.cmd == "status":
                 result: Any = c.status()

@@ -26,12 +26,15 @@ from inferd.ipc.protocol import Reply
 @dataclass(slots=True)
 class Ticket:
     """What a handler needs to answer a wire request later: an opaque sequence number
-    plus the request's id, arrival time and deadline (monotonic seconds, or None)."""
+    plus the request's id, arrival time and deadline (monotonic seconds, or None), and
+    the client connection it came on (its routing id: the model queues take turns
+    between clients)."""
 
     seq: int
     request_id: str
     received: float
     deadline: float | None
+    peer: bytes = b""
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline

@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from inferd.ipc.clients import ClientLimits
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ProtocolError, failure
 from inferd.ipc.protocol import Reply, Request, decode_request, encode_reply, peek_request_id
 from inferd.ipc.replies import Ticket
@@ -95,6 +96,9 @@ class Access:
 
 
 PEER_CACHE_SIZE = 4096
+RECEIVE_HWM = 1000
+"""Requests libzmq may hold per client before the I/O thread reads them (ZMQ_RCVHWM);
+past it the client's sends wait (backpressure), nothing is dropped."""
 
 
 
@@ -168,8 +172,12 @@ class Server:
 
     def __init__(self, endpoint: str, handler: Handler, *, max_message_bytes: int,
                  socket_mode: int = 0o660, grace_s: float = 10.0, socket_group: str = "",
-                 access: Access | None = None, cpu_affinity: Iterable[int] = ()) -> None:
+                 access: Access | None = None, cpu_affinity: Iterable[int] = (),
+                 max_requests_per_client: int = 256, max_bytes_per_client: int = 128 * 2**20,
+                 max_replies_queued_per_client: int = 1000) -> None:
         self.endpoint = endpoint
+        self.clients = ClientLimits(max_requests_per_client, max_bytes_per_client)
+        self._max_replies_queued = max_replies_queued_per_client
         self._handler = handler
         self._max_bytes = max_message_bytes
         self._mode = socket_mode
@@ -191,7 +199,7 @@ class Server:
         # thread, and while they are closed: none is used after _closed is set.
         self._send_lock = threading.Lock()
         self._closed = False
-        # seq -> [envelope frames, request id once decoded]
+        # seq -> [envelope frames, request id once decoded, client key, bytes]
         self._inflight: dict[int, list[Any]] = {}
         self._seq = 0
         self._io_ident: int | None = None
@@ -217,8 +225,10 @@ class Server:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 1000)
         router.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
-        router.setsockopt(zmq.SNDHWM, 10000)
-        router.setsockopt(zmq.RCVHWM, 10000)
+        # Both are per connection on a ROUTER: replies waiting for a client that does not
+        # read, and requests libzmq holds before the I/O thread takes them.
+        router.setsockopt(zmq.SNDHWM, self._max_replies_queued)
+        router.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         old = os.umask(0o777 & ~self._mode) if path else None
         try:
             router.bind(self.endpoint)
@@ -232,9 +242,15 @@ class Server:
             if old is not None:
                 os.umask(old)
         if path is not None:
-            os.chmod(path, self._mode)
-            if self._group:
-                _chgrp(path, self._group)
+            try:
+                os.chmod(path, self._mode)
+                if self._group:
+                    _chgrp(path, self._group)
+            except (OSError, InferdError):
+                router.close(0)
+                if self._lock:
+                    self._lock.release()  # removes the socket file too
+                raise
         self._router = router
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self._replies_addr)
@@ -377,6 +393,7 @@ class Server:
             log.warning("dropping a second or late reply for request #%d (already answered)",
                         seq)
             return
+        self.clients.done(entry[2], entry[3])
         try:
             send_frames(self._router, [*entry[0], *frames], NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away; EAGAIN: not reading
@@ -389,13 +406,22 @@ class Server:
         envelope, body = frames[:split], frames[split:]
         self._seq += 1
         seq = self._seq
-        self._inflight[seq] = [envelope, None]
+        key = frames[0].bytes
+        size = sum(len(f) for f in body)
+        self._inflight[seq] = [envelope, None, key, size]
         self.stats["requests"] += 1
-        peer = self._peer(frames[0].bytes, frames[-1])
+        over = self.clients.admit(key, size)
+        peer = self._peer(key, frames[-1])
         if not self.access.allows(peer):
-            self._refuse(seq, body, peer, frames[0].bytes)
+            self._refuse(seq, body, peer, key)
             return
-        self._handle(seq, body, refuse)
+        if over is not None:
+            rid = peek_request_id(body)
+            log.debug("request %s refused: %s", rid, over,
+                      extra={"REQUEST_ID": rid or "", "CODE": "RESOURCE_EXHAUSTED"})
+            self._answer_error(seq, rid, Failure(ErrorCode.RESOURCE_EXHAUSTED, over))
+            return
+        self._handle(seq, body, refuse, key, size)
 
     def _peer(self, key: bytes, frame: Any) -> Peer | None:
         """The credentials of the connection a message came on (``key``: its routing
@@ -435,11 +461,11 @@ class Server:
                                "CODE": str(ErrorCode.PERMISSION_DENIED)})
         self._answer_error(seq, rid, Failure(ErrorCode.PERMISSION_DENIED, message))
 
-    def _handle(self, seq: int, body: list[Any], refuse: bool) -> None:
+    def _handle(self, seq: int, body: list[Any], refuse: bool, key: bytes,
+                size: int) -> None:
         received = time.monotonic()
         request_id: str | None = None
         try:
-            size = sum(len(f) for f in body)
             if size > self._max_bytes:
                 raise ProtocolError(f"message of {size} bytes is over the limit of "
                                     f"{self._max_bytes} bytes (server.max_message_bytes)",
@@ -451,7 +477,7 @@ class Server:
                 raise InferdError("inferd is shutting down", ErrorCode.UNAVAILABLE)
             deadline = (received + request.timeout_ms / 1000.0
                         if request.timeout_ms else None)
-            ticket = Ticket(seq, request.id, received, deadline)
+            ticket = Ticket(seq, request.id, received, deadline, key)
             reply = self._handler(request, ticket)
         except Exception as e:
             rid = e.request_id if isinstance(e, ProtocolError) else request_id
@@ -471,8 +497,8 @@ class Server:
     def _close(self) -> None:
         with self._send_lock:  # from here on, late replies from other threads are dropped
             self._closed = True
-        for seq, (_, rid) in list(self._inflight.items()):
-            self._answer_error(seq, rid, Failure(ErrorCode.UNAVAILABLE,
+        for seq, entry in list(self._inflight.items()):
+            self._answer_error(seq, entry[1], Failure(ErrorCode.UNAVAILABLE,
                                                  "inferd stopped before this request "
                                                  "finished"))
         assert self._router is not None and self._pull is not None

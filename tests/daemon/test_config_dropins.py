@@ -7,7 +7,7 @@ import pwd
 
 import pytest
 
-from inferd.daemon.config import load_config
+from inferd.daemon.config import SCHEMA, load_config
 from inferd.ipc.errors import ConfigError
 
 
@@ -56,4 +56,4 @@ def test_no_main_file_means_no_dropins(tmp_path, monkeypatch):
     (tmp_path / "conf.d").mkdir()
     (tmp_path / "conf.d" / "x.toml").write_text("[models]\nqueue_size = 7\n")
     cfg = load_config(None)
-    assert cfg.models.queue_size == 64 and cfg.dropins == []
+    assert cfg.models.queue_size == SCHEMA["models"]["queue_size"].default and cfg.dropins == []

@@ -83,7 +83,9 @@ def test_items_without_a_peer_and_many_threads_lose_nothing():
     threads = [threading.Thread(target=consume) for _ in range(4)]
     for t in threads:
         t.start()
-    items = [_item(bytes([n % 7]), n) for n in range(2000)] + [object() for _ in range(100)]
+    local = _Item(_Ticket(b""), -1)  # a LocalTicket has no peer attribute: b"" too
+    local.ticket = object()  # type: ignore[assignment]
+    items = [_item(bytes([n % 7]), n) for n in range(2000)] + [local] * 100
     for item in items:
         q.put(item)
     for _ in threads:

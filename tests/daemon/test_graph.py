@@ -24,6 +24,7 @@ from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
 from inferd.libbackends.registry import Registry
+from tests.links import link_tree
 
 CLS_OUT = "save_infer_model/scale_0.tmp_1"
 
@@ -79,7 +80,7 @@ class Harness:
         root.mkdir(exist_ok=True)
         for name in models:
             (root / name).mkdir()
-            (root / name / "1").symlink_to(models_dir / name / "1")
+            link_tree(models_dir / name / "1", root / name / "1")
         self.root = root
         config = load_config(None, {"models.repository": str(root)})
         repo = Repository(root)

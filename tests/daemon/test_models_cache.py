@@ -1,5 +1,5 @@
 """The model cache in-process: a real ModelManager with the real onnxruntime backend and
-the real demo models (symlinked into a temporary repository), replies captured instead
+the real demo models (hard-linked into a temporary repository), replies captured instead
 of sent over a socket. Memory is really measured, so budgets are set from measurements.
 """
 
@@ -24,17 +24,18 @@ from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import ReplySink, Ticket
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
 from inferd.libbackends.registry import Registry
+from tests.links import link_file
 
 
 
 def make_repo(root: Path, models_dir: Path, layout: dict[str, dict[int, str]],
               settings: dict[str, str] | None = None) -> Path:
-    """``layout``: name -> {version: demo model}; files are symlinks to models/."""
+    """``layout``: name -> {version: demo model}; files are hard links to models/."""
     for name, versions in layout.items():
         for version, demo in versions.items():
             d = root / name / str(version)
             d.mkdir(parents=True)
-            (d / "model.onnx").symlink_to(models_dir / demo / "1" / "model.onnx")
+            link_file(models_dir / demo / "1" / "model.onnx", d / "model.onnx")
         if settings and name in settings:
             (root / name / "model.toml").write_text(settings[name])
     return root
@@ -389,8 +390,7 @@ def test_reload_swaps_a_new_version_in_under_load(
     load.start()
     wait_for(lambda: load.ok >= 3)
     (repo / "ocr-det" / "2").mkdir()
-    (repo / "ocr-det" / "2" / "model.onnx").symlink_to(
-        models_dir / "ocr-det" / "1" / "model.onnx")
+    link_file(models_dir / "ocr-det" / "1" / "model.onnx", repo / "ocr-det" / "2" / "model.onnx")
     config = load_config(None, {"models.repository": str(repo), "models.preload": ["vad"],
                                 "cache.max_memory": budget})
     caplog.set_level(logging.INFO, "inferd.daemon.reload")

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tests.links import link_tree
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def test_placement_of_every_thread_is_applied_and_shown(start_daemon: Any, short
     core = sorted(os.sched_getaffinity(0))[-1]
     repo = short_tmp / "repo"
     (repo / "cls").mkdir(parents=True)
-    (repo / "cls" / "1").symlink_to(models_dir / "ocr-cls" / "1")
+    link_tree(models_dir / "ocr-cls" / "1", repo / "cls" / "1")
     (repo / "cls" / "model.toml").write_text(f"""
 instances = 2
 cpu_affinity = [{core}]
@@ -86,7 +87,7 @@ def test_bad_pipeline_settings_fail_the_load_with_the_key_named(
         start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
     repo = short_tmp / "repo"
     (repo / "cls").mkdir(parents=True)
-    (repo / "cls" / "1").symlink_to(models_dir / "ocr-cls" / "1")
+    link_tree(models_dir / "ocr-cls" / "1", repo / "cls" / "1")
     (repo / "cls" / "model.toml").write_text('pre = [{ op = "no.such" }]\n')
     daemon = start_daemon("--models", str(repo))
     from inferd.ipc import RequestError
@@ -110,7 +111,7 @@ def test_server_cpu_affinity_pins_the_io_threads_and_nothing_they_start(
     core = cores[-1]
     repo = short_tmp / "repo"
     (repo / "cls").mkdir(parents=True)
-    (repo / "cls" / "1").symlink_to(models_dir / "ocr-cls" / "1")
+    link_tree(models_dir / "ocr-cls" / "1", repo / "cls" / "1")
     config = short_tmp / "inferd.toml"
     config.write_text(f"[server]\ncpu_affinity = [{core}]\n")
     daemon = start_daemon("--config", str(config), "--models", str(repo))

@@ -18,6 +18,7 @@ import pytest
 from inferd.ipc import Client, RequestError
 from inferd.ipc.errors import ErrorCode
 from inferd.ipc.protocol import Op
+from tests.links import link_file
 
 
 
@@ -25,7 +26,7 @@ def add_version(repo: Path, models_dir: Path, name: str, version: int,
                 demo: str | None = None) -> None:
     d = repo / name / str(version)
     d.mkdir(parents=True)
-    (d / "model.onnx").symlink_to(models_dir / (demo or name) / "1" / "model.onnx")
+    link_file(models_dir / (demo or name) / "1" / "model.onnx", d / "model.onnx")
 
 
 def poll(cond: Callable[[], bool], timeout: float = 60) -> None:

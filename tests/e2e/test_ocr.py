@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from inferd.ipc import RequestError
 from inferd.ipc.errors import ErrorCode
+from tests.links import link_tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ocr_images import CASES, fonts_available, render  # noqa: E402
@@ -47,7 +48,7 @@ def ocr_repo(short_tmp: Path, models_dir: Path) -> Path:
     repo.mkdir()
     for name in ("ocr-det", "ocr-cls", "ocr-rec"):
         (repo / name).mkdir()
-        (repo / name / "1").symlink_to(models_dir / name / "1")
+        link_tree(models_dir / name / "1", repo / name / "1")
         if (models_dir / name / "model.toml").exists():
             shutil.copy(models_dir / name / "model.toml", repo / name)
     graph = (models_dir / "ocr" / "graph.toml").read_text()

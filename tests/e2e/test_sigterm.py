@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from inferd.ipc import RequestError
+from inferd.ipc import Client, RequestError
 from inferd.ipc.errors import ErrorCode
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,8 @@ def _sigterm_with_work_queued(start_daemon, short_tmp, models_dir, run: int) -> 
     d = start_daemon("--config", str(config), "--models", str(models_dir), workdir=work)
     # Wide lines: each run takes tens of ms, so 200 of them outlast the 2 s grace.
     x = np.random.default_rng(run).random((1, 3, 48, 1600), dtype=np.float32)
-    with d.client(timeout=60) as c:
+    # max_in_flight: all 200 are sent at once, not 64 at a time (the default).
+    with Client(d.endpoint, timeout=60, max_in_flight=QUEUED) as c:
         pending = [c.submit("infer", "ocr-rec", {"x": x}) for _ in range(QUEUED)]
         first = pending[0].reply()  # the daemon is busy with them now
         assert first.ok, first.error

@@ -1,0 +1,99 @@
+"""What one client may hold in the daemon, and giving memory back when clients go.
+
+The I/O thread counts, per connection (the ZeroMQ routing id), the requests received
+and not yet answered and their bytes. A request over either limit is answered
+RESOURCE_EXHAUSTED at once, so one client cannot fill the models' queues or the
+daemon's memory for the others; a lone request is always admitted (its size is bounded
+by ``max_message_bytes``). A client with nothing in flight has no entry at all.
+
+Freed request buffers stay in the C allocator's free lists (glibc keeps them per
+arena), so the daemon's RSS would stay at its peak after a burst. When nothing is in
+flight any more and enough has been received since the last time, :meth:`trim` calls
+``malloc_trim(0)`` to return the free pages to the system.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+TRIM_AFTER_BYTES = 32 * 2**20
+"""Bytes received since the last trim that make an idle moment worth a malloc_trim."""
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(None).malloc_trim  # glibc; absent on musl
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+class ClientLimits:
+    """Per-client counts of requests in flight (I/O thread only).
+
+    Args:
+        max_requests: requests one client may have in flight.
+        max_bytes: bytes of requests one client may have in flight.
+    """
+
+    def __init__(self, max_requests: int, max_bytes: int) -> None:
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self._use: dict[bytes, list[int]] = {}
+        self._in_flight = 0
+        self._since_trim = 0
+        self._trim = _malloc_trim()
+        self.refused = 0
+        self.trims = 0
+
+    def admit(self, key: bytes, size: int) -> str | None:
+        """Count a request of ``size`` bytes from ``key``; why it is over a limit, or None.
+
+        Every call is matched by one :meth:`done` (also for a refused request)."""
+        use = self._use.get(key)
+        if use is None:
+            use = self._use[key] = [0, 0]
+        use[0] += 1
+        use[1] += size
+        self._in_flight += 1
+        self._since_trim += size
+        if use[0] > self.max_requests:
+            self.refused += 1
+            return (f"this client has {use[0] - 1} requests in flight, the limit "
+                    f"(server.max_requests_per_client = {self.max_requests}); wait for "
+                    f"replies before sending more")
+        if use[1] > self.max_bytes and use[0] > 1:
+            self.refused += 1
+            return (f"this client has {use[1] - size} bytes of requests in flight; this "
+                    f"one ({size} bytes) would pass the limit (server.max_bytes_per_client"
+                    f" = {self.max_bytes}); wait for replies before sending more")
+        return None
+
+    def done(self, key: bytes, size: int) -> None:
+        """A request of ``key`` was answered."""
+        use = self._use.get(key)
+        if use is not None:
+            use[0] -= 1
+            use[1] -= size
+            if use[0] <= 0:
+                del self._use[key]
+        self._in_flight -= 1
+        if self._in_flight == 0 and self._since_trim >= TRIM_AFTER_BYTES:
+            self.trim()
+
+    def trim(self) -> None:
+        """Give free heap pages back to the system."""
+        self._since_trim = 0
+        if self._trim is not None:
+            self._trim(0)
+            self.trims += 1
+            log.debug("returned free memory to the system (malloc_trim)")
+
+    def clients(self) -> int:
+        """Clients with requests in flight."""
+        return len(self._use)
