@@ -21,6 +21,10 @@ from collections import OrderedDict, deque
 from typing import Any
 
 
+MIN_SHARE = 2
+"""Requests any client may have queued even when the queue is full."""
+
+
 class FairQueue:
     """Round-robin between clients; unbounded (the caller keeps the bound)."""
 
@@ -75,6 +79,13 @@ class FairQueue:
 
     def empty(self) -> bool:
         return self._size == 0
+
+    def below_share(self, peer: bytes) -> bool:
+        """Whether ``peer`` has fewer than :data:`MIN_SHARE` requests queued: such a
+        client is admitted even to a full queue, so that clients that filled it cannot
+        lock the others out (the queue may then pass its bound by a few per client)."""
+        fifo = self._peers.get(peer)
+        return fifo is None or len(fifo) < MIN_SHARE
 
     def peers(self) -> int:
         """How many clients have requests queued."""

@@ -153,7 +153,8 @@ class ModelManager:
                                       f"(next try after {held:g} s): {entry.error}",
                                       entry.error_code)
                 entry.set_state(State.UNLOADED)
-            if entry.queue.qsize() >= entry.queue_size:
+            if entry.queue.qsize() >= entry.queue_size and not entry.queue.below_share(
+                    getattr(item.ticket, "peer", b"")):
                 raise InferdError(f"model {entry.label}: queue is full "
                                   f"({entry.queue_size} requests waiting)",
                                   ErrorCode.RESOURCE_EXHAUSTED)

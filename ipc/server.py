@@ -173,7 +173,7 @@ class Server:
     def __init__(self, endpoint: str, handler: Handler, *, max_message_bytes: int,
                  socket_mode: int = 0o660, grace_s: float = 10.0, socket_group: str = "",
                  access: Access | None = None, cpu_affinity: Iterable[int] = (),
-                 max_requests_per_client: int = 256, max_bytes_per_client: int = 128 * 2**20,
+                 max_requests_per_client: int = 512, max_bytes_per_client: int = 128 * 2**20,
                  max_replies_queued_per_client: int = 1000) -> None:
         self.endpoint = endpoint
         self.clients = ClientLimits(max_requests_per_client, max_bytes_per_client)

@@ -1,0 +1,211 @@
+"""Backpressure a client can live with (issue 12, items 5 and 5b): what one client may
+hold is bounded and given back, model queues take turns between clients, and the
+Python clients wait (or retry) instead of failing."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import zmq
+
+from inferd.ipc import AsyncClient, Client, RequestError
+from inferd.ipc.clients import ClientLimits
+from inferd.ipc.errors import ErrorCode
+from inferd.ipc.protocol import Op, Request, encode_request
+from tests.links import link_tree
+
+X = np.zeros((1, 3, 48, 192), np.float32)  # one ocr-cls request: 110,592 bytes of tensor
+VAD = {"input": np.zeros((1, 512), np.float32), "state": np.zeros((2, 1, 128), np.float32),
+       "sr": np.array(16000, np.int64)}
+RSS_RETURNED_BOUND = 96 * 2**20
+"""How far above its RSS before the burst the daemon may stay once the burst is over."""
+
+
+def test_client_limits_count_and_forget():
+    limits = ClientLimits(max_requests=2, max_bytes=1000)
+    assert limits.admit(b"a", 600) is None
+    assert "max_bytes_per_client" in (limits.admit(b"a", 600) or "")
+    assert "max_requests_per_client" in (limits.admit(b"a", 1) or "")
+    assert limits.admit(b"b", 5000) is None  # a lone request is always admitted
+    for size in (600, 600, 1):
+        limits.done(b"a", size)
+    limits.done(b"b", 5000)
+    assert limits.clients() == 0 and limits.refused == 2
+
+
+def _wait_idle(c: Client, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while c.status()["clients_in_flight"] > 1:  # the status request itself
+        assert time.monotonic() < deadline, "requests still in flight"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_client_that_never_reads_is_bounded_and_its_memory_returned(start_daemon,
+                                                                      models_dir):
+    """Item 5: 10,000 ocr-cls requests sent and never read."""
+    d = start_daemon("--models", str(models_dir), "--preload", "ocr-cls")
+    proc = psutil.Process(d.proc.pid)
+    with d.client() as c:
+        for _ in range(20):
+            c.infer("ocr-cls", {"x": X})
+        rss_before = proc.memory_info().rss
+        ctx = zmq.Context()
+        rude = ctx.socket(zmq.DEALER)
+        rude.setsockopt(zmq.LINGER, 0)
+        rude.setsockopt(zmq.SNDTIMEO, 30_000)
+        rude.connect(d.endpoint)
+        polite_errors: list[str] = []
+        polite_done = threading.Event()
+
+        def polite() -> None:
+            with d.client(timeout=60) as p:
+                while not polite_done.is_set():
+                    try:
+                        p.infer("ocr-cls", {"x": X})
+                    except RequestError as e:
+                        polite_errors.append(f"{e.code}: {e.message}")
+        t = threading.Thread(target=polite)
+        t.start()
+        try:
+            for i in range(10_000):
+                rude.send_multipart(encode_request(Request(f"r{i}", Op.INFER, "ocr-cls",
+                                                           inputs={"x": X})), copy=False)
+            peak = proc.memory_info().rss
+            rude.close(0)  # never read a reply: gone
+            ctx.term()
+            _wait_idle(c)
+        finally:
+            polite_done.set()
+            t.join(60)
+        status = c.status()
+        rss_after = proc.memory_info().rss
+    assert polite_errors == []
+    assert status["clients_in_flight"] <= 1
+    print(f"RSS before {rss_before / 2**20:.0f} MiB, during {peak / 2**20:.0f} MiB, "
+          f"after {rss_after / 2**20:.0f} MiB")
+    assert rss_after - rss_before < RSS_RETURNED_BOUND, (rss_before, peak, rss_after)
+    assert d.proc.poll() is None
+
+
+def test_async_gather_of_200_waits_instead_of_failing(start_daemon, models_dir):
+    """Item 5b: with the shipped defaults, asyncio.gather of 200 infers all succeed."""
+    d = start_daemon("--models", str(models_dir), "--preload", "ocr-cls")
+
+    async def run() -> list[object]:
+        async with AsyncClient(d.endpoint, timeout=120) as c:
+            return await asyncio.gather(*(c.infer("ocr-cls", {"x": X}) for _ in range(200)),
+                                        return_exceptions=True)
+    results = asyncio.run(run())
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert errors == []
+
+
+def test_retry_exhausted_turns_a_full_queue_into_a_wait(start_daemon, models_dir, short_tmp):
+    config = short_tmp / "inferd.toml"
+    config.write_text("[models]\nqueue_size = 2\n")
+    d = start_daemon("--config", str(config), "--models", str(models_dir), "--preload",
+                     "ocr-rec")
+    x = np.zeros((1, 3, 48, 320), np.float32)
+
+    async def burst(retry: bool) -> list[object]:
+        async with AsyncClient(d.endpoint, timeout=120, retry_exhausted=retry) as c:
+            return await asyncio.gather(*(c.infer("ocr-rec", {"x": x}) for _ in range(40)),
+                                        return_exceptions=True)
+    codes = [r.code for r in asyncio.run(burst(False)) if isinstance(r, RequestError)]
+    assert ErrorCode.RESOURCE_EXHAUSTED in codes
+    assert [r for r in asyncio.run(burst(True)) if isinstance(r, Exception)] == []
+
+
+@pytest.mark.slow
+def test_eight_clients_with_32_in_flight_get_no_refusal(start_daemon, models_dir):
+    """Item 5b: 8 clients with 32 requests in flight each, shipped defaults."""
+    d = start_daemon("--models", str(models_dir), "--preload", "ocr-cls")
+    errors: list[str] = []
+    done = [0]
+
+    def client() -> None:
+        with Client(d.endpoint, timeout=120) as c:
+            for _ in range(8):
+                pending = [c.submit("infer", "ocr-cls", {"x": X}) for _ in range(32)]
+                for p in pending:
+                    r = p.reply()
+                    if r.error is not None:
+                        errors.append(str(r.error))
+                    done[0] += 1
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert errors == [] and done[0] == 8 * 8 * 32
+
+
+def _greedy(endpoint: str, served: Any, started: Any, stop: Any) -> None:
+    """The greedy client (its own process, so that it does not slow the polite one's
+    process down): 500 requests in flight, each reply followed by a new request."""
+    with Client(endpoint, timeout=300, max_in_flight=500) as g:
+        window = [g.submit("infer", "cls", {"x": X}) for _ in range(500)]
+        started.set()
+        while not stop.is_set():
+            r = window.pop(0).reply()
+            if r.error is None:
+                with served.get_lock():
+                    served.value += 1
+            window.append(g.submit("infer", "cls", {"x": X}))
+        for p in window:
+            p.reply()
+
+
+@pytest.mark.slow
+def test_a_greedy_client_does_not_starve_a_polite_one(start_daemon, models_dir, short_tmp):
+    """Item 5b: a greedy client keeps 500 requests in flight, a polite one sends one at
+    a time. The polite one gets no error, and while one of its requests is in flight
+    the greedy one is served a few times (taking turns), not 500 times (a FIFO).
+
+    ocr-cls without batching here: with max_batch = 32 (its model.toml) the polite
+    request rides in the next batch beside up to 31 of the greedy one's."""
+    repo = short_tmp / "repo"
+    link_tree(models_dir / "ocr-cls" / "1", repo / "cls" / "1")
+    (repo / "cls" / "model.toml").write_text("max_batch = 1\n")
+    d = start_daemon("--models", str(repo), "--preload", "cls")
+    ctx = multiprocessing.get_context("spawn")
+    served, started, stop = ctx.Value("i", 0), ctx.Event(), ctx.Event()
+    with d.client(timeout=120) as polite:
+        alone = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            polite.infer("cls", {"x": X})
+            alone.append(time.perf_counter() - t0)
+        greedy = ctx.Process(target=_greedy, args=(d.endpoint, served, started, stop))
+        greedy.start()
+        try:
+            assert started.wait(120)
+            loaded, overtaken = [], []
+            for _ in range(40):
+                before = served.value
+                t0 = time.perf_counter()
+                polite.infer("cls", {"x": X})  # raises on any error
+                loaded.append(time.perf_counter() - t0)
+                overtaken.append(served.value - before)
+        finally:
+            stop.set()
+            greedy.join(300)
+    assert greedy.exitcode == 0
+
+    def p99(xs: list[float]) -> float:
+        return sorted(xs)[int(0.99 * (len(xs) - 1))]
+    print(f"polite p99 alone {p99(alone) * 1000:.1f} ms, beside a greedy client with 500 "
+          f"in flight {p99(loaded) * 1000:.1f} ms ({p99(loaded) / p99(alone):.1f}x); greedy "
+          f"requests served during each polite one: median "
+          f"{sorted(overtaken)[len(overtaken) // 2]}, max {max(overtaken)}")
+    assert served.value > 0
+    # A FIFO would serve ~500 greedy requests (all it has queued) before each polite one.
+    assert sorted(overtaken)[len(overtaken) // 2] <= 8, overtaken
