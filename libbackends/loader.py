@@ -7,8 +7,10 @@ Search path (strongest first, an override replaces the default): ``--backends-di
 Every candidate goes found -> opened -> contract checked -> probed -> registered. At the
 first stage that fails, one WARNING line with PLUGIN_PATH, STAGE (and BACKEND when
 known) is logged, the candidate is recorded in the registry's troubleshooting view, and
-the next candidate is tried. Native plugins are first opened and probed in child
-processes (see :mod:`inferd.libbackends.native`).
+the next candidate is tried. Every plugin, native or Python, is first opened and probed
+in a child process (see :mod:`inferd.libbackends.native`): one that crashes, calls
+``os._exit`` or hangs at import or in its probe is reported with the stage and action
+it was in, and never loaded into the daemon.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from inferd.ipc.errors import BackendError
 from inferd.libbackends.contract import (
     API_VERSION, BACKEND_ID, REQUIRED_ATTRIBUTES, REQUIRED_METHODS, Backend, DeviceKind, Probe,
 )
-from inferd.libbackends.native import ChildReport, open_native, probe_in_children, \
-    version_problem
+from inferd.libbackends.native import ChildReport, StageHook, _no_step, open_native, \
+    probe_in_children, version_problem
 from inferd.libbackends.searchpath import BACKENDS
 from inferd.libbackends.registry import (
     Candidate, CandidateError, CandidateStatus, Form, Registry, Stage,
@@ -151,15 +153,18 @@ class Loader:
                       functools.partial(self._builtin, builtin=b))
         candidates = discover(dirs)
         unreadable: dict[str, CandidateError] = {}
-        natives = []
+        plugins = []
         for c in candidates:
-            if c.form is Form.NATIVE and c.status is CandidateStatus.FAILED and not c.reason:
+            if c.status is CandidateStatus.FAILED and not c.reason:
                 try:
-                    _check_readable(Path(c.path))  # before a child blocks on a FIFO
-                    natives.append(Path(c.path))
+                    if not (c.form is Form.PYTHON and Path(c.path).is_dir()):
+                        _check_readable(Path(c.path))  # before a child blocks on a FIFO
+                    plugins.append(Path(c.path))
                 except CandidateError as e:
                     unreadable[c.path] = e
-        reports = probe_in_children(natives, self.probe_timeout_s) if natives else {}
+        # Every plugin, native or Python, is first opened and probed in a child process:
+        # one that crashes, exits or hangs there is reported and never loaded here.
+        reports = probe_in_children(plugins, self.probe_timeout_s) if plugins else {}
         for c in candidates:
             if c.status in (CandidateStatus.SKIPPED, CandidateStatus.IGNORED):
                 self.registry.candidates.append(c)
@@ -172,7 +177,7 @@ class Loader:
             elif c.form is Form.NATIVE:
                 self._run(c, lambda c: self._native(c, reports[Path(c.path)]))
             else:
-                self._run(c, self._python)
+                self._run(c, lambda c: self._python_probed(c, reports[Path(c.path)]))
 
     # The one place where a plugin's failure is contained and logged.
     def _run(self, c: Candidate, stages: Callable[[Candidate], tuple[Backend, Probe]]) -> None:
@@ -225,10 +230,24 @@ class Loader:
         c.stage = Stage.CONTRACT_CHECKED
         return self._checked(c, _call_factory(b.factory, f"built-in {b.name}"))
 
-    def _python(self, c: Candidate) -> tuple[Backend, Probe]:
+    def _python_probed(self, c: Candidate, report: ChildReport) -> tuple[Backend, Probe]:
+        if report.not_started:
+            log.warning("backend candidate %s: %s; loading the Python plugin without a probe "
+                        "process first", c.path, report.reason,
+                        extra={"PLUGIN_PATH": c.path, "STAGE": str(Stage.OPENED)})
+            return self._python(c)
+        if not report.ok:
+            raise CandidateError(report.stage, report.reason, report.info.get("id"))
+        return self._python(c)  # the child showed this does not crash, exit or hang
+
+    def _python(self, c: Candidate, step: StageHook = _no_step) -> tuple[Backend, Probe]:
+        """Import, create, check and probe a Python plugin (``step`` is told each action
+        before it starts: the probe child reports them)."""
         c.stage = Stage.OPENED
+        step("import", Stage.OPENED)
         module = _import_plugin(Path(c.path))
         c.stage = Stage.CONTRACT_CHECKED
+        step(f"{FACTORY}()", Stage.CONTRACT_CHECKED)
         factory = getattr(module, FACTORY, None)
         if factory is None:
             public = [n for n in vars(module) if not n.startswith("_")][:8]
@@ -238,12 +257,14 @@ class Loader:
         if not callable(factory):
             raise CandidateError(Stage.CONTRACT_CHECKED,
                                  f"{FACTORY} is a {type(factory).__name__}, not a function")
-        return self._checked(c, _call_factory(factory, f"{FACTORY}()"))
+        return self._checked(c, _call_factory(factory, f"{FACTORY}()"), step)
 
-    def _checked(self, c: Candidate, backend: Any) -> tuple[Backend, Probe]:
+    def _checked(self, c: Candidate, backend: Any, step: StageHook = _no_step
+                 ) -> tuple[Backend, Probe]:
         check_contract(backend)
         c.backend = backend.id
         c.stage = Stage.PROBED
+        step("probe()", Stage.PROBED)
         try:
             probe = backend.probe()
         except Exception as e:

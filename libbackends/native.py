@@ -338,6 +338,7 @@ class ChildReport:
     stage: Stage
     reason: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    not_started: bool = False  # the child process itself could not be started
 
 
 STARTUP_ALLOWANCE_S = 60.0
@@ -370,11 +371,18 @@ def probe_in_children(paths: Iterable[Path], timeout_s: float,
     sel = selectors.DefaultSelector()
     children: list[_Child] = []
     now = time.monotonic()
+    unstarted: dict[Path, ChildReport] = {}
     for path in paths:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(path), str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True)  # its own process group: killed whole on a hang
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, str(path), str(os.getpid())],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True)  # its own process group: killed whole on a hang
+        except OSError as e:  # the interpreter cannot be run (a dropped uid, no fds)
+            unstarted[path] = ChildReport(False, Stage.OPENED, f"cannot start the probe "
+                                          f"process ({sys.executable}): {e.strerror}",
+                                          not_started=True)
+            continue
         child = _Child(path, proc, now + STARTUP_ALLOWANCE_S + timeout_s)
         children.append(child)
         for stream, buf in ((proc.stdout, child.out), (proc.stderr, child.err)):
@@ -400,7 +408,7 @@ def probe_in_children(paths: Iterable[Path], timeout_s: float,
                 child.started = True  # the plugin's time starts now
                 child.deadline = time.monotonic() + timeout_s
     sel.close()
-    reports = {}
+    reports = dict(unstarted)
     for child in children:
         rc = child.proc.wait()
         reports[child.path] = _interpret(bytes(child.out), bytes(child.err), rc,
@@ -415,7 +423,8 @@ def _interpret(out: bytes, err: bytes, rc: int, timed_out: bool,
     doing, stage = "starting the probe process", Stage.OPENED
     for msg in lines:
         if "failed" in msg:
-            return ChildReport(False, Stage(msg["failed"]), msg["reason"])
+            info = {"id": msg["id"]} if msg.get("id") else {}
+            return ChildReport(False, Stage(msg["failed"]), msg["reason"], info)
         if msg.get("ok"):
             return ChildReport(True, Stage.PROBED, info=msg)
         doing, stage = msg["doing"], Stage(msg["stage"])
@@ -459,12 +468,36 @@ def _child_main(path: str, parent: int) -> int:
     def step(what: str, stage: Stage) -> None:
         report({"doing": what, "stage": str(stage)})
 
+    if not path.endswith(".so"):
+        return _python_child(path, report, step)
     try:
         backend = open_native(Path(path), step)
         step("probe()", Stage.PROBED)
         probe = backend.probe()
     except CandidateError as e:
         report({"failed": str(e.stage), "reason": e.reason})
+        return 0
+    report({"ok": True, "id": backend.id, "version": backend.version,
+            "kind": str(backend.kind), "available": probe.available,
+            "reason": probe.reason, "devices": list(probe.devices)})
+    return 0
+
+
+def _python_child(path: str, report: Callable[[dict[str, Any]], None],
+                  step: StageHook) -> int:
+    """The child's part for a Python plugin: the loader's own import, factory, contract
+    check and probe, with each action reported before it starts."""
+    from inferd.libbackends.loader import Loader, _exc
+    from inferd.libbackends.registry import Candidate, Form, Registry
+
+    c = Candidate(path, Form.PYTHON)
+    try:
+        backend, probe = Loader(Registry(), builtins=())._python(c, step)
+    except CandidateError as e:
+        report({"failed": str(e.stage), "reason": e.reason, "id": e.backend})
+        return 0
+    except (Exception, SystemExit) as e:  # noqa: BLE001  the parent records it as it would
+        report({"failed": str(c.stage), "reason": _exc(e), "id": c.backend})
         return 0
     report({"ok": True, "id": backend.id, "version": backend.version,
             "kind": str(backend.kind), "available": probe.available,

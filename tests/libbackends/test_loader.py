@@ -417,3 +417,50 @@ def test_loading_native_plugins_leaks_no_fd_thread_or_process(
     assert me.num_fds() == fds
     assert threading.active_count() == threads
     assert me.children() == []
+
+
+_GOOD_ENGINE = """
+from inferd.libbackends.contract import Backend, Probe
+class Engine(Backend):
+    id, version, kind = "{id}", "1", "cpu"
+    def probe(self):
+        {probe}
+        return Probe(True)
+    def supports(self, path):
+        return False
+    def load(self, path, options):
+        raise NotImplementedError
+def create_backend():
+    return Engine()
+"""
+
+
+@pytest.mark.slow  # the hanging plugins cost probe_timeout_s
+def test_python_plugins_that_exit_crash_or_hang_are_probed_in_a_child(tmp_path: Path
+                                                                        ) -> None:
+    """Issue 12, item 11: a Python plugin that calls os._exit, crashes or loops forever,
+    at import or in its probe, is reported like a native one and the loader survives."""
+    (tmp_path / "exits.py").write_text("import os\nos._exit(7)\n")
+    (tmp_path / "hangs.py").write_text("while True:\n    pass\n")
+    (tmp_path / "probe_exits.py").write_text(
+        _GOOD_ENGINE.format(id="probe-exits", probe="import os; os._exit(9)"))
+    (tmp_path / "probe_crashes.py").write_text(
+        _GOOD_ENGINE.format(id="probe-crashes", probe="import ctypes; ctypes.string_at(0)"))
+    (tmp_path / "probe_hangs.py").write_text(
+        _GOOD_ENGINE.format(id="probe-hangs", probe="import time; time.sleep(3600)"))
+    (tmp_path / "fine.py").write_text(_GOOD_ENGINE.format(id="fine", probe="pass"))
+    r = Registry()
+    Loader(r, probe_timeout_s=2, builtins=()).load([tmp_path])
+    got = {Path(c.path).name: (c.stage, c.status, c.reason) for c in r.candidates}
+    assert got["exits.py"] == (Stage.OPENED, CandidateStatus.FAILED,
+                               "probe process exited with status 7 while calling import")
+    assert got["hangs.py"] == (Stage.OPENED, CandidateStatus.FAILED,
+                               "hung: no answer within 2 s while calling import")
+    assert got["probe_exits.py"][:2] == (Stage.PROBED, CandidateStatus.FAILED)
+    assert got["probe_exits.py"][2].startswith(
+        "probe process exited with status 9 while calling probe()")
+    assert got["probe_crashes.py"][:2] == (Stage.PROBED, CandidateStatus.FAILED)
+    assert got["probe_crashes.py"][2].startswith("crashed with SIGSEGV while calling probe()")
+    assert got["probe_hangs.py"][:2] == (Stage.PROBED, CandidateStatus.FAILED)
+    assert got["fine.py"][1] is CandidateStatus.REGISTERED
+    assert [b["id"] for b in r.describe()] == ["fine"]
