@@ -211,6 +211,7 @@ class Server:
         self._lock: SocketLock | None = None
         self.on_stop: Callable[[], None] | None = None
         self.stats = {"requests": 0}
+        self.undelivered = 0
 
     # ----------------------------------------------------------------- set-up
 
@@ -397,7 +398,10 @@ class Server:
         try:
             send_frames(self._router, [*entry[0], *frames], NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away; EAGAIN: not reading
-            log.info("reply #%d not delivered: client gone or not reading (%s)", seq, e)
+            self.undelivered += 1
+            if self.undelivered & (self.undelivered - 1) == 0:  # 1, 2, 4, 8...: no flood
+                log.info("reply #%d not delivered: client gone or not reading (%s); %d "
+                         "replies undelivered since start", seq, e, self.undelivered)
 
     def _receive_request(self, refuse: bool) -> None:
         frames = recv_frames(self._router)
