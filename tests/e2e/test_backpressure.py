@@ -207,5 +207,8 @@ def test_a_greedy_client_does_not_starve_a_polite_one(start_daemon, models_dir, 
           f"requests served during each polite one: median "
           f"{sorted(overtaken)[len(overtaken) // 2]}, max {max(overtaken)}")
     assert served.value > 0
-    # A FIFO would serve ~500 greedy requests (all it has queued) before each polite one.
-    assert sorted(overtaken)[len(overtaken) // 2] <= 8, overtaken
+    # A FIFO serves ~500 greedy requests (all it has queued) before each polite one (500
+    # measured); taking turns, 1 on a quiet machine. The bound leaves room for a busy
+    # one, where the greedy client is also served while the polite request is still on
+    # its way to the queue.
+    assert sorted(overtaken)[len(overtaken) // 2] <= 50, overtaken
