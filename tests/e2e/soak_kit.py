@@ -1,8 +1,12 @@
-"""One client process of the soak test: ``python -m tests.e2e.soak_kit ENDPOINT MODELS
-COUNT SEED``. It computes reference outputs for a few inputs of ocr-cls and vad with its
-own onnxruntime session, then sends COUNT requests (a window of 8 in flight), checks
-every reply against the reference and prints one JSON line: sent, ok, wrong, lost and
-error codes."""
+"""Client processes of the soak and fairness tests.
+
+``python -m tests.e2e.soak_kit ENDPOINT MODELS COUNT SEED``: computes reference outputs
+for a few inputs of ocr-cls and vad with its own onnxruntime session, then sends COUNT
+requests (a window of 8 in flight), checks every reply against the reference and prints
+one JSON line: sent, ok, wrong, lost and error codes.
+
+``python -m tests.e2e.soak_kit greedy ENDPOINT MODEL``: see :func:`greedy`.
+"""
 
 from __future__ import annotations
 
@@ -84,6 +88,26 @@ def run(endpoint: str, models: Path, count: int, seed: int) -> dict[str, Any]:
             "examples": examples}
 
 
+def greedy(endpoint: str, model: str) -> None:
+    """The greedy client of the fairness test: 500 requests in flight, a new one after
+    each reply; writes "S" once they are sent, then one "." per request served."""
+    x = {"x": np.zeros((1, 3, 48, 192), np.float32)}
+    out = sys.stdout
+    with Client(endpoint, timeout=300, max_in_flight=500) as g:
+        window = [g.submit("infer", model, x) for _ in range(500)]
+        out.write("S")
+        out.flush()
+        while True:
+            r = window.pop(0).reply()
+            if r.error is None:
+                out.write(".")
+                out.flush()
+            window.append(g.submit("infer", model, x))
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]),
-                         int(sys.argv[4]))), flush=True)
+    if sys.argv[1] == "greedy":
+        greedy(sys.argv[2], sys.argv[3])
+    else:
+        print(json.dumps(run(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]),
+                             int(sys.argv[4]))), flush=True)

@@ -68,8 +68,11 @@ def test_unknown_socket_group_stops_the_daemon_with_its_name(start_daemon, short
     config = short_tmp / "inferd.toml"
     config.write_text('[server]\nsocket_group = "no-such-group-x"\n')
     d = start_daemon("--config", str(config), ready=False)
-    assert d.proc.wait(60) == 1
-    assert "no-such-group-x" in d.log() and "server.socket_group" in d.log()
+    # Refused with the configuration (status 2), before the socket is bound: no socket
+    # file is left behind (issue 12, item 7).
+    assert d.proc.wait(60) == 2
+    assert "no-such-group-x" in d.log() and "[server] socket_group" in d.log()
+    assert not d.socket_path.exists()
 
 
 def test_access_rules():
