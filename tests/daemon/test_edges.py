@@ -86,7 +86,7 @@ def test_links_out_of_the_repository_are_refused(tmp_path, models_dir):
     r = Repository(repo.resolve())
     assert r.names() == ["innerlink", "inside", "tomllink"]
     with pytest.raises(ModelError) as info:
-        r.settings("tomllink")
+        r._settings_link_check("tomllink")
     assert "secret" not in info.value.message and "outside" in info.value.message
     spec = r.spec("tomllink")
     assert spec is not None and spec.error and "secret" not in spec.error

@@ -20,6 +20,7 @@ from inferd.ipc.replies import ReplySink
 from inferd.libbackends.contract import LoadOptions
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
 from inferd.libbackends.registry import Registry
+from tests.links import link_file
 
 
 def test_defaults_when_there_is_no_model_toml(tmp_path: Path) -> None:
@@ -102,8 +103,7 @@ class _Recording(OnnxRuntimeCpuBackend):
 def test_the_chosen_backend_gets_its_own_table_as_load_options(
         tmp_path: Path, models_dir: Path) -> None:
     (tmp_path / "m" / "1").mkdir(parents=True)
-    (tmp_path / "m" / "1" / "model.onnx").symlink_to(models_dir / "ocr-cls" / "1" /
-                                                      "model.onnx")
+    link_file(models_dir / "ocr-cls" / "1" / "model.onnx", tmp_path / "m" / "1" / "model.onnx")
     (tmp_path / "m" / "model.toml").write_text(
         'backends = ["recording"]\n[recording]\nthreads = 3\n[openvino]\ndevice = "GPU"\n')
     backend = _Recording()

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 
 from inferd.ipc import ErrorCode, RequestError
+from tests.links import link_file
 
 
 def _model(repo: Path, models_dir: Path, name: str, version: int = 1,
            demo: str = "ocr-cls") -> None:
     d = repo / name / str(version)
     d.mkdir(parents=True)
-    (d / "model.onnx").symlink_to(models_dir / demo / "1" / "model.onnx")
+    link_file(models_dir / demo / "1" / "model.onnx", d / "model.onnx")
 
 
 def _poll(cond: Callable[[], bool], timeout: float = 60) -> None:
