@@ -41,12 +41,21 @@ def test_bad_config_is_one_line_naming_the_file(tmp_path, text, words):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert words in info.value.message and str(path) in info.value.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", [b"# caf\xe9\n",
+                                  b"[server]\nsocket_group = \"no-such-group-4242\"\n"])
+def test_the_daemon_says_it_in_one_line_and_leaves_no_socket(tmp_path, text):
+    path = tmp_path / "inferd.toml"
+    path.write_bytes(text)
     r = _inferd("--config", str(path), "--socket", f"ipc://{tmp_path}/s.sock", cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "s.sock").exists()
 
 
+@pytest.mark.slow
 def test_missing_repository_is_a_warning_and_in_status(tmp_path, start_daemon):
     d = start_daemon("--models", str(tmp_path / "nowhere"))
     with d.client() as c:
@@ -98,6 +107,7 @@ def test_links_out_of_the_repository_are_refused(tmp_path, models_dir):
                                     "tomllink"}
 
 
+@pytest.mark.slow
 def test_daemon_does_not_serve_or_echo_a_link_out(tmp_path, models_dir, start_daemon,
                                                   demo_inputs):
     repo, outside = _repo(tmp_path, models_dir)

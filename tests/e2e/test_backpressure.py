@@ -97,6 +97,7 @@ def test_a_client_that_never_reads_is_bounded_and_its_memory_returned(start_daem
     assert d.proc.poll() is None
 
 
+@pytest.mark.slow
 def test_async_gather_of_200_waits_instead_of_failing(start_daemon, models_dir):
     """Item 5b: with the shipped defaults, asyncio.gather of 200 infers all succeed."""
     d = start_daemon("--models", str(models_dir), "--preload", "ocr-cls")
@@ -110,6 +111,7 @@ def test_async_gather_of_200_waits_instead_of_failing(start_daemon, models_dir):
     assert errors == []
 
 
+@pytest.mark.slow
 def test_retry_exhausted_turns_a_full_queue_into_a_wait(start_daemon, models_dir, short_tmp):
     config = short_tmp / "inferd.toml"
     config.write_text("[models]\nqueue_size = 2\n")
