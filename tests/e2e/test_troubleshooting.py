@@ -25,6 +25,7 @@ import pytest
 
 from inferd.ipc import Client, RequestError
 from inferd.ipc.protocol import Op
+from tests.links import link_file
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
 DOC_SOCKET = "/run/inferd/inferd.sock"
@@ -73,6 +74,7 @@ PROVOKERS = {
     "graph g failed to load:": "bad_files",
     "RESOURCE_EXHAUSTED: model ocr-det version 1: queue is full": "limits",
     "RESOURCE_EXHAUSTED: message of": "limits",
+    "RESOURCE_EXHAUSTED: this client has": "limits",
     "RESOURCE_EXHAUSTED: model ocr-det version 1 failed to load": "limits",
     "model vad version 1 unloaded: evicted to make room": "limits",
     "watchdog: not pinging systemd: worker threads are gone": "watchdog",
@@ -102,8 +104,7 @@ def _inferctl(endpoint: str, *args: str, **kw) -> subprocess.CompletedProcess[st
 
 
 def _model(repo: Path, models_dir: Path, name: str, demo: str) -> None:
-    (repo / name / "1").mkdir(parents=True)
-    (repo / name / "1" / "model.onnx").symlink_to(models_dir / demo / "1" / "model.onnx")
+    link_file(models_dir / demo / "1" / "model.onnx", repo / name / "1" / "model.onnx")
 
 
 def _check(name: str, produced: str, **paths: str) -> None:
@@ -231,6 +232,18 @@ def test_limits(start_daemon, short_tmp: Path, models_dir: Path) -> None:
             if r.error is not None:
                 out.append(f"{r.error.code}: {r.error.message}")
     assert vad and cls
+    # 1b. A client may have one request in flight: its second is refused at once.
+    config = short_tmp / "one.toml"
+    config.write_text("[server]\nmax_requests_per_client = 1\n")
+    d3 = start_daemon("--config", str(config), "--models", str(repo), "--preload", "ocr-det",
+                      workdir=_dir(short_tmp / "d3"))
+    with d3.client(timeout=120) as c:
+        x = np.zeros((1, 3, 640, 640), np.float32)
+        for p in [c.submit(Op.INFER, "ocr-det", inputs={"x": x}) for _ in range(3)]:
+            r = p.reply()
+            if r.error is not None:
+                out.append(f"{r.error.code}: {r.error.message}")
+    d3.stop()
     # 2. A budget of 1 MiB and messages of at most 1 MiB.
     config = short_tmp / "small.toml"
     config.write_text('[server]\nmax_message_bytes = "1MiB"\n[cache]\nmax_memory = "1MiB"\n')
