@@ -312,7 +312,7 @@ def test_sigterm(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     config.write_text("[server]\nshutdown_grace_s = 2\n[models]\nqueue_size = 512\n")
     d = start_daemon("--config", str(config), "--models", str(models_dir),
                      "--preload", "ocr-rec")
-    with Client(d.endpoint, timeout=120) as c:
+    with Client(d.endpoint, timeout=120, max_in_flight=200) as c:  # all sent at once
         x = np.zeros((1, 3, 48, 320), np.float32)
         pending = [c.submit(Op.INFER, "ocr-rec", inputs={"x": x}) for _ in range(200)]
         time.sleep(0.5)

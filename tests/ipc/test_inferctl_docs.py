@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from inferd.ipc.inferctl import build_parser
+from tests.links import link_file
 
 MAN = Path(__file__).resolve().parents[2] / "packaging" / "man" / "inferctl.1"
 
@@ -51,9 +52,7 @@ def test_models_verbose_shows_batching_and_the_log_names_the_config(
         start_daemon, short_tmp: Path, models_dir: Path) -> None:
     repo = short_tmp / "repo"
     for name, toml in (("batched", "max_batch = 8\nmax_delay_ms = 2\n"), ("single", "")):
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "1" / "model.onnx").symlink_to(models_dir / "ocr-cls" / "1" /
-                                                       "model.onnx")
+        link_file(models_dir / "ocr-cls" / "1" / "model.onnx", repo / name / "1" / "model.onnx")
         (repo / name / "model.toml").write_text(toml)
     config = short_tmp / "inferd.toml"
     config.write_text(f'[models]\nrepository = "{repo}"\npreload = ["batched", "single"]\n')
