@@ -13,7 +13,7 @@ SYSTEM_PACKAGES := python3-venv gcc libc6-dev libzmq3-dev fonts-dejavu-core \
 	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev
 
 .PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint \
-        venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64
+        venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64 wheels
 
 setup: system-packages $(STAMP) models/.complete
 
@@ -127,6 +127,12 @@ deb: build/deb/$(ARCH)/.built
 build/deb/%/.built: $(DEB_SOURCES) | $(STAMP)
 	packaging/build-deb.sh $*
 	touch $@
+
+# The onnxruntime-gpu wheel (x86_64, this Python) in .cache/wheels/onnxruntime-gpu/: the GPU
+# backend's tests run it up to the hardware boundary (tests/libbackends/test_onnxruntime_gpu.py).
+wheels: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --only-binary :all: \
+	    -d .cache/wheels/onnxruntime-gpu onnxruntime-gpu==1.31.1
 
 # Needs root: builds, lints, installs, runs and purges the packages (tests/packaging/).
 deb-test: deb models/.complete

@@ -174,6 +174,10 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "inter_op_threads": Setting(1, _int_upto(1024), "a positive integer up to 1024"),
         "allow_spinning": Setting(True, boolean, "true or false"),
     },
+    "openvino": {
+        "threads": Setting(1, _positive_int, "a positive integer"),
+        "streams": Setting(1, _positive_int, "a positive integer"),
+    },
     "cache": {
         "max_memory": Setting("75%", parse_budget, "a size ('512MiB'), a share of physical memory "
                           "('40%') or 'unlimited'"),

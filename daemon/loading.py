@@ -22,13 +22,14 @@ from inferd.daemon.budget import MemoryBudget, estimate_cost, format_bytes, mode
 from inferd.daemon.catalog import Catalog, Settings
 from inferd.daemon.model_entry import ModelEntry, State
 from inferd.daemon.pipeline import PipelineSpec, parse_spec, unpin_current_thread
+from inferd.daemon.placement import place
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.warmup import warm_up
 from inferd.daemon.worker import Workers
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
 from inferd.ipc.protocol import Reply
 from inferd.ipc.replies import ReplySink
-from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
+from inferd.libbackends.contract import DeviceKind, LoadedModel
 from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.customops.plan import load_planned, plan_note
 from inferd.libbackends.registry import Registry
@@ -109,10 +110,13 @@ class ModelLoader:
             entry.touch(request=False)
             entry.set_state(State.READY)
         workers.start()
-        log.info("model %s loaded on %s in %.0f ms, %s%s", entry.label, loaded.backend,
+        where = entry.placement
+        log.info("model %s loaded on %s, device %s, in %.0f ms, %s%s; chosen: %s",
+                 entry.label, loaded.backend, where and where.device,
                  (time.monotonic() - started) * 1000, format_bytes(entry.memory_bytes),
-                 plan_note(loaded.model),
-                 extra={"MODEL": entry.name, "BACKEND": loaded.backend})
+                 plan_note(loaded.model), where and where.why,
+                 extra={"MODEL": entry.name, "BACKEND": loaded.backend,
+                        "DEVICE": where and where.device})
         return entry
 
     def _fail(self, entry: ModelEntry, code: ErrorCode, message: str) -> None:
@@ -151,7 +155,7 @@ class ModelLoader:
                               self.catalog.model_path)
         repo = self.catalog.repo
         source = repo.resolve(entry.name, entry.version)
-        backend = self.registry.choose(entry.name, source.path, settings.backends)
+        plan = self.registry.plan(entry.name, source.path, settings.backends)
         known = self.budget.measured(key)
         if known:
             need = known
@@ -166,23 +170,24 @@ class ModelLoader:
             entry.reserved = need
             entry.loads += 1
         config = self._config()
-        ort = config.onnxruntime
         meter = self.budget.meter
         meter.trim()
         before = meter.rss()
-        options = LoadOptions(ort.intra_op_threads, ort.inter_op_threads, ort.allow_spinning,
-                              spec.settings.backend_options(backend.id))
-        # Custom ops and nodes the backend lacks: a partitioned plan (libbackends/customops)
-        model = load_planned(backend, source.path, options, model=entry.label,
-                             model_dir=repo.root / entry.name, ops=self.customops,
-                             fallbacks=self.registry.available(),
-                             tables=spec.settings.backend_tables,
-                             probe_timeout_s=config.backends.probe_timeout_s)
+        # The first entry of the plan that loads (daemon/placement.py); custom ops and
+        # nodes the backend lacks make a partitioned plan (libbackends/customops).
+        placement, model = place(entry.name, plan, spec.settings, config,
+                                 lambda choice, options: load_planned(
+                                     choice.backend, source.path, options, model=entry.label,
+                                     model_dir=repo.root / entry.name, ops=self.customops,
+                                     fallbacks=self.registry.available(),
+                                     tables=spec.settings.backend_tables,
+                                     probe_timeout_s=config.backends.probe_timeout_s))
+        entry.placement = placement
         try:
             warm_up(entry.label, model, source.path, spec.settings, config.cache.warmup_dim)
             rss = meter.rss() - before
             reported = model.memory_bytes()
-            cost = model_cost(rss, reported, backend.kind is not DeviceKind.CPU)
+            cost = model_cost(rss, reported, placement.kind is not DeviceKind.CPU)
             self.budget.record(key, cost)
             with entry.lock:
                 entry.reserved = cost
@@ -193,4 +198,4 @@ class ModelLoader:
             model.unload()
             meter.trim()
             raise
-        return Loaded(model, backend.id, settings, pipeline)
+        return Loaded(model, placement.backend, settings, pipeline)

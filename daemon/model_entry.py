@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from inferd.daemon.placement import ModelPlacement
 from inferd.daemon.worker import WorkItem, Workers, WorkQueue
 from inferd.ipc.errors import ErrorCode
 from inferd.libbackends.contract import LoadedModel
@@ -58,6 +59,7 @@ class ModelEntry:
         self.queue: WorkQueue = WorkQueue()
         self.queue_size = queue_size
         self.backend: str | None = None
+        self.placement: ModelPlacement | None = None  # backend, device and why
         self.model: LoadedModel | None = None
         self.workers: Workers | None = None
         self.error: str | None = None
@@ -119,6 +121,9 @@ class ModelEntry:
         return {
             "name": self.name, "state": str(self.state), "version": self.version,
             "backend": self.backend, "error": self.error,
+            "device": self.placement.device if self.placement else None,
+            "device_kind": str(self.placement.kind) if self.placement else None,
+            "chosen": self.placement.why if self.placement else None,
             "inputs": [s.to_json() for s in m.inputs] if m else [],
             "outputs": [s.to_json() for s in m.outputs] if m else [],
             "memory_bytes": self.memory_bytes,

@@ -206,7 +206,7 @@ class ModelManager:
             self.left_running.append(workers)
         leftovers: list[WorkItem] = []
         with entry.lock:
-            entry.model = entry.workers = entry.backend = None
+            entry.model = entry.workers = entry.backend = entry.placement = None
             entry.memory_bytes = entry.memory_rss_bytes = entry.memory_reported_bytes = None
             entry.set_state(State.UNLOADED)
             if finished and not entry.queue.empty():

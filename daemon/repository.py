@@ -1,4 +1,5 @@
-"""The model repository on disk: ``<repo>/<model>/<version>/model.onnx`` and an optional
+"""The model repository on disk: ``<repo>/<model>/<version>/model.onnx`` (or
+``model.xml`` + ``model.bin``, or ``model.rknn``) and an optional
 ``<repo>/<model>/model.toml``. A model name never escapes the repository.
 
 Versions policy (model.toml): by default the highest version is served and every version
@@ -21,6 +22,15 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MODEL_FILE = "model.onnx"
+MODEL_FILES = (MODEL_FILE, "model.xml", "model.rknn")
+"""What a version folder may hold, first found wins: ONNX (every backend), OpenVINO IR
+(``model.xml`` + ``model.bin``, backend openvino), a compiled ``.rknn`` (backend rknn).
+A backend may read a sibling form itself (openvino prefers the IR beside model.onnx)."""
+
+
+def model_file(folder: Path) -> Path | None:
+    """The model file of a version folder, or None if it holds none."""
+    return next((folder / f for f in MODEL_FILES if (folder / f).is_file()), None)
 
 
 def check_name(name: Any) -> str:
@@ -144,8 +154,8 @@ class Repository:
         if not base.is_dir() or not self.inside(base, name):
             return []
         return sorted(int(p.name) for p in base.iterdir()
-                      if p.name.isdigit() and int(p.name) > 0 and (p / MODEL_FILE).is_file()
-                      and self.inside(p / MODEL_FILE, name))
+                      if p.name.isdigit() and int(p.name) > 0
+                      and (f := model_file(p)) is not None and self.inside(f, name))
 
     def _settings_link_check(self, name: str) -> None:
         """Refuse (without reading it) a model.toml that is a link out of the repository."""
@@ -198,4 +208,5 @@ class Repository:
         elif version not in versions:
             raise ModelError(f"model {name!r} has no version {version}; available: "
                              f"{', '.join(map(str, versions))}", ErrorCode.NOT_FOUND)
-        return ModelSource(name, version, self.root / name / str(version) / MODEL_FILE)
+        folder = self.root / name / str(version)
+        return ModelSource(name, version, model_file(folder) or folder / MODEL_FILE)

@@ -78,17 +78,19 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
         version = m.get("version")
         if version is not None and m.get("default") is False:
             version = f"{version} (not default)"  # a named or outgoing version
-        rows.append([m["name"], m["state"], version, m.get("backend"),
+        rows.append([m["name"], m["state"], version, m.get("backend"), m.get("device"),
                      _size(m.get("memory_bytes")) if m.get("memory_bytes") else None,
                      "yes" if m.get("pinned") else "no", _ago(m.get("last_used")),
                      m.get("requests", 0), m.get("error")])
     # REASON last: a failure's reason may be long.
-    out = _table(rows, ["MODEL", "STATE", "VERSION", "BACKEND", "MEMORY", "PINNED",
+    out = _table(rows, ["MODEL", "STATE", "VERSION", "BACKEND", "DEVICE", "MEMORY", "PINNED",
                         "LAST USED", "REQUESTS", "REASON"])
     if verbose:
         for m in models:
             if m.get("inputs"):
-                out += (f"\n\n{m['name']}\n  inputs:  {_tensors(m['inputs'])}"
+                out += (f"\n\n{m['name']}\n  placement: backend {m.get('backend')}, device "
+                        f"{m.get('device')}; chosen: {m.get('chosen')}"
+                        f"\n  inputs:  {_tensors(m['inputs'])}"
                         f"\n  outputs: {_tensors(m['outputs'])}"
                         f"\n  threads: {', '.join(m.get('threads', [])) or '-'}")
                 out += f"\n  batching: {_batching(m.get('batching'))}"
@@ -129,7 +131,8 @@ def _cores(cores: list[int]) -> str:
 
 
 def show_backends(b: dict[str, Any]) -> str:
-    rows = [[x["id"], x["kind"], x["version"], x["status"], ", ".join(x.get("devices", [])),
+    rows = [[x["id"], ",".join(x.get("kinds") or [x["kind"]]), x["version"], x["status"],
+             ", ".join(x.get("devices", [])),
              x.get("source"), x.get("reason")] for x in b["backends"]]
     out = _table(rows, ["BACKEND", "KIND", "VERSION", "STATUS", "DEVICES", "SOURCE", "REASON"])
     if b.get("candidates"):
@@ -137,6 +140,10 @@ def show_backends(b: dict[str, Any]) -> str:
                  c.get("reason")] for c in b["candidates"]]
         out += "\n\n" + _table(rows, ["CANDIDATE", "FORM", "STAGE", "STATUS", "BACKEND",
                                        "REASON"])
+    if b.get("models"):
+        rows = [[m["name"], m.get("version"), m["backend"], m.get("device"), m.get("chosen")]
+                for m in b["models"]]
+        out += "\n\n" + _table(rows, ["MODEL", "VERSION", "BACKEND", "DEVICE", "CHOSEN"])
     if b.get("search_path") is not None:
         source = f" (from {b['search_path_source']})" if b.get("search_path_source") else ""
         out += "\n\nsearch path: " + (":".join(b["search_path"]) or "(none)") + source

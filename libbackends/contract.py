@@ -54,11 +54,22 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Probe:
-    """Result of :meth:`Backend.probe`: is the device there, and if not, why not."""
+    """Result of :meth:`Backend.probe`: is the device there, and if not, why not.
+
+    Attributes:
+        available: the backend can run models now.
+        reason: why not (or a note on a partial find), for ``inferctl backends``.
+        devices: the devices found, as the engine names them (``CPU``, ``GPU.0``,
+            ``cuda:0``).
+        kinds: the device kinds found, for a backend that drives several (OpenVINO:
+            CPU, GPU and NPU); empty means just the backend's own ``kind``. Models are
+            placed only on kinds listed here.
+    """
 
     available: bool
     reason: str = ""
     devices: tuple[str, ...] = ()
+    kinds: tuple[DeviceKind, ...] = ()
 
 
 @dataclass
@@ -67,17 +78,21 @@ class LoadOptions:
 
     Attributes:
         intra_op_threads, inter_op_threads, allow_spinning: the ``[onnxruntime]``
-            settings of inferd.toml (backends that have no such notion ignore them).
-        options: the model.toml table named after the chosen backend's id (e.g.
-            ``[openvino]``), as parsed, or {} if there is none. The backend validates its
-            own keys and raises ModelError naming the model.toml key for an unknown or
-            bad one.
+            thread settings of the daemon's config.
+        options: the backend's own settings: the table named after the backend id in
+            the model's model.toml (``[openvino]``, ``[onnxruntime-gpu]``, ``[rknn]``),
+            over the config file's section of that name where the daemon has one; ``{}``
+            if neither. The backend checks its own keys and raises ModelError naming
+            the model.toml key for an unknown or bad one.
+        kind: the device kind the placement chose for this load (the entry of the
+            model's preference list that matched); None means the backend's own kind.
     """
 
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     allow_spinning: bool = True
     options: dict[str, Any] = field(default_factory=dict)
+    kind: DeviceKind | None = None
 
 
 class LoadedModel(ABC):
@@ -85,6 +100,9 @@ class LoadedModel(ABC):
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    device: str = ""
+    """The device it runs on, as the engine names it (``CPU``, ``GPU.0``, ``cuda:0``,
+    ``npu core 0_1``); empty: the backend's device kind."""
 
     @abstractmethod
     def run(self, inputs: dict[str, NDArray[Any]],

@@ -65,7 +65,25 @@ def _onnxruntime_cpu() -> Backend:
     return OnnxRuntimeCpuBackend()
 
 
-BUILTINS: tuple[Builtin, ...] = (Builtin("onnxruntime", "onnxruntime", _onnxruntime_cpu),)
+def _openvino() -> Backend:
+    from inferd.libbackends.openvino_backend import OpenVinoBackend
+
+    return OpenVinoBackend()
+
+
+def _onnxruntime_gpu() -> Backend:
+    from inferd.libbackends.onnxruntime_gpu import OnnxRuntimeGpuBackend
+
+    return OnnxRuntimeGpuBackend()
+
+
+# Registered in this order when their module imports (the Debian packages ship each as
+# a plugin instead: inferd-backend-onnxruntime, -onnxruntime-gpu, -openvino).
+BUILTINS: tuple[Builtin, ...] = (
+    Builtin("onnxruntime", "onnxruntime", _onnxruntime_cpu),
+    Builtin("onnxruntime-gpu", "onnxruntime", _onnxruntime_gpu),
+    Builtin("openvino", "openvino", _openvino),
+)
 
 
 # --------------------------------------------------------------------- search path

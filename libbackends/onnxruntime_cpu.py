@@ -108,6 +108,12 @@ class OnnxRuntimeCpuBackend(Backend):
         """For each node of ``model`` (an onnx.ModelProto): "" if the CPU provider's
         kernel registry has a kernel for its op at the model's opset, else why not."""
         kernels = self._kernels()
+        if kernels is None:  # the table cannot be read: a standard domain is taken as run
+            from inferd.libbackends.customops.contract import STANDARD_DOMAINS
+
+            return ["" if (n.domain or "") in STANDARD_DOMAINS else
+                    f"domain {n.domain!r} is not a standard ONNX domain"
+                    for n in model.graph.node]
         opsets = {(o.domain or ""): o.version for o in model.opset_import}
         local = {(f.domain, f.name) for f in model.functions}  # inlined by onnxruntime
         answer = []
@@ -126,7 +132,12 @@ class OnnxRuntimeCpuBackend(Backend):
                               f"{domain or 'ai.onnx'!r})")
         return answer
 
-    def _kernels(self) -> dict[tuple[str, str], list[tuple[int, int]]]:
+    def _kernels(self) -> dict[tuple[str, str], list[tuple[int, int]]] | None:
+        if self._ort is not None and \
+                "CUDAExecutionProvider" in self._ort.get_available_providers():
+            # onnxruntime-gpu's get_all_opkernel_def() loads the CUDA provider library
+            # and crashes the process (SIGSEGV, 1.31) where CUDA is missing: not asked.
+            return None
         if self._kernel_table is None:
             table: dict[tuple[str, str], list[tuple[int, int]]] = {}
             if self._ort is not None:

@@ -95,14 +95,27 @@ class BackendRecord:
     status: Status
     reason: str = ""
     devices: tuple[str, ...] = ()
+    kinds: tuple[DeviceKind, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         b = self.backend
         return {"id": b.id, "version": b.version, "kind": str(b.kind),
+                "kinds": [str(k) for k in self.kinds],
                 "api_version": list(getattr(b, "api_version", API_VERSION)),
                 "source": self.source,
                 "status": str(self.status), "reason": self.reason,
                 "devices": list(self.devices)}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to place a model: a backend, the device kind asked of it, why it is in
+    the plan (which preference entry named it) and what was passed over before it."""
+
+    backend: Backend
+    kind: DeviceKind
+    why: str
+    passed_over: tuple[str, ...] = ()
 
 
 @dataclass
@@ -127,11 +140,13 @@ class Registry:
         if probe is None:
             probe = backend.probe()
         status = Status.REGISTERED if probe.available else Status.UNAVAILABLE
-        record = BackendRecord(backend, source, status, probe.reason, tuple(probe.devices))
+        kinds = tuple(DeviceKind(k) for k in probe.kinds) or (backend.kind,)
+        record = BackendRecord(backend, source, status, probe.reason, tuple(probe.devices),
+                               kinds)
         self.records[backend.id] = record
         if probe.available:
             log.info("backend %s %s registered from %s (%s, devices %s)", backend.id,
-                     backend.version, source, backend.kind,
+                     backend.version, source, ", ".join(map(str, kinds)),
                      ", ".join(probe.devices) or "-", extra={"BACKEND": backend.id})
         return record
 
@@ -139,9 +154,24 @@ class Registry:
         return [r.backend for r in self.records.values() if r.status is Status.REGISTERED]
 
     def choose(self, model: str, path: Path, preference: list[str] | None = None) -> Backend:
-        """The backend to run ``model``: the first entry of ``preference`` (backend ids
-        or device kinds) that is available and supports the file; by default the most
-        specialised available kind. Each skipped choice is logged with its reason.
+        """The backend to run ``model``: the first of :meth:`plan`.
+
+        Raises:
+            BackendError (UNAVAILABLE): no backend can run the model (see :meth:`plan`).
+        """
+        first = self.plan(model, path, preference)[0]
+        log.info("model %s: backend %s chosen (%s)", model, first.backend.id, first.why,
+                 extra={"MODEL": model, "BACKEND": first.backend.id})
+        return first.backend
+
+    def plan(self, model: str, path: Path, preference: list[str] | None = None
+             ) -> list[Choice]:
+        """Every (backend, device kind) that may run ``model``, best first: for each
+        entry of ``preference`` (backend ids or device kinds; by default the most
+        specialised kind first), the registered backends it names that drive that kind
+        and whose ``supports()`` accepts the file. The daemon loads the first and falls
+        back along the rest when a load fails. Each choice passed over here is logged
+        (INFO) with its reason.
 
         Raises:
             BackendError (UNAVAILABLE): no backend can run the model; the message lists
@@ -149,32 +179,49 @@ class Registry:
         """
         choices = preference or [str(k) for k in KIND_ORDER]
         reasons: list[str] = []
-        for choice in choices:
+        plan: list[Choice] = []
+        for n, choice in enumerate(choices):
             matches = [r for r in self.records.values()
-                       if r.backend.id == choice or str(r.backend.kind) == choice]
+                       if r.backend.id == choice or choice in r.kinds
+                       or str(r.backend.kind) == choice]
             if not matches:
                 if preference:  # only a choice someone made is worth a reason
                     known = ", ".join(self.records) or "none"
                     self._skip(model, choice, f"no such backend id or kind "
                                               f"(backends: {known})", reasons)
                 continue
+            where = f"entry {n + 1} ({choice!r}) of " + (
+                f"model.toml backends = {choices}" if preference
+                else f"the default preference {choices}")
             for record in matches:
                 b = record.backend
                 if record.status is not Status.REGISTERED:
                     self._skip(model, b.id, f"{record.status} ({record.reason})", reasons)
+                    continue
+                if b.id == choice:  # the id alone: its most specialised kind found
+                    kind = next(k for k in KIND_ORDER if k in record.kinds)
+                elif choice in record.kinds:
+                    kind = DeviceKind(choice)
+                else:
+                    self._skip(model, b.id, f"{record.status}, but no {choice} device "
+                                            f"found (it found "
+                                            f"{', '.join(map(str, record.kinds))})", reasons)
+                    continue
+                if any(c.backend is b and c.kind is kind for c in plan):
                     continue
                 try:
                     ok, why = b.supports(path)
                 except Exception as e:  # noqa: BLE001  a plugin's bug must not break a choice
                     ok, why = False, f"supports() raised {type(e).__name__}: {e}"
                 if ok:
-                    log.info("model %s: backend %s chosen (preference %s)", model, b.id,
-                             choices, extra={"MODEL": model, "BACKEND": b.id})
-                    return b
-                self._skip(model, b.id, f"does not support the model ({why})", reasons)
-        raise BackendError(f"model {model}: no backend can run it (preference {choices}): "
-                           f"{'; '.join(reasons) or 'no backends registered'}",
-                           ErrorCode.UNAVAILABLE)
+                    plan.append(Choice(b, kind, where, tuple(reasons)))
+                else:
+                    self._skip(model, b.id, f"does not support the model ({why})", reasons)
+        if not plan:
+            raise BackendError(f"model {model}: no backend can run it (preference "
+                               f"{choices}): {'; '.join(reasons) or 'no backends registered'}",
+                               ErrorCode.UNAVAILABLE)
+        return plan
 
     @staticmethod
     def _skip(model: str, choice: str, why: str, reasons: list[str]) -> None:

@@ -1,15 +1,20 @@
-"""One contract suite, stamped onto every backend: the built-in onnxruntime, the Python
-example (examples/backends/onnx_reference.py), the C example
-(examples/backends/elementwise, compiled with gcc by its Makefile during the test) and
-the rknn backend in simulator mode (out of process, in the .venv-rknn interpreter;
-marked slow and rknn, skipped without that venv unless INFERD_TEST_RKNN=1).
+"""One contract suite, stamped onto every backend: the built-in onnxruntime, OpenVINO
+(its CPU device) and onnxruntime-gpu, the Python example
+(examples/backends/onnx_reference.py), the C example (examples/backends/elementwise,
+compiled with gcc by its Makefile during the test) and the rknn backend in simulator
+mode (out of process, in the .venv-rknn interpreter; marked slow and rknn, skipped
+without that venv unless INFERD_TEST_RKNN=1).
 
 Each backend is obtained the way the daemon gets it: through the loader, from a
-backends directory holding only that plugin (the built-in from no directory at all).
+backends directory holding only that plugin (the built-ins from no directory at all).
+onnxruntime-gpu runs only where its probe finds a usable GPU (bench/device_check.sh on
+an NVIDIA machine, which sets INFERD_REQUIRE_GPU=1 to make the skip a failure); here
+tests/libbackends/test_onnxruntime_gpu.py tests it up to the hardware boundary.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,10 +31,11 @@ from inferd.libbackends.contract import (
 from inferd.libbackends.loader import BUILTINS, Loader
 from inferd.libbackends.registry import CandidateStatus, Registry
 
-BACKENDS = ["onnxruntime", "onnx-reference", "elementwise-c",
+BACKENDS = ["onnxruntime", "openvino", "onnxruntime-gpu", "onnx-reference", "elementwise-c",
             pytest.param("rknn", marks=[pytest.mark.slow, pytest.mark.rknn])]
 # Relative tolerance of each backend's results (the RKNN simulator computes in fp16).
 RTOL = {"rknn": 2e-3}
+BUILT_IN = {"onnxruntime", "openvino", "onnxruntime-gpu"}
 
 
 def close(backend: Backend, got: np.ndarray, want: np.ndarray) -> bool:
@@ -59,8 +65,12 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     if ident == "rknn":
         return request.getfixturevalue("rknn_simulator")
     registry = Registry()
-    if ident == "onnxruntime":
-        Loader(registry).load([])
+    if ident in BUILT_IN:
+        Loader(registry, builtins=[b for b in BUILTINS if b.name == ident]).load([])
+        [candidate] = registry.candidates
+        if ident == "onnxruntime-gpu" and candidate.status is CandidateStatus.UNAVAILABLE \
+                and not os.environ.get("INFERD_REQUIRE_GPU"):
+            pytest.skip(f"no usable NVIDIA GPU here: {candidate.reason}")
     else:
         src = (request.getfixturevalue("python_example") if ident == "onnx-reference"
                else request.getfixturevalue("elementwise_so"))

@@ -19,7 +19,7 @@ from tests.libbackends.plugin_kit import copy_into, expected_relu_sigmoid, make_
 from inferd.ipc import defs
 from inferd.libbackends.contract import LoadOptions
 from inferd.libbackends.loader import (
-    Loader, check_contract, discover, load_backends, search_path, usable_dirs,
+    BUILTINS, Loader, check_contract, discover, load_backends, search_path, usable_dirs,
 )
 from inferd.libbackends.registry import CandidateError, CandidateStatus, Registry, Stage
 
@@ -75,7 +75,7 @@ def test_a_missing_default_directory_is_fine(caplog: pytest.LogCaptureFixture) -
     assert all(r.levelno == logging.INFO for r in caplog.records)
     r = Registry()
     Loader(r).load(dirs)
-    assert [c.backend for c in r.candidates] == ["onnxruntime"]
+    assert [c.backend for c in r.candidates] == [b.name for b in BUILTINS]
 
 
 def test_discovery_is_sorted_across_the_search_path_and_loads_one_file_once(
@@ -119,14 +119,14 @@ def test_every_broken_plugin_is_skipped_at_its_stage(zoo, caplog: pytest.LogCapt
     with caplog.at_level(logging.INFO, logger="inferd.libbackends"):
         Loader(registry, probe_timeout_s=3.0).load([directory])
     got = {Path(c.path).name: c for c in registry.candidates}
-    assert set(got) == set(expected) | {"built-in:onnxruntime"}
+    assert set(got) == set(expected) | {f"built-in:{b.name}" for b in BUILTINS}
     for name, (stage, status, words) in expected.items():
         c = got[name]
         assert (str(c.stage), str(c.status)) == (stage, status), (name, c)
         assert words in c.reason, (name, c.reason)
-    assert sorted(registry.records) == ["elementwise-c", "fake-npu", "onnx-reference",
-                                        "onnxruntime"]
-    assert [b.id for b in registry.available()] == ["onnxruntime", "elementwise-c",
+    assert sorted(registry.records) == sorted(["elementwise-c", "fake-npu", "onnx-reference",
+                                               *(b.name for b in BUILTINS)])
+    assert [b.id for b in registry.available()] == ["onnxruntime", "openvino", "elementwise-c",
                                                     "onnx-reference"]
     # One WARNING per failed or unavailable candidate, with the structured fields.
     warned = {r.PLUGIN_PATH: r for r in caplog.records if r.levelno == logging.WARNING}
@@ -355,11 +355,13 @@ def addon_dir(tmp_path: Path) -> Path:
 
 def test_onnxruntime_comes_from_the_addon_plugin_when_not_built_in(addon_dir: Path) -> None:
     out = _run_addon(addon_dir)
-    builtin, addon = out["candidates"]
+    builtin, gpu, _openvino, addon = out["candidates"]
     assert builtin["path"] == "built-in:onnxruntime"
     assert (builtin["form"], builtin["stage"], builtin["status"]) == \
         ("built-in", "opened", "failed")
     assert "python module onnxruntime cannot be imported" in builtin["reason"]
+    assert (gpu["path"], gpu["stage"], gpu["status"]) == \
+        ("built-in:onnxruntime-gpu", "opened", "failed")
     assert (addon["form"], addon["status"], addon["backend"]) == \
         ("python", "registered", "onnxruntime")
     assert out["source"] == str(addon_dir / "onnxruntime")
@@ -370,7 +372,7 @@ def test_the_addon_plugin_is_a_duplicate_when_onnxruntime_is_built_in(addon_dir:
                                                                       ) -> None:
     r = Registry()
     Loader(r).load([addon_dir])
-    builtin, addon = r.candidates
+    builtin, *_others, addon = r.candidates
     assert builtin.status is CandidateStatus.REGISTERED
     assert (addon.stage, addon.status, addon.backend) == \
         (Stage.REGISTERED, CandidateStatus.FAILED, "onnxruntime")

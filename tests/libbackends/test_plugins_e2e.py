@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from tests.libbackends.plugin_kit import expected_relu_sigmoid, make_plugin_zoo
 
+from inferd.libbackends.loader import BUILTINS
+
 pytestmark = pytest.mark.slow
 
 
@@ -72,13 +74,14 @@ def test_a_daemon_over_good_and_broken_plugins(tmp_path: Path, start_daemon, bro
     assert view["search_path"] == [str(plugins.resolve())]
     assert view["search_path_source"] == "--backends-dir"
     got = {Path(c["path"]).name: c for c in view["candidates"]}
-    assert set(got) == set(expected) | {"built-in:onnxruntime"}
+    assert set(got) == set(expected) | {f"built-in:{b.name}" for b in BUILTINS}
     for name, (stage, status, words) in expected.items():
         assert (got[name]["stage"], got[name]["status"]) == (stage, status), got[name]
         assert words in got[name]["reason"], got[name]
     backends = {b["id"]: b["status"] for b in view["backends"]}
     assert backends == {"onnxruntime": "registered", "elementwise-c": "registered",
-                        "onnx-reference": "registered", "fake-npu": "unavailable"}
+                        "onnx-reference": "registered", "fake-npu": "unavailable",
+                        "openvino": "registered", "onnxruntime-gpu": "unavailable"}
     text = inferctl(d.endpoint, "backends")
     assert "libsegv_backend.so" in text and "contract checked" in text
 
@@ -117,8 +120,9 @@ def test_the_daemon_starts_without_any_backends_directory(tmp_path: Path,
     with d.client() as c:
         view = c.backends()
     assert (view["search_path"], view["search_path_source"]) == ([], "default")
-    assert [(b["id"], b["status"]) for b in view["backends"]] == [("onnxruntime",
-                                                                   "registered")]
+    assert [(b["id"], b["status"]) for b in view["backends"]] == [
+        ("onnxruntime", "registered"), ("onnxruntime-gpu", "unavailable"),
+        ("openvino", "registered")]
     assert d.stop() == 0
 
 

@@ -99,7 +99,7 @@ def test_custom_op_through_a_real_daemon(kind, start_daemon, short_tmp, example_
         assert row.split()[3] in ("avx2", "generic"), row
     assert f"custom ops search path: {ops} (from $INFERD_CUSTOMOPS_PATH)" in text
     log = daemon.log()
-    assert "model conv version 1 loaded on onnxruntime in" in log
+    assert "model conv version 1 loaded on onnxruntime, device CPU, in" in log
     assert f", partitioned: 3 steps, 2 cuts: onnxruntime 1 node | {executor}" in log
     if kind == "native-cpu":
         lib = ops / "libinferdcst_sigmoid.so"
