@@ -216,7 +216,7 @@ def test_daemon_lifecycle_over_notify(start_daemon, notify_socket, models_dir):
     ready = notify_socket.wait_for("READY", seen=seen)
     assert "READY" not in [k for m in seen[:-1] for k in m]
     status = ready["STATUS"]
-    assert "backends: 1 loaded (onnxruntime), " in status, status
+    assert "backends: 2 loaded (onnxruntime, openvino), 0 failed" in status, status
     assert "models warm: 2 (ocr-cls, vad)" in status, status
     with d.client() as c:  # READY=1 came only when the models really were warm
         assert {m["name"] for m in c.models() if m["state"] == "ready"} == {"ocr-cls", "vad"}

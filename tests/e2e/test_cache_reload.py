@@ -145,14 +145,14 @@ def test_fifty_concurrent_first_requests_share_one_load_and_models_shows_it(
     table = inferctl(d.endpoint, "models")
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["MODEL", "STATE", "VERSION", "BACKEND", "MEMORY", "PINNED",
-                                "LAST", "USED", "REQUESTS", "REASON"]
+    assert lines[0].split() == ["MODEL", "STATE", "VERSION", "BACKEND", "DEVICE", "MEMORY",
+                                "PINNED", "LAST", "USED", "REQUESTS", "REASON"]
     cls = next(line.split() for line in lines if line.startswith("ocr-cls"))
     # MEMORY is two words ("1.6 MiB"), LAST USED three ("0s ago" is two).
-    assert cls[:4] == ["ocr-cls", "ready", "1", "onnxruntime"]
+    assert cls[:5] == ["ocr-cls", "ready", "1", "onnxruntime", "CPU"]
     assert cls[-2:] == ["50", "-"]
     vad = next(line.split() for line in lines if line.startswith("vad"))
-    assert vad[6] == "yes"  # pinned by --preload
+    assert vad[7] == "yes"  # pinned by --preload
     unload = inferctl(d.endpoint, "unload", "ocr-cls")
     assert unload.returncode == 0 and "ocr-cls: unloaded" in unload.stdout
     assert d.stop() == 0
