@@ -91,7 +91,7 @@ def test_preloaded_model_is_ready_others_load_on_first_request(models_dir, start
         status = c.status()
     assert status["ready"] is True and status["loaded_models"] == ["ocr-cls", "vad"]
     assert status["memory"]["rss_bytes"] > 0
-    assert [b["id"] for b in status["backends"]] == ["onnxruntime"]
+    assert [b["id"] for b in status["backends"]] == ["onnxruntime", "onnxruntime-gpu", "openvino"]
 
 
 # ------------------------------------------------------------------ bad input
