@@ -175,8 +175,8 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "allow_spinning": Setting(True, boolean, "true or false"),
     },
     "openvino": {
-        "threads": Setting(1, _positive_int, "a positive integer"),
-        "streams": Setting(1, _positive_int, "a positive integer"),
+        "threads": Setting(1, positive_int, "a positive integer"),
+        "streams": Setting(1, positive_int, "a positive integer"),
     },
     "cache": {
         "max_memory": Setting("75%", parse_budget, "a size ('512MiB'), a share of physical memory "
