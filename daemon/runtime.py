@@ -124,14 +124,16 @@ class Runtime:
         """One line for ``systemctl status``: backends loaded/failed, models warm."""
         ok = [r["id"] for r in self.registry.describe() if r["status"] == "registered"]
         # Every candidate the loader gave up on (or whose device is absent), by name; a
-        # built-in whose id a plugin serves (Debian: onnxruntime from the add-on), whose
-        # module is not installed, or whose device is absent (onnxruntime-gpu on the CPU
-        # build) is not a failure worth a word in systemctl status.
+        # built-in whose id a plugin serves (Debian: onnxruntime from the add-on) is not a
+        # failure worth a word in systemctl status; nor, while some backend is loaded, one
+        # whose module is not installed or whose device is absent (onnxruntime-gpu on the
+        # CPU build).
         bad = [Path(c["path"]).name for c in self.registry.view().get("candidates", [])
                if c["status"] in ("failed", "unavailable")
                and not (c["path"].startswith("built-in:")
                         and (c["path"].removeprefix("built-in:") in ok
-                             or c["stage"] == "opened" or c["status"] == "unavailable"))]
+                             or (ok and (c["stage"] == "opened"
+                                         or c["status"] == "unavailable"))))]
         warm = self.models.loaded()
         parts = [f"backends: {len(ok)} loaded" + (f" ({', '.join(ok)})" if ok else "")
                  + f", {len(bad)} failed" + (f" ({', '.join(bad)})" if bad else ""),

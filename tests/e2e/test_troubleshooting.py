@@ -59,7 +59,7 @@ def found(quote: str, produced: str, **paths: str) -> bool:
 
 # quote (its start) -> the test below that provokes it
 PROVOKERS = {
-    'Status: "ready; backends: 1 loaded (onnxruntime)': "everyday",
+    'Status: "ready; backends: 2 loaded (onnxruntime, openvino)': "everyday",
     "inferctl: UNAVAILABLE: permission denied on": "socket_group",
     "inferctl: PERMISSION_DENIED: permission denied: uid": "everyday",
     "inferctl: UNAVAILABLE: no inferd socket at": "everyday",
@@ -68,7 +68,7 @@ PROVOKERS = {
     "built-in:onnxruntime  built-in  opened  failed": "no_backend",
     "backend candidate built-in:onnxruntime failed at stage 'opened'": "no_backend",
     "inferctl: UNAVAILABLE: model ocr-cls version 1 failed to load": "no_backend",
-    "ready; backends: 0 loaded, 1 failed": "no_backend",
+    "ready; backends: 0 loaded, 3 failed": "no_backend",
     "inferctl: NOT_FOUND: model 'ocr-dte' not found": "everyday",
     "model a cannot be served:": "bad_files",
     "graph g failed to load:": "bad_files",
@@ -183,10 +183,11 @@ def test_socket_group(start_daemon, short_tmp: Path) -> None:
 
 @pytest.mark.slow
 def test_no_backend(start_daemon, short_tmp: Path, models_dir: Path) -> None:
-    stub = short_tmp / "stub" / "onnxruntime"
-    stub.mkdir(parents=True)
-    (stub / "__init__.py").write_text(
-        "raise ModuleNotFoundError(\"No module named 'onnxruntime'\", name='onnxruntime')\n")
+    for engine in ("onnxruntime", "openvino"):  # no engine importable: no built-in
+        stub = short_tmp / "stub" / engine
+        stub.mkdir(parents=True)
+        (stub / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{engine}'\", name='{engine}')\n")
     d = start_daemon("--models", str(models_dir), "--preload", "ocr-cls",
                      env={"PYTHONPATH": str(short_tmp / "stub")})
     x = short_tmp / "x.npy"
