@@ -584,7 +584,6 @@ def cleanup_leftovers() -> None:
     if DROPIN.exists():
         DROPIN.unlink()
     shutil.rmtree(MODELS / "ocr-cls", ignore_errors=True)
-    shutil.rmtree(MODELS / "ocr-cls-ov", ignore_errors=True)
     if any(installed(p) for p in PACKAGES) or Path("/etc/inferd").exists():
         run("dpkg", "--purge", *reversed(PACKAGES), check=False)
     shutil.rmtree(RUN_DIR, ignore_errors=True)
