@@ -40,6 +40,9 @@ from common import (  # noqa: E402
 
 from inferd.ipc import Client  # noqa: E402
 
+sys.path.insert(0, str(ROOT))
+from tests.links import link_tree  # noqa: E402  (hard links: the daemon refuses symlinks out)
+
 SHAPES = {"ocr-cls": (1, 3, 48, 192), "ocr-rec": (1, 3, 48, 320), "ocr-det": (1, 3, 640, 640)}
 RUNS = {"ocr-cls": 200, "ocr-rec": 40, "ocr-det": 8}
 
@@ -130,7 +133,7 @@ def cls_daemon(tmp: Path, toml: str, clients: int = 16, per_client: int = 60) ->
     """Requests/s of ocr-cls through a daemon whose model.toml is ``toml``."""
     repo = Path(tempfile.mkdtemp(prefix="inferd-r", dir=tmp))
     (repo / "ocr-cls").mkdir()
-    (repo / "ocr-cls" / "1").symlink_to(MODELS / "ocr-cls" / "1")
+    link_tree(MODELS / "ocr-cls" / "1", repo / "ocr-cls" / "1")
     (repo / "ocr-cls" / "model.toml").write_text(toml)
     daemon = DaemonProcess("--models", str(repo), "--preload", "ocr-cls")
     x = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
@@ -208,7 +211,7 @@ def ocr(tmp: Path) -> None:
         repo = tmp / f"ocr-repo-{label}"
         for name in ("ocr-det", "ocr-cls", "ocr-rec"):
             (repo / name).mkdir(parents=True)
-            (repo / name / "1").symlink_to(MODELS / name / "1")
+            link_tree(MODELS / name / "1", repo / name / "1")
             extra = (MODELS / name / "model.toml").read_text() \
                 if (MODELS / name / "model.toml").exists() else ""
             (repo / name / "model.toml").write_text(f'backends = ["{first}", "cpu"]\n{extra}')

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from inferd.ipc import RequestError
 from inferd.ipc.errors import ErrorCode
+from tests.links import link_tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ocr_images import CASES, fonts_available, render  # noqa: E402
@@ -33,7 +34,7 @@ CORES = sorted(os.sched_getaffinity(0))
 
 def _link(repo: Path, models_dir: Path, name: str, toml: str = "", as_name: str = "") -> None:
     (repo / (as_name or name)).mkdir(parents=True)
-    (repo / (as_name or name) / "1").symlink_to(models_dir / name / "1")
+    link_tree(models_dir / name / "1", repo / (as_name or name) / "1")
     if toml:
         (repo / (as_name or name) / "model.toml").write_text(toml)
 

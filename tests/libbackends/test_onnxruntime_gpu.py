@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tests.links import link_tree
 
 from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.libbackends.contract import LoadOptions
@@ -156,7 +157,7 @@ def test_a_daemon_with_the_gpu_wheel_places_gpu_models_on_the_cpu_only_if_allowe
     for name, toml in (("gpu-only", 'backends = ["onnxruntime-gpu"]\n'),
                        ("gpu-then-cpu", 'backends = ["gpu", "cpu"]\n')):
         (repo / name).mkdir(parents=True)
-        (repo / name / "1").symlink_to(models_dir / "ocr-cls" / "1")
+        link_tree(models_dir / "ocr-cls" / "1", repo / name / "1")
         (repo / name / "model.toml").write_text(toml)
     daemon = start_daemon("--models", str(repo), env={"PYTHONPATH": str(gpu_site)})
     x = {"x": np.zeros((1, 3, 48, 192), np.float32)}
