@@ -32,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError
+from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError, failure
 from inferd.ipc.protocol import Frame, Reply, decode_tensors, encode_reply, encode_tensors
 
 HOST_TAG = b"INFERD-HOST/1"
@@ -168,9 +168,7 @@ class Host:
 
 
 def _error(e: BaseException) -> Reply:
-    if isinstance(e, InferdError):
-        return Reply("", error=(e.code, e.message))
-    return Reply("", error=(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))
+    return Reply("", error=failure(e, "backend host", named=False))
 
 
 def main(endpoint: str, target: str) -> int:
