@@ -107,6 +107,39 @@ def _cores(v: Any) -> list[int]:
     return [] if v == [] else parse_affinity(v)
 
 
+def _extend_strategy(v: Any) -> str:
+    if v in ("next_power_of_two", "same_as_requested"):
+        return str(v)
+    raise ValueError
+
+
+def _arena_cap(v: Any) -> int:
+    if v in (0, "unlimited", "none"):
+        return 0
+    return parse_size(v)
+
+
+def _mmap_threshold(v: Any) -> int:
+    if v == "auto":
+        return 0
+    size = parse_size(v)
+    if size > 32 * 2**20:  # glibc's HEAP_MAX / DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+        raise ValueError
+    return size
+
+
+def _path_or_off(v: Any) -> str:
+    if isinstance(v, str) and (v == "" or v.startswith("/")):
+        return v
+    raise ValueError
+
+
+def _listen(v: Any) -> str:
+    from inferd.daemon.metrics_http import parse_listen
+    parse_listen(v)  # refuses anything but off, a unix socket or a loopback address
+    return str(v)
+
+
 def _module_levels(v: Any) -> dict[str, str]:
     if isinstance(v, dict) and all(isinstance(k, str) and k for k in v):
         return {k: _level(x) for k, x in v.items()}
@@ -173,6 +206,13 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "intra_op_threads": Setting(1, _int_upto(1024), "a positive integer up to 1024"),
         "inter_op_threads": Setting(1, _int_upto(1024), "a positive integer up to 1024"),
         "allow_spinning": Setting(True, boolean, "true or false"),
+        "memory_arena": Setting(True, boolean, "true or false"),
+        "arena_extend_strategy": Setting("same_as_requested", _extend_strategy,
+                                         "'next_power_of_two' or 'same_as_requested'"),
+        "arena_max_memory": Setting("unlimited", _arena_cap, "a size ('256MiB') or "
+                                    "'unlimited'"),
+        "arena_shrinkage": Setting(True, boolean, "true or false"),
+        "memory_pattern": Setting(True, boolean, "true or false"),
     },
     "openvino": {
         "threads": Setting(1, positive_int, "a positive integer"),
@@ -186,6 +226,8 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "failed_load_hold_s": Setting(10.0, _seconds, "a positive number of seconds"),
         "idle_check_s": Setting(1.0, _seconds, "a positive number of seconds"),
         "warmup_dim": Setting(64, _int_upto(65536), "a positive integer up to 65536"),
+        "malloc_mmap_threshold": Setting("4MiB", _mmap_threshold, "a size ('4MiB') or "
+                                         "'auto' (glibc's own sliding threshold)"),
     },
     "logging": {
         "level": Setting("info", _level, "one of debug, info, warning, error, critical"),
@@ -197,6 +239,14 @@ SCHEMA: dict[str, dict[str, Setting]] = {
                     "a list of user ids or existing user names"),
         "gids": Setting([], _ids(lambda n: grp.getgrnam(n).gr_gid),
                     "a list of group ids or existing group names"),
+    },
+    "metrics": {
+        "textfile": Setting("/run/inferd/metrics.prom", _path_or_off, "an absolute file path, "
+                        "or \"\" for no textfile"),
+        "interval_s": Setting(5.0, positive_float, "a positive number of seconds"),
+        "listen": Setting("", _listen, "\"\" (off), 'unix:/ABSOLUTE/PATH', or a loopback "
+                      "address and port such as 'localhost:9464', '127.0.0.1:9464' or "
+                      "'[::1]:9464' (never a network address)"),
     },
     "systemd": {
         "extend_timeout_s": Setting(90.0, _seconds, "a positive number of seconds"),

@@ -20,6 +20,7 @@ from typing import Any
 
 from inferd.daemon.budget import MemoryBudget, estimate_cost, format_bytes, model_cost
 from inferd.daemon.catalog import Catalog, Settings
+from inferd.daemon.memory import WorkingLedger
 from inferd.daemon.model_entry import ModelEntry, State
 from inferd.daemon.pipeline import PipelineSpec, parse_spec, unpin_current_thread
 from inferd.daemon.placement import place
@@ -74,6 +75,8 @@ class ModelLoader:
                                        initializer=unpin_current_thread)
         self.processors: ProcessorRegistry | None = None  # set by the runtime
         self.customops: OpRegistry | None = None  # set by the runtime
+        self.ledger: WorkingLedger | None = None  # working memory (daemon/memory.py)
+        self.observer: Any = None  # metrics hooks (daemon/metrics.py), set by the runtime
 
     def start(self, entry: ModelEntry) -> Future[ModelEntry]:
         """Begin loading on a loader thread (caller holds entry.lock, saw UNLOADED)."""
@@ -98,18 +101,24 @@ class ModelLoader:
             log.error("model %s failed to load: %s", entry.label, message,
                       extra={"MODEL": entry.name, "CODE": str(code)})
             self._fail(entry, code, message)
+            if self.observer is not None:
+                self.observer.loaded(entry.name, time.monotonic() - started, False)
             raise InferdError(message, code) from e
         # The one place a model's worker threads are built (daemon/worker.py).
         workers = Workers(entry.name, loaded.model, entry.queue, self._sink,
                           loaded.settings.instances,
                           on_done=lambda ok: self._on_done(entry, ok),
-                          spec=loaded.pipeline, backend=loaded.backend)
+                          spec=loaded.pipeline, backend=loaded.backend,
+                          observe=self.observer.for_model(entry.name)
+                          if self.observer is not None else None)
         with entry.lock:
             entry.model, entry.workers, entry.backend = loaded.model, workers, loaded.backend
             entry.keep_alive = loaded.settings.keep_alive
             entry.touch(request=False)
             entry.set_state(State.READY)
         workers.start()
+        if self.observer is not None:
+            self.observer.loaded(entry.name, time.monotonic() - started, True)
         where = entry.placement
         log.info("model %s loaded on %s, device %s, in %.0f ms, %s%s; chosen: %s",
                  entry.label, loaded.backend, where and where.device,
@@ -188,6 +197,8 @@ class ModelLoader:
             rss = meter.rss() - before
             reported = model.memory_bytes()
             cost = model_cost(rss, reported, placement.kind is not DeviceKind.CPU)
+            if self.ledger is not None:  # plus the working memory measured so far
+                cost, model = self.ledger.loaded(entry, cost, model)
             self.budget.record(key, cost)
             with entry.lock:
                 entry.reserved = cost

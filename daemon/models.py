@@ -30,6 +30,7 @@ from typing import Any
 from inferd.daemon.budget import MemoryBudget
 from inferd.daemon.catalog import Catalog
 from inferd.daemon.loading import ModelLoader
+from inferd.daemon.memory import WorkingLedger
 from inferd.daemon.model_entry import ModelEntry, ModelKey, State, describe_cache
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.reload import reload_catalog
@@ -63,6 +64,11 @@ class ModelManager:
                                    self._pinned, self._evict)
         self._loader = ModelLoader(self.catalog, registry, self.budget, lambda: self.config,
                                    sink, self._done)
+        self.ledger = WorkingLedger(
+            self.budget, lambda: self.config.cache.max_memory,
+            lambda key: self._entries.get(key), lambda: self.cache_status()["used_bytes"],
+            lambda: self._loader.pool.submit(self._enforce_budget))
+        self._loader.ledger = self.ledger
         self._sink = sink
         self._entries: dict[ModelKey, ModelEntry] = {}
         self._lock = threading.Lock()  # the entries dict
@@ -86,6 +92,14 @@ class ModelManager:
     @processors.setter
     def processors(self, registry: ProcessorRegistry | None) -> None:
         self._loader.processors = registry  # set by the runtime
+
+    @property
+    def observer(self) -> Any:
+        return self._loader.observer
+
+    @observer.setter
+    def observer(self, observer: Any) -> None:
+        self._loader.observer = observer  # metrics hooks, set by the runtime
 
     @property
     def customops(self) -> OpRegistry | None:
@@ -216,6 +230,10 @@ class ModelManager:
                 else:
                     leftovers = entry.take_queued()
         log.info("model %s unloaded: %s", entry.label, reason, extra={"MODEL": entry.name})
+        if self.observer is not None:
+            self.observer.unloaded(entry.name, reason.startswith("evicted"))
+        if self.observer is not None:
+            self.observer.unloaded(entry.name, reason.startswith("evicted"))
         for item in leftovers:
             self._reroute(entry, item)
         return True
@@ -408,8 +426,18 @@ class ModelManager:
         """Every model the repository offers, and every version in memory, with state."""
         with self._lock:
             entries = dict(self._entries)
-        return describe_cache(self.catalog.snapshot(), entries, self._pinned,
+        rows = describe_cache(self.catalog.snapshot(), entries, self._pinned,
                               self.catalog.settings)
+        for info in rows:
+            self.ledger.describe(info)
+        return rows
+
+    def _enforce_budget(self) -> None:
+        """Evict idle models after a model's working memory grew (loader thread)."""
+        try:
+            self.budget.enforce()
+        except InferdError as e:
+            log.warning("cache is over its budget and cannot evict more: %s", e.message)
 
     def cache_status(self) -> dict[str, Any]:
         """Budget and use, for the status op."""

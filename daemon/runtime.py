@@ -18,6 +18,9 @@ import psutil
 from inferd.daemon import logs
 from inferd.daemon.config import Config, load_config
 from inferd.daemon.graphs import GraphManager
+from inferd.daemon.memory import set_mmap_threshold
+from inferd.daemon.metrics import Metrics, TextfileWriter
+from inferd.daemon.metrics_http import MetricsEndpoint, parse_listen
 from inferd.daemon.models import ModelManager
 from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
@@ -33,7 +36,7 @@ from inferd.libbackends.registry import Registry
 
 log = logging.getLogger(__name__)
 
-RESTART_SECTIONS = ("server", "backends", "customops", "processors")
+RESTART_SECTIONS = ("server", "backends", "customops", "processors", "metrics")
 """Config sections a reload does not apply (reported as needs_restart)."""
 STOP_MARGIN_S = 5.0
 """How long past the grace period :meth:`Runtime.serve` waits for the models to stop."""
@@ -75,12 +78,19 @@ class Runtime:
                              max_replies_queued_per_client=(
                                  config.server.max_replies_queued_per_client))
         self.server.on_stop = self._on_stop
-        # wire tickets and in-process ones
-        sink = ReplySink(self.server.send_reply, self.server.release_thread)
+        self.metrics = Metrics(self)
+        # wire tickets and in-process ones; each reply is counted (daemon/metrics.py)
+        sink = self.metrics.track_replies(
+            ReplySink(self.server.send_reply, self.server.release_thread))
         self.models = ModelManager(self.repo, self.registry, config, sink)
+        self.models.observer = self.metrics
         self.processors = ProcessorRegistry()
         self.models.processors = self.processors
-        self.graphs = GraphManager(self.repo, self.processors, self.models.submit, sink)
+        self._submit_model = self.metrics.track_submit(self.models.submit)
+        self.graphs = GraphManager(self.repo, self.processors, self._submit_model, sink)
+        self._submit_graph = self.metrics.track_submit(self.graphs.submit)
+        self._textfile: TextfileWriter | None = None
+        self._endpoint: MetricsEndpoint | None = None
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-control",
                                            initializer=unpin_current_thread)
         self._stopped = threading.Event()
@@ -91,6 +101,7 @@ class Runtime:
 
     def start(self) -> None:
         """Register backends, bind the socket and start the preload in the background."""
+        set_mmap_threshold(self.config.cache.malloc_mmap_threshold)
         load_backends(self.registry, self.config)
         self.models.customops = load_global(self.config)
         self.processors.load_directory(self.config.processors.directory)
@@ -106,7 +117,29 @@ class Runtime:
         if interval is not None and self.notifier.enabled:
             self._watchdog = Watchdog(self.notifier, interval, self._health)
             self._watchdog.start()
+        self._start_metrics()
         threading.Thread(target=self._preload, name="inferd-preload", daemon=True).start()
+
+    def _start_metrics(self) -> None:
+        m = self.config.metrics
+        if m.textfile:
+            self._textfile = TextfileWriter(self.metrics, Path(m.textfile), m.interval_s)
+            self._textfile.start()
+        listen = parse_listen(m.listen)
+        if listen is not None:
+            try:
+                self._endpoint = MetricsEndpoint(listen, self.metrics.text)
+            except OSError as e:
+                raise InferdError(f"cannot serve metrics at {listen.describe()} "
+                                  f"(metrics.listen): {e.strerror}",
+                                  ErrorCode.UNAVAILABLE) from e
+            self._endpoint.start()
+
+    def _stop_metrics(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint.stop()
+        if self._textfile is not None:
+            self._textfile.stop()
 
     def _preload(self) -> None:
         def each(i: int, count: int, name: str) -> None:
@@ -245,6 +278,7 @@ class Runtime:
             grace = self.config.server.shutdown_grace_s
             graphs_done = self.graphs.stop(grace)  # graph frames still need their models
             self._workers_done = self.models.stop(grace) and graphs_done
+            self._stop_metrics()
             self._stopped.set()
         threading.Thread(target=drain, name="inferd-drain", daemon=True).start()
 
@@ -258,7 +292,7 @@ class Runtime:
             if not self.models.catalog.knows(request.model) and self.graphs.is_graph(request.model):
                 self.graphs.submit(request, ticket)
             else:
-                self.models.submit(request, ticket)
+                self._submit_model(request, ticket)
             return None
         if op is Op.PING:
             return Reply(request.id, result={"pong": True, "ready": self.ready.is_set()})
@@ -270,6 +304,9 @@ class Runtime:
                 for m in models:
                     m.pop("placement", None)
             return Reply(request.id, result={"models": models})
+        if op is Op.METRICS:
+            return Reply(request.id, result={"text": self.metrics.text(),
+                                             "samples": self.metrics.samples()})
         if op is Op.BACKENDS:
             ops = self.models.customops
             placed = [{k: m.get(k) for k in ("name", "version", "backend", "device",

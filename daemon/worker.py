@@ -83,17 +83,21 @@ class Workers:
         on_done: called after each request with whether it succeeded.
         spec: pre/post steps, batching and CPU affinity (defaults: none, off, any core).
         backend: the backend id, shown in the placement.
+        observe: called after each run of the model with the requests' tickets, when
+            the run started and how long it took (monotonic seconds): metrics.
     """
 
     def __init__(self, name: str, model: LoadedModel, work: WorkQueue, sink: ReplySink,
                  instances: int = 1, on_done: Callable[[bool], None] | None = None,
-                 spec: PipelineSpec | None = None, backend: str | None = None) -> None:
+                 spec: PipelineSpec | None = None, backend: str | None = None,
+                 observe: Callable[[list[Any], float, float], None] | None = None) -> None:
         self.name = name
         self.model = model
         self.spec = spec or PipelineSpec()
         self._work = work
         self._sink = sink
         self._on_done = on_done
+        self._observe = observe
         self._left = {"pre": 1, "infer": instances, "post": 1}  # threads not yet ended
         self._left_lock = threading.Lock()
         self.max_batch = self.spec.max_batch if _batchable(model) else 1
@@ -280,7 +284,11 @@ class Workers:
             return
         try:
             merged = {k: np.concatenate([j.values[k] for j in jobs]) for k in jobs[0].values}
+            started = time.monotonic()
             outputs = self.model.run(merged, None)
+            if self._observe is not None:
+                self._observe([j.item.ticket for j in jobs], started,
+                              time.monotonic() - started)
             counts = [_rows(j) for j in jobs]
             total = sum(counts)
             if any(v.ndim == 0 or v.shape[0] != total for v in outputs.values()):
@@ -302,7 +310,10 @@ class Workers:
     def _run_single(self, job: Job) -> None:
         wanted = None if self.spec.post else job.item.request.outputs
         try:
+            started = time.monotonic()
             job.outputs = self.model.run(job.values, wanted)
+            if self._observe is not None:
+                self._observe([job.item.ticket], started, time.monotonic() - started)
         except Exception as e:
             self._fail(job.item, e)
             return

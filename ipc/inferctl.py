@@ -19,6 +19,7 @@ import numpy as np
 from inferd.ipc import defs
 from inferd.ipc.client import Client, default_endpoint
 from inferd.ipc.errors import RequestError
+from inferd.ipc.top import run_top
 
 
 def _size(n: Any) -> str:
@@ -276,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=f"{name} a model")
         c.add_argument("model")
         c.add_argument("--version", type=int, default=None)
+    t = sub.add_parser("top", help="a live table of the models: requests, latency, "
+                       "queues, memory (refreshed each second)")
+    t.add_argument("--once", action="store_true", help="print the table once and exit")
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    sub.add_parser("metrics", help="the daemon's metrics in Prometheus text format")
     w = sub.add_parser("wait", help="wait until the daemon is ready")
     w.add_argument("--timeout", type=float, default=30.0)
     i = sub.add_parser("infer", help="run a model on .npy inputs")
@@ -298,6 +304,14 @@ def main(argv: list[str] | None = None) -> int:
         with Client(args.socket, timeout=args.request_timeout) as c:
             if args.cmd == "infer":
                 _infer(c, args, inputs)
+                return 0
+            if args.cmd == "top":
+                return run_top(c, once=args.once, interval=args.interval,
+                               as_json=args.json)
+            if args.cmd == "metrics":
+                metrics = c.call("metrics")
+                print(json.dumps(metrics, indent=2) if args.json else metrics["text"],
+                      end="" if not args.json else "\n")
                 return 0
             if args.cmd == "status":
                 result: Any = c.status()

@@ -43,6 +43,7 @@ class Op(StrEnum):
     PING = "ping"
     BACKENDS = "backends"
     RELOAD = "reload"
+    METRICS = "metrics"
 
 
 Frame = bytes | memoryview | Any  # anything exporting the buffer protocol (zmq.Frame too)

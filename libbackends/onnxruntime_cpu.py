@@ -1,9 +1,28 @@
-"""The built-in CPU backend: onnxruntime with the CPU execution provider."""
+"""The built-in CPU backend: onnxruntime with the CPU execution provider.
+
+Its ``[onnxruntime]`` options (model.toml, over inferd.toml's daemon-wide defaults) choose
+the CPU memory-arena policy of each model (docs/cache.md, "Working memory and the
+onnxruntime arena"):
+
+- ``memory_arena``: onnxruntime's CPU arena on (true) or off (false);
+- ``arena_extend_strategy``: ``"next_power_of_two"`` gives the model its own arena,
+  grown by powers of two (onnxruntime's default); ``"same_as_requested"`` puts the model
+  in the daemon's one shared arena, grown by what is requested, whose chunks every
+  model in it reuses;
+- ``arena_max_memory``: a cap on the shared arena (bytes or ``"256MiB"``; 0 or
+  ``"unlimited"``: none); a run that needs more fails instead of growing it. One value
+  per process: the first model to use the shared arena sets it up;
+- ``arena_shrinkage``: after each run, arena chunks not in use are handed back
+  (``memory.enable_memory_arena_shrinkage``);
+- ``memory_pattern``: onnxruntime's per-shape memory pattern (``enable_mem_pattern``).
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,12 +70,89 @@ def _spec(arg: Any, model: str) -> TensorSpec:
     return TensorSpec(arg.name, dtype, shape)
 
 
+EXTEND_STRATEGIES = {"next_power_of_two": 0, "same_as_requested": 1}
+SHARED_ARENA_STRATEGY = "same_as_requested"
+
+
+@dataclass(frozen=True)
+class ArenaPolicy:
+    """The memory options of one model (see the module docstring)."""
+
+    memory_arena: bool = True
+    arena_extend_strategy: str = "next_power_of_two"
+    arena_max_memory: int = 0
+    arena_shrinkage: bool = False
+    memory_pattern: bool = True
+
+    @property
+    def shared(self) -> bool:
+        return self.memory_arena and self.arena_extend_strategy == SHARED_ARENA_STRATEGY
+
+
+def _flag(options: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    value = options.get(key, default)
+    if not isinstance(value, bool):
+        raise ModelError(f"{where}: [onnxruntime] {key} = {value!r}: expected true or false")
+    return value
+
+
+def _size(value: Any, key: str, where: str) -> int:
+    if value in (0, "0", "unlimited", "none"):
+        return 0
+    text = value.strip().upper() if isinstance(value, str) else None
+    units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if text:
+        number = text.rstrip("KMGIB")
+        unit = text[len(number):].strip()
+        try:
+            if unit in units and float(number) > 0:
+                return int(float(number) * units[unit])
+        except ValueError:
+            pass
+    raise ModelError(f"{where}: [onnxruntime] {key} = {value!r}: expected a size such as "
+                     f"'256MiB', or 'unlimited'")
+
+
+THREAD_KEYS = ("intra_op_threads", "inter_op_threads", "allow_spinning")
+OPTION_KEYS = ("memory_arena", "arena_extend_strategy", "arena_max_memory",
+               "arena_shrinkage", "memory_pattern")
+
+
+def arena_policy(options: dict[str, Any], where: str) -> ArenaPolicy:
+    """The :class:`ArenaPolicy` that ``options`` (a model's ``[onnxruntime]`` table over
+    the daemon-wide one) asks for.
+
+    Raises:
+        ModelError: an unknown key or a bad value, naming the model.toml key.
+    """
+    # the thread keys of the daemon's [onnxruntime] section arrive too; LoadOptions
+    # carries them as its own fields
+    unknown = sorted(set(options) - set(OPTION_KEYS) - set(THREAD_KEYS))
+    if unknown:
+        raise ModelError(f"{where}: unknown key(s) {unknown} in [onnxruntime]; known: "
+                         f"{', '.join(OPTION_KEYS)}")
+    strategy = options.get("arena_extend_strategy", "next_power_of_two")
+    if strategy not in EXTEND_STRATEGIES:
+        raise ModelError(f"{where}: [onnxruntime] arena_extend_strategy = {strategy!r}: "
+                         f"expected one of {', '.join(EXTEND_STRATEGIES)}")
+    return ArenaPolicy(
+        memory_arena=_flag(options, "memory_arena", True, where),
+        arena_extend_strategy=strategy,
+        arena_max_memory=_size(options.get("arena_max_memory", 0), "arena_max_memory",
+                               where),
+        arena_shrinkage=_flag(options, "arena_shrinkage", False, where),
+        memory_pattern=_flag(options, "memory_pattern", True, where))
+
+
 class OrtModel(LoadedModel):
     """An onnxruntime InferenceSession behind the LoadedModel contract."""
 
-    def __init__(self, session: Any, path: Path) -> None:
+    def __init__(self, session: Any, path: Path, run_options: Any = None) -> None:
         self._session = session
         self._path = path
+        self._run_options = run_options
         self.inputs = tuple(_spec(a, str(path)) for a in session.get_inputs())
         self.outputs = tuple(_spec(a, str(path)) for a in session.get_outputs())
         self._output_names = [o.name for o in self.outputs]
@@ -65,7 +161,7 @@ class OrtModel(LoadedModel):
             outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
         names = outputs or self._output_names
         try:
-            results = self._session.run(names, inputs)
+            results = self._session.run(names, inputs, self._run_options)
         except Exception as e:  # onnxruntime raises its own exception classes
             raise ModelError(f"onnxruntime failed to run {self._path}: {e}") from e
         return {name: np.asarray(value) for name, value in zip(names, results)}
@@ -90,6 +186,8 @@ class OnnxRuntimeCpuBackend(Backend):
         else:
             self._ort = onnxruntime
             self.version = onnxruntime.__version__
+        self._shared_lock = threading.Lock()
+        self._shared_cap: int | None = None  # the shared arena's cap, once set up
 
     def probe(self) -> Probe:
         if self._ort is None:
@@ -160,9 +258,44 @@ class OnnxRuntimeCpuBackend(Backend):
         if not options.allow_spinning:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
             so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        policy = arena_policy(options.options, f"model {model_path}")
+        so.enable_cpu_mem_arena = policy.memory_arena
+        so.enable_mem_pattern = policy.memory_pattern
+        if policy.shared:
+            self._shared_arena(policy.arena_max_memory, model_path)
+            so.add_session_config_entry("session.use_env_allocators", "1")
+        run_options = None
+        if policy.memory_arena and policy.arena_shrinkage:
+            run_options = self._ort.RunOptions()
+            run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         try:
             session = self._ort.InferenceSession(
                 str(model_path), sess_options=so, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime's own Fail/InvalidGraph/... classes
             raise ModelError(f"onnxruntime cannot load {model_path}: {e}") from e
-        return OrtModel(session, model_path)
+        return OrtModel(session, model_path, run_options)
+
+    def _shared_arena(self, cap: int, model_path: Path) -> None:
+        """Register the process's shared CPU arena (grown by what is requested) once;
+        every later model that asks for it must ask for the same cap."""
+        assert self._ort is not None
+        with self._shared_lock:
+            if self._shared_cap is None:
+                ort = self._ort
+                info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                         ort.OrtMemType.DEFAULT)
+                config = ort.OrtArenaCfg(cap, EXTEND_STRATEGIES[SHARED_ARENA_STRATEGY],
+                                         -1, -1)
+                try:
+                    ort.create_and_register_allocator(info, config)
+                except Exception as e:  # onnxruntime's own exception classes
+                    raise BackendError(f"onnxruntime cannot set up the shared arena: {e}") \
+                        from e
+                self._shared_cap = cap
+                log.info("onnxruntime shared CPU arena set up (cap %s)",
+                         f"{cap} bytes" if cap else "none")
+            elif self._shared_cap != cap:
+                raise ModelError(f"model {model_path}: [onnxruntime] arena_max_memory = "
+                                 f"{cap} differs from the shared arena's cap "
+                                 f"{self._shared_cap}, set by the first model that used "
+                                 f"it; one value per daemon (inferd.toml [onnxruntime])")

@@ -23,3 +23,32 @@ def test_threads_and_spinning_reach_the_session(models_dir, spin, expected):
         assert got == expected
     finally:
         model.unload()
+
+
+def test_arena_options_reach_the_session_and_its_runs(models_dir):
+    """[onnxruntime] memory keys: arena off, the shared arena, shrinkage after each run."""
+    import numpy as np
+
+    path = models_dir / "ocr-cls" / "1" / "model.onnx"
+    backend = OnnxRuntimeCpuBackend()
+    x = {"x": np.zeros((1, 3, 48, 192), np.float32)}
+    off = backend.load(path, LoadOptions(options={"memory_arena": False,
+                                                  "memory_pattern": False}))
+    shared = backend.load(path, LoadOptions(options={
+        "arena_extend_strategy": "same_as_requested", "arena_shrinkage": True}))
+    try:
+        opts = off._session.get_session_options()
+        assert not opts.enable_cpu_mem_arena and not opts.enable_mem_pattern
+        opts = shared._session.get_session_options()
+        assert opts.enable_cpu_mem_arena
+        assert opts.get_session_config_entry("session.use_env_allocators") == "1"
+        assert shared._run_options.get_run_config_entry(
+            "memory.enable_memory_arena_shrinkage") == "cpu:0"
+        a, b = off.run(x), shared.run(x)
+        assert np.array_equal(next(iter(a.values())), next(iter(b.values())))
+        with pytest.raises(Exception, match="arena_max_memory"):  # one cap per process
+            backend.load(path, LoadOptions(options={
+                "arena_extend_strategy": "same_as_requested", "arena_max_memory": "1GiB"}))
+    finally:
+        off.unload()
+        shared.unload()

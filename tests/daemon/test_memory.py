@@ -1,0 +1,140 @@
+"""Working memory (daemon/memory.py): shape classes, measuring a run's peak, the
+``[onnxruntime]`` options reaching the backend, and a real daemon counting a model's
+working memory in its cache figure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inferd.daemon.config import load_config
+from inferd.daemon.memory import PeakMeter, WorkingMemory, backend_options, shape_class
+from inferd.ipc import RequestError
+from inferd.ipc.errors import ModelError
+from inferd.libbackends.onnxruntime_cpu import ArenaPolicy, arena_policy
+
+
+def test_shape_class_rounds_every_dimension_up_to_a_power_of_two():
+    a = {"x": np.zeros((1, 3, 736, 2044), np.uint8)}
+    assert shape_class(a) == (("x", (1, 4, 1024, 2048)),)
+    assert shape_class({"x": np.zeros((0, 5), np.uint8)}) == (("x", (1, 8)),)
+
+
+def test_a_run_is_measured_once_per_shape_class_and_its_peak_counted():
+    grown = []
+    working = WorkingMemory("test", grown.append)
+    runs = []
+
+    def run(n: int):
+        def go():
+            block = np.ones(n, np.uint8)  # touched: resident while the run lasts
+            runs.append(int(block[-1]))
+            return block.size
+        return go
+    small = {"x": np.zeros((1, 1000), np.float32)}
+    working.run(small, run(64 * 2**20))
+    assert len(working.classes) == 1
+    if PeakMeter().resettable:
+        assert working.peak >= 48 * 2**20, working.describe()  # freed, but the peak saw it
+        assert grown == [working.peak]
+    assert working.needs_measuring(small) is None
+    assert working.needs_measuring({"x": np.zeros((1, 1000 * 2), np.float32)}) is not None
+    # a larger run in the same class (1000 and 1020 both round to 1024) is measured again
+    assert working.needs_measuring({"x": np.zeros((1, 1020), np.float32)}) is None
+    assert working.needs_measuring({"x": np.zeros((1, 1500), np.float32)}) is not None
+    assert len(runs) == 1
+
+
+def test_arena_policy_defaults_and_values():
+    assert arena_policy({}, "m") == ArenaPolicy()
+    p = arena_policy({"memory_arena": True, "arena_extend_strategy": "same_as_requested",
+                      "arena_max_memory": "64MiB", "arena_shrinkage": True}, "m")
+    assert p.shared and p.arena_max_memory == 64 * 2**20 and p.arena_shrinkage
+    assert not arena_policy({"memory_arena": False,
+                             "arena_extend_strategy": "same_as_requested"}, "m").shared
+
+
+@pytest.mark.parametrize("options, key", [
+    ({"memory_arena": "yes"}, "memory_arena"),
+    ({"arena_extend_strategy": "double"}, "arena_extend_strategy"),
+    ({"arena_max_memory": "lots"}, "arena_max_memory"),
+    ({"arena_shrink": True}, "arena_shrink"),
+])
+def test_arena_policy_names_the_bad_key(options, key):
+    with pytest.raises(ModelError, match=key):
+        arena_policy(options, "model m")
+
+
+def test_backend_options_are_the_model_table_over_the_daemon_defaults():
+    config = load_config(None)
+    merged = backend_options("onnxruntime", {"arena_shrinkage": False}, config)
+    assert merged["arena_shrinkage"] is False
+    assert merged["arena_extend_strategy"] == config.onnxruntime.arena_extend_strategy
+    assert "intra_op_threads" not in merged  # LoadOptions carries the threads itself
+    assert backend_options("openvino", {"x": 1}, config) == {"x": 1}
+
+
+@pytest.fixture
+def repo(models_dir, short_tmp):
+    root = short_tmp / "models"
+    for name in ("ocr-det", "ocr-cls"):
+        (root / name).mkdir(parents=True)
+        (root / name / "1").symlink_to(models_dir / name / "1")
+    return root
+
+
+def test_daemon_counts_working_memory_and_refuses_bad_options(repo, start_daemon):
+    (repo / "ocr-cls" / "model.toml").write_text("[onnxruntime]\nmemory_arena = 'yes'\n")
+    d = start_daemon("--models", str(repo))
+    with d.client(timeout=120) as c:
+        c.infer("ocr-det", {"x": np.zeros((1, 3, 64, 64), np.float32)})
+        before = {m["name"]: m for m in c.models()}["ocr-det"]
+        c.infer("ocr-det", {"x": np.zeros((1, 3, 640, 640), np.float32)})
+        after = {m["name"]: m for m in c.models()}["ocr-det"]
+        status = c.status()
+        with pytest.raises(RequestError) as e:
+            c.infer("ocr-cls", {"x": np.zeros((1, 3, 48, 192), np.float32)})
+    assert "[onnxruntime] memory_arena = 'yes'" in e.value.message
+    assert len(after["working_memory"]) == 2
+    # a 100x larger input needs more working memory, and the cache figure grows with it
+    assert after["memory_working_bytes"] > before["memory_working_bytes"]
+    assert after["memory_bytes"] - before["memory_bytes"] == \
+        after["memory_working_bytes"] - before["memory_working_bytes"]
+    assert status["cache"]["used_bytes"] == after["memory_bytes"]
+
+
+def test_estimate_scales_the_largest_class_and_admit_sees_each_new_class():
+    calls = []
+    working = WorkingMemory("test", admit=lambda need, new: calls.append((need, new)))
+    small = {"x": np.zeros((1, 1000), np.float32)}
+    working.run(small, lambda: None)
+    assert calls == [(0, True)]  # nothing known yet: no estimate
+    working.record(shape_class(small), 1000, 4000)  # 4 bytes per element
+    big = {"x": np.zeros((1, 5000), np.float32)}
+    assert working.estimate(small) == 4000 and working.estimate(big) == 20000
+    calls.clear()
+    working.run(big, lambda: None)
+    assert calls == [(20000, True)]
+    calls.clear()
+    working.run(small, lambda: None)  # known: checked against the budget, not measured
+    assert calls == [(4000, False)]
+
+
+def test_a_class_that_cannot_fit_the_budget_is_refused_after_its_first_run(models_dir,
+                                                                             start_daemon,
+                                                                             short_tmp):
+    root = short_tmp / "models"
+    (root / "ocr-det").mkdir(parents=True)
+    (root / "ocr-det" / "1").symlink_to(models_dir / "ocr-det" / "1")
+    config = short_tmp / "budget.toml"
+    config.write_text('[cache]\nmax_memory = "48MiB"\n[metrics]\ntextfile = ""\n')
+    d = start_daemon("--models", str(root), env={"INFERD_CONFIG": str(config)})
+    big = {"x": np.zeros((1, 3, 960, 960), np.float32)}
+    with d.client(timeout=120) as c:
+        c.infer("ocr-det", {"x": np.zeros((1, 3, 64, 64), np.float32)})
+        c.infer("ocr-det", big)  # the first run of a class is measured, not refused
+        det = {m["name"]: m for m in c.models()}["ocr-det"]
+        assert det["memory_bytes"] > 48 * 2**20, det  # its working memory is over budget
+        with pytest.raises(RequestError) as e:
+            c.infer("ocr-det", big)
+    assert e.value.code == "RESOURCE_EXHAUSTED" and "working memory" in e.value.message
