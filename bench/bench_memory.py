@@ -53,10 +53,6 @@ POLICIES = {
     "arena off": "[onnxruntime]\nmemory_arena = false\n",
     "shared arena + shrinkage, glibc's sliding mmap threshold":
         '[cache]\nmalloc_mmap_threshold = "auto"\n',
-    "arena off, mmap threshold 32MiB":
-        '[onnxruntime]\nmemory_arena = false\n[cache]\nmalloc_mmap_threshold = "32MiB"\n',
-    "shared arena + shrinkage, no memory pattern":
-        "[onnxruntime]\nmemory_pattern = false\n",
 }
 
 

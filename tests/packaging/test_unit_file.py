@@ -63,7 +63,7 @@ def test_package_depends_on_debian_packages_for_every_pyproject_dependency():
         deps = tomllib.load(f)["project"]["dependencies"]
     names = {re.split(r"[<>=!~; \[]", d, maxsplit=1)[0].lower() for d in deps}
     debian = {"pyzmq": "python3-zmq", "numpy": "python3-numpy", "onnx": "python3-onnx",
-              "psutil": "python3-psutil"}
+              "psutil": "python3-psutil", "prometheus-client": "python3-prometheus-client"}
     control = (PACKAGING / "debian" / "control").read_text()
     core = control.split("Package: inferd\n", 1)[1].split("\nPackage:", 1)[0]
     assert names - {"onnxruntime"} <= set(debian), f"map the new dependency: {names}"
