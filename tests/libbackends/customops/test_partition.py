@@ -3,6 +3,7 @@ run as one plan with outputs equal to a numpy reference / onnxruntime alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ class PickyBackend(OnnxRuntimeCpuBackend):
 
     def load(self, model_path: Path, options: LoadOptions) -> Any:
         self.tables.append(options.options)
-        return super().load(model_path, options)
+        # its table is its own: onnxruntime underneath gets none (it refuses unknown keys)
+        return super().load(model_path, dataclasses.replace(options, options={}))
 
     def supported_nodes(self, model: Any) -> list[str]:
         base = super().supported_nodes(model)
