@@ -48,6 +48,10 @@ GROWTH = 1.1
 """A run this much larger (in elements) than the largest measured in its class is
 measured again."""
 
+RELIABLE_SCALE = 4
+"""An estimate scaled from a measured class at most this many times smaller is trusted
+enough to refuse a run that cannot fit (a warm-up's tiny class is not)."""
+
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
@@ -142,7 +146,7 @@ class WorkingMemory:
 
     def __init__(self, label: str, on_grow: Callable[[int], None] | None = None,
                  meter: PeakMeter = PEAKS,
-                 admit: Callable[[int, bool], None] | None = None) -> None:
+                 admit: Callable[[int, bool, bool], None] | None = None) -> None:
         self.label = label
         self._on_grow = on_grow
         self._admit = admit
@@ -159,17 +163,20 @@ class WorkingMemory:
             return key
         return None
 
-    def estimate(self, inputs: dict[str, NDArray[Any]]) -> int:
-        """Working memory expected for ``inputs``: its class's measured figure, else the
-        bytes per element of the largest class measured times its elements (0 if none)."""
+    def estimate(self, inputs: dict[str, NDArray[Any]]) -> tuple[int, bool]:
+        """Working memory expected for ``inputs``, and whether that is reliable: its
+        class's measured figure (reliable), else the bytes per element of the largest
+        class measured times its elements (reliable if that class is at most
+        ``RELIABLE_SCALE`` times smaller); (0, False) if nothing is known."""
         known = self.classes.get(shape_class(inputs))
         elements = _elements(inputs)
         if known is not None and elements <= known[0] * GROWTH:
-            return known[1]
+            return known[1], True
         if not self.classes:
-            return 0
+            return 0, False
         most, used = max(self.classes.values())
-        return max(known[1] if known else 0, int(used / max(1, most) * elements))
+        scaled = max(known[1] if known else 0, int(used / max(1, most) * elements))
+        return scaled, most * RELIABLE_SCALE >= elements
 
     def run(self, inputs: dict[str, NDArray[Any]], run: Callable[[], Any]) -> Any:
         """Call ``run()``, measuring it if its shape class asks for that.
@@ -180,8 +187,8 @@ class WorkingMemory:
         key = self.needs_measuring(inputs)
         known = self.classes.get(shape_class(inputs))
         if self._admit is not None and (known is not None or key is not None):
-            # measured facts may refuse; an estimate only makes room
-            self._admit(self.estimate(inputs), key is not None)
+            need, reliable = self.estimate(inputs)
+            self._admit(need, key is not None, reliable)
         if key is None:
             return run()
         with self._meter.lock:
@@ -272,33 +279,36 @@ class WorkingLedger:
             if working is None:
                 working = self._working[key] = WorkingMemory(
                     entry.label, lambda peak: self._grew(key, peak),
-                    admit=lambda need, new: self._admit(key, need, new))
+                    admit=lambda need, new, sure: self._admit(key, need, new, sure))
         return static + working.peak, MeasuredModel(model, working)
 
     def working(self, key: ModelKey) -> WorkingMemory | None:
         return self._working.get(key)
 
-    def _admit(self, key: ModelKey, need: int, estimated: bool) -> None:
-        """Before a run (worker thread): make room for ``need`` bytes of working memory
-        beside the model's load cost; a measured need that can never fit is refused."""
+    def _admit(self, key: ModelKey, need: int, new: bool, reliable: bool) -> None:
+        """Before a run (worker thread): a need that cannot fit beside the model's load
+        cost is refused if it is measured, or estimated reliably; before a class's first
+        run, room is made for the estimate (every idle model if it does not fit)."""
         budget = self._limit()
         entry = self._entry_of(key)
         if budget is None or entry is None or need <= 0:
             return
         static = self._static.get(key, 0)
-        if not estimated:
-            if static + need > budget:
-                raise InferdError(f"model {entry.label}: inputs of this size need "
-                                  f"{format_bytes(need)} of working memory (measured) "
-                                  f"beside its {format_bytes(static)}, over the cache "
-                                  f"budget of {format_bytes(budget)}",
-                                  ErrorCode.RESOURCE_EXHAUSTED)
+        if reliable and static + need > budget:
+            how = "measured" if not new else "estimated from a measured run"
+            raise InferdError(f"model {entry.label}: inputs of this size need "
+                              f"{format_bytes(need)} of working memory ({how}) beside its "
+                              f"{format_bytes(static)}, over the cache budget of "
+                              f"{format_bytes(budget)}", ErrorCode.RESOURCE_EXHAUSTED)
+        if not new:
             return  # a measured need is in the model's cost already
-        try:
-            self.budget.make_room(entry, static + need, "working memory (estimated)")
-        except InferdError as e:  # busy or pinned models: run anyway, measured after
-            log.debug("model %s: no room made for its working memory: %s", entry.label,
-                      e.message, extra={"MODEL": entry.name})
+        for wanted in (static + need, budget):  # the estimate, else all the room there is
+            try:
+                self.budget.make_room(entry, min(wanted, budget), "working memory")
+                return
+            except InferdError as e:  # busy or pinned models: run anyway, measured after
+                log.debug("model %s: no room made for its working memory: %s",
+                          entry.label, e.message, extra={"MODEL": entry.name})
 
     def _grew(self, key: ModelKey, peak: int) -> None:
         """A run needed more working memory than any before: count it (worker thread)."""

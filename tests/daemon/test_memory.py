@@ -105,19 +105,22 @@ def test_daemon_counts_working_memory_and_refuses_bad_options(repo, start_daemon
 
 def test_estimate_scales_the_largest_class_and_admit_sees_each_new_class():
     calls = []
-    working = WorkingMemory("test", admit=lambda need, new: calls.append((need, new)))
+    working = WorkingMemory("test", admit=lambda *args: calls.append(args))
     small = {"x": np.zeros((1, 1000), np.float32)}
     working.run(small, lambda: None)
-    assert calls == [(0, True)]  # nothing known yet: no estimate
+    assert calls == [(0, True, False)]  # nothing known yet: no estimate
     working.record(shape_class(small), 1000, 4000)  # 4 bytes per element
-    big = {"x": np.zeros((1, 5000), np.float32)}
-    assert working.estimate(small) == 4000 and working.estimate(big) == 20000
+    big = {"x": np.zeros((1, 3000), np.float32)}
+    huge = {"x": np.zeros((1, 5000), np.float32)}
+    assert working.estimate(small) == (4000, True)
+    assert working.estimate(big) == (12000, True)  # scaled 3x: trusted
+    assert working.estimate(huge) == (20000, False)  # scaled 5x: only a guess
     calls.clear()
-    working.run(big, lambda: None)
-    assert calls == [(20000, True)]
+    working.run(huge, lambda: None)
+    assert calls == [(20000, True, False)]
     calls.clear()
     working.run(small, lambda: None)  # known: checked against the budget, not measured
-    assert calls == [(4000, False)]
+    assert calls == [(4000, False, True)]
 
 
 def test_a_class_that_cannot_fit_the_budget_is_refused_after_its_first_run(models_dir,
