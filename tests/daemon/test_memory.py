@@ -4,6 +4,7 @@ working memory in its cache figure."""
 
 from __future__ import annotations
 
+import os
 import numpy as np
 import pytest
 
@@ -79,12 +80,15 @@ def repo(models_dir, short_tmp):
     root = short_tmp / "models"
     for name in ("ocr-det", "ocr-cls"):
         (root / name).mkdir(parents=True)
-        (root / name / "1").symlink_to(models_dir / name / "1")
+        (root / name / "1").mkdir()  # hard links: the daemon refuses links out of the repo
+        os.link(models_dir / name / "1" / "model.onnx", root / name / "1" / "model.onnx")
     return root
 
 
 def test_daemon_counts_working_memory_and_refuses_bad_options(repo, start_daemon):
-    (repo / "ocr-cls" / "model.toml").write_text("[onnxruntime]\nmemory_arena = 'yes'\n")
+    # onnxruntime only: no other backend to fall back on
+    (repo / "ocr-cls" / "model.toml").write_text(
+        "backends = ['onnxruntime']\n[onnxruntime]\nmemory_arena = 'yes'\n")
     d = start_daemon("--models", str(repo))
     with d.client(timeout=120) as c:
         c.infer("ocr-det", {"x": np.zeros((1, 3, 64, 64), np.float32)})
@@ -127,8 +131,8 @@ def test_a_class_that_cannot_fit_the_budget_is_refused_after_its_first_run(model
                                                                              start_daemon,
                                                                              short_tmp):
     root = short_tmp / "models"
-    (root / "ocr-det").mkdir(parents=True)
-    (root / "ocr-det" / "1").symlink_to(models_dir / "ocr-det" / "1")
+    (root / "ocr-det" / "1").mkdir(parents=True)
+    os.link(models_dir / "ocr-det" / "1" / "model.onnx", root / "ocr-det" / "1" / "model.onnx")
     config = short_tmp / "budget.toml"
     config.write_text('[cache]\nmax_memory = "48MiB"\n[metrics]\ntextfile = ""\n')
     d = start_daemon("--models", str(root), env={"INFERD_CONFIG": str(config)})
