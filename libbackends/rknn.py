@@ -237,7 +237,10 @@ class RknnBackend(Backend):
                 importlib.import_module("rknnlite.api")
                 return "board", ""
             except Exception as e:  # noqa: BLE001  an import error is the reason
-                lite = f"rknn-toolkit-lite2 does not import ({type(e).__name__}: {e})"
+                lite = (f"rknn-toolkit-lite2 does not import ({type(e).__name__}: {e}): "
+                        f"it comes with the board vendor's image, or `pip install "
+                        f"rknn-toolkit-lite2` for {sys.executable} (or set "
+                        f"INFERD_RKNN_PYTHON to an interpreter that has it)")
         else:
             lite = f"rknn-toolkit-lite2 (RKNNLite) runs on aarch64 boards only, not {machine}"
         if importlib.util.find_spec("rknn") is not None:

@@ -9,8 +9,15 @@ A backend add-on is a folder ``packaging/backends/<id>/`` holding:
 - ``package.toml``: ``wheels`` (pip requirements pinned with ``==``, vendored into the
   plugin's ``vendor/``, fetched without dependencies), optional ``docs`` and ``prune``
   (paths and globs inside ``vendor/``, see packaging/install_backend.py) and
-  ``substvars`` (``{"name:Depends" = "..."}`` for the control stanza); a table
-  ``[arch.<debian-arch>]`` adds its own of these for one architecture only;
+  ``substvars`` (``{"name:Depends" = "..."}`` for the control stanza),
+  ``shlibdeps_exclude`` (vendored libraries dh_shlibdeps skips: optional device
+  plugins linking what only the device's own stack provides); a table
+  ``[arch.<debian-arch>]`` adds its own of these for one architecture only; and, for
+  all architectures, ``compression`` (``"gzip"`` for large engines; default xz),
+  ``vendor_dir`` (the plugin directory whose ``vendor/`` gets the wheels; default the
+  id) and ``plugins`` (``{dir = "folder"}``: each plugin directory under
+  /usr/lib/inferd/backends and the folder of packaging/backends/ whose Python files it
+  holds; default ``{<id> = "<id>"}``);
 - ``copyright``: the DEP-5 ``Files: debian/vendor/<id>/*`` paragraph of what it vendors;
 - optional ``lintian-overrides`` (each with its reason in a comment) and
   ``README.Debian``;
@@ -107,12 +114,15 @@ def fetch(cache: Path, requirement: str, machine: str, pip_python: str) -> Path 
     return found
 
 
-KEYS = ("wheels", "docs", "prune", "substvars")
+KEYS = ("wheels", "docs", "prune", "substvars", "shlibdeps_exclude")
+GLOBAL_KEYS = ("compression", "vendor_dir", "plugins")
+PLUGIN_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # what the daemon's loader imports
 
 
-def settings(spec: dict[str, object], arch: str) -> dict[str, object]:
-    """package.toml's settings for ARCH: the top level plus its [arch.ARCH] table."""
-    unknown = set(spec) - set(KEYS) - {"arch"}
+def settings(spec: dict[str, object], arch: str, bid: str = "") -> dict[str, object]:
+    """package.toml's settings for ARCH: the top level plus its [arch.ARCH] table (BID:
+    the add-on's id, the default plugin and vendor directory)."""
+    unknown = set(spec) - set(KEYS) - set(GLOBAL_KEYS) - {"arch"}
     per_arch = spec.get("arch", {})
     assert isinstance(per_arch, dict)
     extra = per_arch.get(arch, {})
@@ -120,7 +130,7 @@ def settings(spec: dict[str, object], arch: str) -> dict[str, object]:
     if unknown:
         raise SystemExit(f"stage_backends: unknown package.toml keys {sorted(unknown)}")
     out: dict[str, object] = {}
-    for key in ("wheels", "docs", "prune"):
+    for key in ("wheels", "docs", "prune", "shlibdeps_exclude"):
         out[key] = list(spec.get(key, [])) + list(extra.get(key, []))  # type: ignore[call-overload]
     # every substvar that any architecture sets is defined (empty where not set), so
     # that the control stanza can use it everywhere
@@ -128,6 +138,18 @@ def settings(spec: dict[str, object], arch: str) -> dict[str, object]:
     subst.update(spec.get("substvars", {}))  # type: ignore[arg-type]
     subst.update(extra.get("substvars", {}))
     out["substvars"] = subst
+    plugins = spec.get("plugins", {bid: bid} if bid else {})
+    assert isinstance(plugins, dict)
+    bad = [d for d in plugins if not PLUGIN_NAME.fullmatch(d)]
+    if bad or (bid and not plugins):
+        raise SystemExit(f"stage_backends: {bid}: plugin directories must be Python "
+                         f"identifiers (the loader skips others): {bad or 'none given'} "
+                         "(set plugins in package.toml)")
+    out["plugins"] = plugins
+    out["vendor_dir"] = spec.get("vendor_dir", bid)
+    out["compression"] = spec.get("compression", "xz")
+    if out["compression"] not in ("xz", "gzip"):
+        raise SystemExit(f"stage_backends: {bid}: compression must be xz or gzip")
     return out
 
 
@@ -155,7 +177,7 @@ def stage(backend: Path, arch: str, debian: Path, cache: Path, pip_python: str) 
         return f"skip inferd-backend-{bid} for {arch}: its control lists only {listed}"
     if arch not in MACHINES:
         return f"skip inferd-backend-{bid} for {arch}: no wheel platform known for {arch}"
-    spec = settings(tomllib.loads((backend / "package.toml").read_text()), arch)
+    spec = settings(tomllib.loads((backend / "package.toml").read_text()), arch, bid)
     wheels: list[Path] = []
     for requirement in spec["wheels"]:  # type: ignore[attr-defined]
         got = fetch(cache / bid, requirement, MACHINES[arch], pip_python)

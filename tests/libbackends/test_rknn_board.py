@@ -90,6 +90,19 @@ def test_board_without_librknnrt_says_so(board: Path, monkeypatch: pytest.Monkey
                                    f"runtime library comes with the board vendor's image")
 
 
+def test_board_without_rknnlite_says_what_to_install(board: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Debian package does not vendor RKNNLite (Rockchip's licence): the reason
+    # names where it comes from; None in sys.modules makes the import fail for real
+    monkeypatch.setitem(sys.modules, "rknnlite", None)
+    monkeypatch.setitem(sys.modules, "rknnlite.api", None)
+    probe = rknn.RknnBackend().probe()
+    assert not probe.available
+    assert "rknn-toolkit-lite2 does not import" in probe.reason
+    assert f"pip install rknn-toolkit-lite2` for {sys.executable}" in probe.reason
+    assert "board vendor's image" in probe.reason
+
+
 def test_board_passes_over_a_model_without_model_rknn(board: Path) -> None:
     ok, why = rknn.RknnBackend().supports(board / "model.onnx")
     assert not ok and "no model.rknn beside model.onnx" in why and "inferd-convert rknn" in why

@@ -20,7 +20,12 @@ what it did at the end, also after a failure, so it can be run again. Steps:
 6. SIGHUP gives RELOADING=1 then READY=1, and a reloaded [access] allow-list refuses
    the group member with PERMISSION_DENIED;
 7. SIGTERM gives STOPPING=1 and exit status 0;
-8. ``dpkg --purge`` leaves no file of either package behind.
+8. ``dpkg --purge`` leaves no file of either package behind;
+9. the onnxruntime-gpu add-on (built where PyPI has its wheel): its fields replace
+   inferd-backend-onnxruntime, it installs in its place, its GPU plugin's probe gives
+   the no-GPU reason and its CPU plugin runs the model on the GPU build; then purged.
+
+The OpenVINO add-on is installed with the others: a model pinned to it is served.
 
 Usage: check_debs.py BUILD_DIR MODELS_DIR (make deb-test passes build/deb and models).
 """
@@ -45,7 +50,11 @@ from pathlib import Path
 
 from inferd.daemon.logs import decode_journal
 
-PACKAGES = ("inferd", "inferd-backend-onnxruntime", "inferd-backend-rknn")
+PACKAGES = ("inferd", "inferd-backend-onnxruntime", "inferd-backend-rknn",
+            "inferd-backend-openvino")
+# replaces inferd-backend-onnxruntime (one `onnxruntime` module per process): checked
+# after the others are purged (check_gpu_package); no NVIDIA GPU here to run it on
+GPU_PACKAGE = "inferd-backend-onnxruntime-gpu"
 UNIT = Path("/lib/systemd/system/inferd.service")
 RUN_DIR = Path("/run/inferd")
 SOCKET = RUN_DIR / "inferd.sock"
@@ -344,6 +353,7 @@ def check_installed_files() -> None:
     assert 'socket_group = "inferd"' in Path("/etc/inferd/inferd.toml").read_text()
     for path in ("/usr/bin/inferd", "/usr/bin/inferctl", "/etc/inferd/conf.d",
                  "/usr/lib/inferd/backends/onnxruntime/__init__.py", str(MODELS),
+                 "/usr/lib/inferd/backends/openvino/__init__.py",
                  "/usr/share/man/man8/inferd.8.gz", "/usr/share/man/man1/inferctl.1.gz",
                  "/usr/share/man/man5/inferd.toml.5.gz", "/usr/lib/sysusers.d/inferd.conf"):
         assert Path(path).exists(), f"{path} missing after dpkg -i"
@@ -397,6 +407,10 @@ def main() -> int:
 
         (MODELS / "ocr-cls" / "1").mkdir(parents=True)
         shutil.copyfile(demo, MODELS / "ocr-cls" / "1" / "model.onnx")
+        # the same model pinned to the OpenVINO add-on
+        (MODELS / "ocr-cls-ov" / "1").mkdir(parents=True)
+        shutil.copyfile(demo, MODELS / "ocr-cls-ov" / "1" / "model.onnx")
+        (MODELS / "ocr-cls-ov" / "model.toml").write_text('backends = ["openvino"]\n')
         DROPIN.write_text('[models]\npreload = ["ocr-cls"]\n'
                           '[logging]\nmodules = { "inferd.ipc.server" = "debug" }\n')
         for name, groups in ((MEMBER, ["inferd"]), (OUTSIDER, [])):
@@ -415,10 +429,11 @@ def main() -> int:
         assert extend.get("STATUS") == "preloading model ocr-cls (1/1)", extend
         ready = notify.wait_for("READY")
         status = ready.get("STATUS", "")
-        # the add-on's plugin replaces the built-in (no onnxruntime in Debian's python);
-        # the rknn add-on is there, unavailable without an NPU (check_rknn_unavailable)
-        assert status == ("ready; backends: 1 loaded (onnxruntime), 1 failed (rknn); "
-                          "models warm: 1 (ocr-cls)"), ready
+        # the add-ons' plugins replace the built-ins (no onnxruntime or openvino in
+        # Debian's python); the rknn add-on is there, unavailable without an NPU
+        # (check_rknn_unavailable)
+        assert status == ("ready; backends: 2 loaded (onnxruntime, openvino), 1 failed "
+                          "(rknn); models warm: 1 (ocr-cls)"), ready
         step(f"READY=1, STATUS={status}")
         for _ in range(2):
             notify.wait_for("WATCHDOG", timeout=30)
@@ -430,6 +445,7 @@ def main() -> int:
         assert oct(RUN_DIR.stat().st_mode & 0o777) == "0o750"
         check_clients(daemon, tmp, status)
         check_rknn_unavailable()
+        check_openvino(tmp)
         if journal is not None:
             check_journal(journal)
 
@@ -451,9 +467,11 @@ def main() -> int:
 
         DROPIN.unlink()
         shutil.rmtree(MODELS / "ocr-cls")
+        shutil.rmtree(MODELS / "ocr-cls-ov")
         run("dpkg", "--purge", *reversed(PACKAGES))
         purged = True
         check_purged(file_lists)
+        check_gpu_package(build, demo)
     except BaseException:
         if daemon is not None:
             print(f"--- installed daemon's log ---\n{daemon.log()}", file=sys.stderr)
@@ -517,6 +535,66 @@ def check_clients(daemon: InstalledDaemon, tmp: Path, status: str) -> None:
               f"s.connect({str(SOCKET)!r})", user=OUTSIDER, check=False)
     assert "PermissionError" in raw.stderr, raw.stderr
     step("user outside group inferd: refused (client message and kernel EACCES)")
+
+
+def check_openvino(tmp: Path) -> None:
+    """A model pinned to the OpenVINO add-on runs through the installed daemon."""
+    sock = f"ipc://{SOCKET}"
+    x = tmp / "x.npy"
+    infer = run("inferctl", "--socket", sock, "infer", "ocr-cls-ov", "-i", f"x={x}",
+                user=MEMBER)
+    assert "float32[1, 2]" in infer.stdout, infer.stdout
+    models = run("inferctl", "--socket", sock, "models", user=MEMBER).stdout
+    assert any(line.split()[:5] == ["ocr-cls-ov", "ready", "1", "openvino", "CPU"]
+               for line in models.splitlines()), models
+    step("a model pinned to openvino runs through the installed daemon (device CPU)")
+
+
+def check_gpu_package(build: Path, model: Path) -> None:
+    """The GPU add-on replaces the CPU one (one ``onnxruntime`` module per process):
+    installed in its place, its GPU plugin's probe gives the no-GPU reason, its CPU
+    plugin runs the model on the GPU build's CPU provider; then purged clean."""
+    debs = sorted(build.glob(f"{GPU_PACKAGE}_*.deb"))
+    if not debs:
+        notes.append(f"{GPU_PACKAGE} not built for this architecture (see make deb's "
+                     "stage_backends lines)")
+        return
+    deb = debs[-1]
+    fields = {f: run("dpkg-deb", "-f", str(deb), f).stdout.strip()
+              for f in ("Provides", "Conflicts", "Replaces")}
+    assert all(v == "inferd-backend-onnxruntime" for v in fields.values()), fields
+    inferd_deb = sorted(build.glob("inferd_*.deb"))[-1]
+    run("dpkg", "-i", str(inferd_deb), str(deb))
+    try:
+        lists = {GPU_PACKAGE: [f for f in run("dpkg-query", "-L", GPU_PACKAGE).stdout
+                               .splitlines() if f not in ("", "/.")]}
+        base = "/usr/lib/inferd/backends/"
+        for path in ("onnxruntime/__init__.py", "onnxruntime_gpu/__init__.py",
+                     "onnxruntime/vendor/onnxruntime/capi/libonnxruntime_providers_cuda.so",
+                     "onnxruntime/vendor/onnxruntime/capi/"
+                     "libonnxruntime_providers_shared.so"):
+            assert base + path in lists[GPU_PACKAGE], f"{path} not in {deb.name}"
+        code = ("import importlib.util, numpy as np\n"
+                "from pathlib import Path\n"
+                "from inferd.libbackends.contract import LoadOptions\n"
+                "def plugin(name):\n"
+                f"    d = {base!r} + name\n"
+                "    spec = importlib.util.spec_from_file_location(name, d + '/__init__.py',"
+                " submodule_search_locations=[d])\n"
+                "    m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+                "    return m.create_backend()\n"
+                "gpu = plugin('onnxruntime_gpu'); p = gpu.probe()\n"
+                "assert not p.available and p.reason, p\n"
+                "print('gpu:', gpu.id, gpu.version, p.reason)\n"
+                "cpu = plugin('onnxruntime'); p = cpu.probe(); assert p.available, p.reason\n"
+                f"lm = cpu.load(Path({str(model)!r}), LoadOptions(1, 1))\n"
+                "out = lm.run({'x': np.zeros((1, 3, 48, 192), np.float32)})\n"
+                "print('cpu:', cpu.id, cpu.version, {k: v.shape for k, v in out.items()})\n")
+        out = run("/usr/bin/python3", "-c", code, user="inferd").stdout.strip()
+        step(f"{deb.name}: replaces inferd-backend-onnxruntime, installed; {out}")
+    finally:
+        run("dpkg", "--purge", GPU_PACKAGE, "inferd")
+    check_purged(lists)
 
 
 def check_rknn_unavailable() -> None:
@@ -584,8 +662,9 @@ def cleanup_leftovers() -> None:
     if DROPIN.exists():
         DROPIN.unlink()
     shutil.rmtree(MODELS / "ocr-cls", ignore_errors=True)
-    if any(installed(p) for p in PACKAGES) or Path("/etc/inferd").exists():
-        run("dpkg", "--purge", *reversed(PACKAGES), check=False)
+    shutil.rmtree(MODELS / "ocr-cls-ov", ignore_errors=True)
+    if any(installed(p) for p in (*PACKAGES, GPU_PACKAGE)) or Path("/etc/inferd").exists():
+        run("dpkg", "--purge", GPU_PACKAGE, *reversed(PACKAGES), check=False)
     shutil.rmtree(RUN_DIR, ignore_errors=True)
 
 

@@ -36,14 +36,20 @@ def test_addon_folder_is_complete(addon: Path):
     assert re.search(r"^Depends:.*inferd \(= \$\{source:Version\}\)", control, re.M | re.S)
     spec = tomllib.loads((addon / "package.toml").read_text())
     assert set(spec.get("arch", {})) <= set(arches), "an [arch.X] table for an unbuilt arch"
+    vendors = False
     for arch in arches:
-        settings = stage_backends.settings(spec, arch)  # no unknown key
+        settings = stage_backends.settings(spec, arch, addon.name)  # no unknown key
+        vendors |= bool(settings["wheels"])
+        for folder in settings["plugins"].values():
+            assert "def create_backend" in (addon.parent / folder / "__init__.py").read_text()
         for requirement in settings["wheels"]:
             stage_backends.wheel_names(requirement)  # pinned with ==
         for name in settings["substvars"]:
             assert f"${{{name}}}" in control, f"substvar {name} unused in control"
     copyright = (addon / "copyright").read_text()
-    assert copyright.startswith(f"Files: debian/vendor/{addon.name}/*\n")
+    # what it vendors, or (an add-on that vendors nothing) the plugin's own files
+    files = f"debian/vendor/{addon.name}/*" if vendors else f"packaging/backends/{addon.name}/*"
+    assert copyright.startswith(f"Files: {files}\n")
     assert re.search(r"^License: \S+", copyright, re.M)
     assert "def create_backend" in (addon / "__init__.py").read_text()
     overrides = addon / "lintian-overrides"
@@ -115,3 +121,16 @@ def test_copyright_paragraph_goes_before_the_standalone_licences(tmp_path: Path)
     paragraphs = f.read_text().split("\n\n")
     assert [p.split("\n")[0] for p in paragraphs] == [
         "Format: x", "Files: *", "Files: debian/vendor/demo/*", "License: Apache-2.0"]
+
+
+def test_plugin_directories_must_be_importable_names():
+    # the daemon's loader skips a plugin directory whose name is not an identifier
+    # (inferd-backend-onnxruntime-gpu's plugin is onnxruntime_gpu/)
+    assert stage_backends.settings({}, "amd64", "rknn")["plugins"] == {"rknn": "rknn"}
+    with pytest.raises(SystemExit, match="Python identifiers"):
+        stage_backends.settings({}, "amd64", "onnxruntime-gpu")
+    spec = {"plugins": {"onnxruntime_gpu": "onnxruntime-gpu"}, "vendor_dir": "onnxruntime"}
+    s = stage_backends.settings(spec, "amd64", "onnxruntime-gpu")
+    assert s["vendor_dir"] == "onnxruntime" and s["compression"] == "xz"
+    with pytest.raises(SystemExit, match="compression"):
+        stage_backends.settings({"compression": "zstd"}, "amd64", "x")

@@ -9,16 +9,15 @@ hang there fails one model, not the daemon.
 
 The host's interpreter: ``$INFERD_RKNN_PYTHON`` if set (a virtual environment with
 rknn-toolkit-lite2, or on a development machine the simulator's ``.venv-rknn/bin/
-python``), else ``/usr/bin/python3`` with the package's vendored ``rknnlite`` (arm64
-builds) on its path. On a board it loads the vendor's ``/usr/lib/librknnrt.so``.
+python``), else ``/usr/bin/python3``. The package vendors nothing (Rockchip's licence
+restricts redistribution): RKNNLite and the vendor's ``/usr/lib/librknnrt.so`` come
+with the board's image or ``pip install rknn-toolkit-lite2``; see README.Debian.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-VENDOR = Path(__file__).resolve().parent / "vendor"
 ENV_PYTHON = "INFERD_RKNN_PYTHON"
 SYSTEM_PYTHON = "/usr/bin/python3"
 
@@ -29,8 +28,7 @@ def create_backend():  # -> inferd.libbackends.contract.Backend
     from inferd.libbackends.hosted import HostedBackend, HostSpec
 
     python = os.environ.get(ENV_PYTHON) or SYSTEM_PYTHON
-    sys_path = (str(VENDOR),) if VENDOR.is_dir() else ()
     # tqdm progress bars (the converter's) would flood the daemon's debug log.
     spec = HostSpec(python=python, target="inferd.libbackends.rknn:create_backend",
-                    sys_path=sys_path, env={"TQDM_DISABLE": "1"})
+                    env={"TQDM_DISABLE": "1"})
     return HostedBackend("rknn", DeviceKind.NPU, "unprobed", spec)
