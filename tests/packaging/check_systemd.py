@@ -10,7 +10,8 @@ what it measured:
 1. boot; the distribution's systemd-sysusers and systemd-tmpfiles-setup units ran (or
    why not: the "Failed to set up credentials" question, see docs/install.md);
 2. ``apt-get install ./inferd_*_all.deb ./inferd-backend-*_amd64.deb`` (every add-on
-   built): user and group inferd made by the package's sysusers.d file, the unit
+   built but onnxruntime-gpu, which replaces the CPU one): user and group inferd made
+   by the package's sysusers.d file, the unit
    enabled and started;
 3. with ocr-cls in /var/lib/inferd/models and preloaded (a conf.d drop-in),
    ``systemctl restart inferd`` returns once READY=1 came: ``active (running)``, the
@@ -348,9 +349,16 @@ def check_sigkill(c: Container) -> None:
     step(f"Restart=on-failure: {figures['SIGKILL']}")
 
 
+# replaces inferd-backend-onnxruntime (Conflicts: one `onnxruntime` module per process),
+# so it cannot be installed beside it; make deb-test installs it in its place
+REPLACES_CPU_ADDON = "inferd-backend-onnxruntime-gpu"
+
+
 def built_packages(build: Path) -> list[str]:
-    """inferd and every add-on built into BUILD (inferd-backend-*_ARCH.deb)."""
-    names = sorted({deb.name.split("_")[0] for deb in build.glob("inferd*.deb")})
+    """inferd and every add-on built into BUILD (inferd-backend-*_ARCH.deb) that can be
+    installed together (not the GPU add-on, which replaces the CPU one)."""
+    names = sorted({deb.name.split("_")[0] for deb in build.glob("inferd*.deb")}
+                   - {REPLACES_CPU_ADDON})
     assert set(PACKAGES) <= set(names), f"{build} lacks {set(PACKAGES) - set(names)}"
     return names
 
