@@ -8,7 +8,7 @@ Every candidate goes found -> opened -> contract checked -> probed -> registered
 first stage that fails, one WARNING line with PLUGIN_PATH, STAGE (and BACKEND when
 known) is logged, the candidate is recorded in the registry's troubleshooting view, and
 the next candidate is tried. Every plugin, native or Python, is first opened and probed
-in a child process (see :mod:`inferd.libbackends.native`): one that crashes, calls
+in a child process (see :mod:`inferd.libbackends.childprobe`): one that crashes, calls
 ``os._exit`` or hangs at import or in its probe is reported with the stage and action
 it was in, and never loaded into the daemon.
 """
@@ -34,8 +34,8 @@ from inferd.ipc.errors import BackendError
 from inferd.libbackends.contract import (
     API_VERSION, BACKEND_ID, REQUIRED_ATTRIBUTES, REQUIRED_METHODS, Backend, DeviceKind, Probe,
 )
-from inferd.libbackends.native import ChildReport, StageHook, _no_step, open_native, \
-    probe_in_children, version_problem
+from inferd.libbackends.childprobe import ChildReport, probe_in_children
+from inferd.libbackends.native import StageHook, _no_step, open_native, version_problem
 from inferd.libbackends.searchpath import BACKENDS
 from inferd.libbackends.registry import (
     Candidate, CandidateError, CandidateStatus, Form, Registry, Stage,

@@ -1,7 +1,7 @@
 """Native custom ops: the ctypes side of ``include/inferd_customop.h``.
 
 :func:`load_libraries` probes every ``libinferdcst_<name>.so`` in a child process first
-(this module's ``__main__``, through :func:`inferd.libbackends.native.probe_in_children`):
+(this module's ``__main__``, through :func:`inferd.libbackends.childprobe.probe_in_children`):
 dlopen, ``inferd_customop_get()``, the table's version and members, and for CPU ops one
 ``init()`` + ``destroy()``. A library that crashes, hangs, lacks the symbol or was built
 for another API version is skipped with the stage and reason; the others are opened in
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from inferd.libbackends import childprobe
 from inferd.libbackends import native as backend_native
 from inferd.libbackends.customops import cpufeatures
 from inferd.libbackends.customops.contract import (
@@ -185,8 +186,8 @@ class NativeOp(CustomOp):
 
 def load_libraries(paths: Sequence[Path], registry: OpRegistry, timeout_s: float) -> None:
     """Probe ``paths`` in child processes, then open and register the good ones."""
-    reports = backend_native.probe_in_children(paths, timeout_s,
-                                               module="inferd.libbackends.customops.native")
+    reports = childprobe.probe_in_children(paths, timeout_s,
+                                           module="inferd.libbackends.customops.native")
     for path in paths:
         report = reports[path]
         try:
@@ -213,11 +214,11 @@ def load_libraries(paths: Sequence[Path], registry: OpRegistry, timeout_s: float
 
 
 def _child_main(path: str, parent: int) -> int:
-    if not backend_native.child_setup(parent):
+    if not childprobe.child_setup(parent):
         return 1
 
     def step(what: str, stage: Stage) -> None:
-        backend_native.report({"doing": what, "stage": str(stage)})
+        childprobe.report({"doing": what, "stage": str(stage)})
 
     try:
         _, t = open_table(Path(path), step)
@@ -231,9 +232,9 @@ def _child_main(path: str, parent: int) -> int:
             if t.init(ctypes.byref(ctx), ctypes.byref(state)) == 0:
                 t.destroy(state)
     except CandidateError as e:
-        backend_native.report({"failed": str(e.stage), "reason": e.reason})
+        childprobe.report({"failed": str(e.stage), "reason": e.reason})
         return 0
-    backend_native.report({"ok": True, "id": _text(t.op_type)})
+    childprobe.report({"ok": True, "id": _text(t.op_type)})
     return 0
 
 

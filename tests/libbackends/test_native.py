@@ -11,9 +11,8 @@ import pytest
 
 from inferd.ipc.errors import BackendError, ErrorCode, InferdError
 from inferd.libbackends.contract import LoadOptions
-from inferd.libbackends.native import (
-    _REPORT, _interpret, open_native, probe_in_children, version_problem,
-)
+from inferd.libbackends.childprobe import _REPORT, _interpret, probe_in_children
+from inferd.libbackends.native import open_native, version_problem
 from inferd.libbackends.registry import CandidateError, Stage
 from tests.libbackends.plugin_kit import expected_relu_sigmoid
 
