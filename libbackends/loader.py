@@ -4,13 +4,14 @@ Search path (strongest first, an override replaces the default): ``--backends-di
 (the ``backends.paths`` command-line override), ``$INFERD_BACKENDS_PATH``
 (colon-separated), ``backends.paths`` in the config file, ``/usr/lib/inferd/backends``.
 
-Every candidate goes found -> opened -> contract checked -> probed -> registered. At the
-first stage that fails, one WARNING line with PLUGIN_PATH, STAGE (and BACKEND when
-known) is logged, the candidate is recorded in the registry's troubleshooting view, and
-the next candidate is tried. Every plugin, native or Python, is first opened and probed
-in a child process (see :mod:`inferd.libbackends.childprobe`): one that crashes, calls
-``os._exit`` or hangs at import or in its probe is reported with the stage and action
-it was in, and never loaded into the daemon.
+Candidates are found by :mod:`inferd.libbackends.discovery`; every one goes found ->
+opened -> contract checked -> probed -> registered. At the first stage that fails, one
+WARNING line with PLUGIN_PATH, STAGE (and BACKEND when known) is logged, the candidate
+is recorded in the registry's troubleshooting view, and the next candidate is tried.
+Every plugin, native or Python, is first opened and probed in a child process (see
+:mod:`inferd.libbackends.childprobe`): one that crashes, calls ``os._exit`` or hangs at
+import or in its probe is reported with the stage and action it was in, and never
+loaded into the daemon.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import itertools
 import logging
 import os
 import re
-import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ from inferd.libbackends.contract import (
     API_VERSION, BACKEND_ID, REQUIRED_ATTRIBUTES, REQUIRED_METHODS, Backend, DeviceKind, Probe,
 )
 from inferd.libbackends.childprobe import ChildReport, probe_in_children
+from inferd.libbackends.discovery import _check_readable, discover
 from inferd.libbackends.native import StageHook, _no_step, open_native, version_problem
 from inferd.libbackends.searchpath import BACKENDS
 from inferd.libbackends.registry import (
@@ -44,8 +45,6 @@ from inferd.libbackends.registry import (
 log = logging.getLogger(__name__)
 
 FACTORY = "create_backend"
-NATIVE_NAME = re.compile(r"lib(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)_backend\.so")
-PYTHON_NAME = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_]*)(\.py)?")
 _module_numbers = itertools.count(1)
 
 
@@ -90,59 +89,6 @@ BUILTINS: tuple[Builtin, ...] = (
 
 search_path = BACKENDS.choose
 usable_dirs = BACKENDS.usable
-
-
-# --------------------------------------------------------------------- discovery
-
-
-def discover(dirs: Sequence[Path]) -> list[Candidate]:
-    """Every candidate in ``dirs``, in search order and sorted within a directory.
-
-    A second name for a file already seen is recorded as skipped; a dangling symlink
-    fails at ``found``; a ``.so`` not named ``lib<name>_backend.so`` is ignored.
-    """
-    seen: dict[str, str] = {}
-    found: list[Candidate] = []
-    for d in dirs:
-        try:
-            names = sorted(os.listdir(d))
-        except OSError as e:
-            log.warning("backends directory %s cannot be listed: %s", d, e.strerror,
-                        extra={"PLUGIN_PATH": str(d)})
-            continue
-        for name in names:
-            entry = d / name
-            form = _form(entry)
-            if form is None:
-                if name.endswith(".so") and not name.startswith("."):
-                    found.append(Candidate(str(entry), Form.NATIVE, Stage.FOUND,
-                                           CandidateStatus.IGNORED,
-                                           "a native plugin is named lib<name>_backend.so"))
-                continue
-            c = Candidate(str(entry), form)
-            real = os.path.realpath(entry)
-            if not os.path.lexists(real) or not os.path.exists(entry):
-                c.reason = f"dangling symlink to {os.readlink(entry)}"
-            elif real in seen:
-                c.status = CandidateStatus.SKIPPED
-                c.reason = f"same file as {seen[real]}"
-            else:
-                seen[real] = str(entry)
-            found.append(c)
-    return found
-
-
-def _form(entry: Path) -> Form | None:
-    name = entry.name
-    if name.startswith((".", "_")):
-        return None
-    if NATIVE_NAME.fullmatch(name):
-        return Form.NATIVE
-    if name.endswith(".py") and PYTHON_NAME.fullmatch(name):
-        return Form.PYTHON
-    if PYTHON_NAME.fullmatch(name) and (entry / "__init__.py").exists():
-        return Form.PYTHON
-    return None
 
 
 # --------------------------------------------------------------------- the loader
@@ -339,21 +285,6 @@ def check_contract(backend: Any) -> None:
     problem = version_problem(*api)
     if problem:
         raise CandidateError(Stage.CONTRACT_CHECKED, problem, ident)
-
-
-def _check_readable(path: Path) -> None:
-    """Raise CandidateError (opened) unless ``path`` is a regular file we can read.
-
-    Checked before opening, because opening a FIFO would block."""
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            what = "a directory" if stat.S_ISDIR(st.st_mode) else \
-                "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
-            raise CandidateError(Stage.OPENED, f"cannot read it: it is {what}")
-        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
-    except OSError as e:
-        raise CandidateError(Stage.OPENED, f"cannot read it: {e.strerror}") from e
 
 
 def _import_plugin(path: Path) -> ModuleType:

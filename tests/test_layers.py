@@ -12,7 +12,7 @@ import pytest
 
 LIBBACKENDS = ["inferd.libbackends.contract", "inferd.libbackends.dtypes",
                "inferd.libbackends.registry", "inferd.libbackends.native",
-               "inferd.libbackends.childprobe",
+               "inferd.libbackends.childprobe", "inferd.libbackends.discovery",
                "inferd.libbackends.loader", "inferd.libbackends.onnxruntime_cpu",
                "inferd.libbackends.customops.plan", "inferd.libbackends.customops.native",
                "inferd.libbackends.customops.native_run", "inferd.libbackends.customops.opencl"]

@@ -18,8 +18,9 @@ from tests.libbackends.plugin_kit import copy_into, expected_relu_sigmoid, make_
 
 from inferd.ipc import defs
 from inferd.libbackends.contract import LoadOptions
+from inferd.libbackends.discovery import discover
 from inferd.libbackends.loader import (
-    BUILTINS, Loader, check_contract, discover, load_backends, search_path, usable_dirs,
+    BUILTINS, Loader, check_contract, load_backends, search_path, usable_dirs,
 )
 from inferd.libbackends.registry import CandidateError, CandidateStatus, Registry, Stage
 
