@@ -29,7 +29,8 @@ from inferd.daemon.systemd import Notifier, Watchdog, watchdog_interval
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import ReplySink, Ticket
-from inferd.ipc.server import Access, Server
+from inferd.ipc.access import Access
+from inferd.ipc.server import Server
 from inferd.libbackends.customops.discovery import load_global
 from inferd.libbackends.loader import load_backends
 from inferd.libbackends.registry import Registry

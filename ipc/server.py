@@ -11,28 +11,25 @@ when the grace period ends.
 
 from __future__ import annotations
 
-import fcntl
-import grp
 import logging
 import os
-import pwd
 import signal
 import socket
 import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import zmq
 
+from inferd.ipc.access import Access, Peer, Peers
 from inferd.ipc.clients import ClientLimits
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ProtocolError, failure
 from inferd.ipc.protocol import Reply, Request, decode_request, encode_reply, peek_request_id
 from inferd.ipc.replies import Ticket
+from inferd.ipc.socketfile import SocketLock, _chgrp
 from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
@@ -43,115 +40,9 @@ _SEQ = struct.Struct("<Q")
 Handler = Callable[[Request, Ticket], Reply | None]
 
 
-@dataclass(frozen=True)
-class Peer:
-    """A client's credentials as the kernel saw them when it connected (SO_PEERCRED,
-    read from libzmq's ``Peer-Address`` metadata: ``localhost:<uid>:<gid>:<pid>``)."""
-
-    uid: int
-    gid: int
-    pid: int
-    groups: frozenset[int]
-
-    @classmethod
-    def parse(cls, address: str | None) -> Peer | None:
-        parts = (address or "").split(":")
-        if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
-            return None
-        uid, gid, pid = (int(p) for p in parts[1:])
-        return cls(uid, gid, pid, frozenset(_groups_of(uid, gid)))
-
-    def describe(self) -> str:
-        return f"uid {self.uid} gid {self.gid} pid {self.pid}"
-
-
-def _groups_of(uid: int, gid: int) -> list[int]:
-    # The socket carries only the primary gid; supplementary groups come from the user
-    # database (the daemon cannot read other users' /proc entries under ProtectProc).
-    try:
-        return os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
-    except (KeyError, OSError):
-        return [gid]
-
-
-@dataclass(frozen=True)
-class Access:
-    """The ``[access]`` allow-list: empty lists allow every client that can open the
-    socket; otherwise a client is served if its uid is in ``uids`` or one of its groups
-    is in ``gids``."""
-
-    uids: frozenset[int] = frozenset()
-    gids: frozenset[int] = frozenset()
-
-    @classmethod
-    def of(cls, uids: Iterable[int] = (), gids: Iterable[int] = ()) -> Access:
-        return cls(frozenset(uids), frozenset(gids))
-
-    def allows(self, peer: Peer | None) -> bool:
-        if not self.uids and not self.gids:
-            return True
-        if peer is None:  # no credentials (tcp://): an allow-list cannot be met
-            return False
-        return peer.uid in self.uids or bool(peer.groups & self.gids)
-
-
-PEER_CACHE_SIZE = 4096
 RECEIVE_HWM = 1000
 """Requests libzmq may hold per client before the I/O thread reads them (ZMQ_RCVHWM);
 past it the client's sends wait (backpressure), nothing is dropped."""
-
-
-
-class SocketLock:
-    """Exclusive claim on an ipc socket path, held through a lock file beside it.
-
-    libzmq silently takes over a path that a live daemon serves, so the daemon takes
-    ``<path>.lock`` with flock first: held by another process means "refuse to start";
-    free means any socket file left there is stale and is removed.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lock_path = path.with_name(path.name + ".lock")
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise InferdError(f"another inferd (pid {owner}) is serving {self.path}; "
-                              f"refusing to start (lock {self.lock_path} is held)",
-                              ErrorCode.UNAVAILABLE) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        if self.path.exists() or self.path.is_symlink():
-            log.info("removing stale socket file %s left by a daemon that is gone", self.path)
-            self.path.unlink()
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            self.path.unlink(missing_ok=True)  # libzmq leaves the socket file behind
-        finally:
-            os.close(self._fd)
-            self._fd = None
-
-
-def _chgrp(path: Path, group: str) -> None:
-    try:
-        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-        # Usually the file already has it (the daemon's own group): then no chown, which
-        # the unit's SystemCallFilter=~@privileged would refuse.
-        if os.stat(path).st_gid != gid:
-            os.chown(path, -1, gid)
-    except (KeyError, OSError) as e:
-        raise InferdError(f"cannot give {path} the group {group!r} (server.socket_group): "
-                          f"{e}", ErrorCode.UNAVAILABLE) from e
 
 
 class Server:
@@ -183,8 +74,7 @@ class Server:
         self._mode = socket_mode
         self._group = socket_group
         self.access = access or Access()
-        self._peers: OrderedDict[bytes, Peer | None] = OrderedDict()
-        self._refused: set[bytes] = set()
+        self._peers = Peers()
         self._grace_s = grace_s
         self._ctx = zmq.Context()
         self._cores = sorted(cpu_affinity)
@@ -415,7 +305,7 @@ class Server:
         self._inflight[seq] = [envelope, None, key, size]
         self.stats["requests"] += 1
         over = self.clients.admit(key, size)
-        peer = self._peer(key, frames[-1])
+        peer = self._peers.lookup(key, frames[-1])
         if not self.access.allows(peer):
             self._refuse(seq, body, peer, key)
             return
@@ -427,42 +317,9 @@ class Server:
             return
         self._handle(seq, body, refuse, key, size)
 
-    def _peer(self, key: bytes, frame: Any) -> Peer | None:
-        """The credentials of the connection a message came on (``key``: its routing
-        id), read from a body ``frame``; logged once per connection."""
-        if key in self._peers:
-            self._peers.move_to_end(key)
-            return self._peers[key]
-        try:
-            # A body frame: libzmq 4.3.4 (Debian 12) leaves the metadata off the routing
-            # id frame when the socket was polled before the read.
-            address = frame.get("Peer-Address")
-        except zmq.ZMQError:
-            address = None
-        peer = Peer.parse(address)
-        if peer is not None:
-            log.debug("new client: %s", peer.describe())
-        else:
-            log.debug("new client without credentials (%s)", address)
-        self._peers[key] = peer
-        if len(self._peers) > PEER_CACHE_SIZE:
-            self._peers.popitem(last=False)
-        return peer
-
     def _refuse(self, seq: int, body: list[Any], peer: Peer | None, key: bytes) -> None:
-        who = peer.describe() if peer else "a client without credentials"
         rid = peek_request_id(body)
-        message = (f"permission denied: {who} is not in the [access] allow-list of "
-                   f"the inferd configuration")
-        if key in self._refused:
-            log.debug("refused request %s from %s", rid, who)
-        else:  # once per connection: a refused client retrying must not flood the log
-            if len(self._refused) >= PEER_CACHE_SIZE:
-                self._refused.clear()
-            self._refused.add(key)
-            log.warning("refused a request from %s: not in the [access] allow-list", who,
-                        extra={"REQUEST_ID": rid or "",
-                               "CODE": str(ErrorCode.PERMISSION_DENIED)})
+        message = self._peers.refuse(peer, key, rid)
         self._answer_error(seq, rid, Failure(ErrorCode.PERMISSION_DENIED, message))
 
     def _handle(self, seq: int, body: list[Any], refuse: bool, key: bytes,

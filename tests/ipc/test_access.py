@@ -13,7 +13,7 @@ import pytest
 
 from inferd.ipc import RequestError
 from inferd.ipc.errors import ErrorCode
-from inferd.ipc.server import Access, Peer
+from inferd.ipc.access import Access, Peer
 
 pytestmark = pytest.mark.slow
 
