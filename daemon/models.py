@@ -9,6 +9,7 @@ the cache. What it delegates, one module each:
 - :mod:`inferd.daemon.catalog`: what the repository offers (scan, pins, settings);
 - :mod:`inferd.daemon.budget`: the memory budget (make room, evict, measured costs);
 - :mod:`inferd.daemon.loading`: loading one version (backend, warm-up, measure, workers);
+- :mod:`inferd.daemon.draining`: draining and unloading (explicit, idle, evicted, stop);
 - :mod:`inferd.daemon.reload`: applying a reload through the public methods here.
 
 Rules: a request for a model that is not loaded starts the load once (single flight)
@@ -24,21 +25,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from typing import Any
 
 from inferd.daemon.budget import MemoryBudget
 from inferd.daemon.catalog import Catalog
+from inferd.daemon.draining import Draining
 from inferd.daemon.loading import ModelLoader
 from inferd.daemon.memory import WorkingLedger
 from inferd.daemon.model_entry import ModelEntry, ModelKey, State, describe_cache
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.reload import reload_catalog
-from inferd.daemon.repository import Repository, check_name
+from inferd.daemon.repository import Repository
 from inferd.daemon.units import request_keep_alive
 from inferd.daemon.worker import WorkItem, Workers
-from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure
-from inferd.ipc.protocol import Reply, Request
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+from inferd.ipc.protocol import Request
 from inferd.ipc.replies import AnyTicket, ReplySink
 from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.registry import Registry
@@ -46,7 +48,7 @@ from inferd.libbackends.registry import Registry
 log = logging.getLogger(__name__)
 
 
-class ModelManager:
+class ModelManager(Draining):
     """The model cache of one runtime.
 
     Args:
@@ -192,89 +194,6 @@ class ModelManager:
     def _evict(self, entry: ModelEntry, reason: str) -> bool:
         return self._unload_entry(entry, reason, only_if_idle=True)
 
-    # ----------------------------------------------------------------- unloading
-
-    def _unload_entry(self, entry: ModelEntry, reason: str, only_if_idle: bool = False,
-                      timeout: float | None = None) -> bool:
-        """Drain and unload a READY entry; False if it was not (or no longer) eligible.
-
-        Requests that arrive during the drain wait in the queue; afterwards they start
-        a new load, go to the version that replaced this one, or get NOT_FOUND if the
-        model is gone.
-        """
-        with entry.lock:
-            if entry.state is not State.READY:
-                return False
-            if only_if_idle and not self.budget.evictable(entry):
-                return False
-            entry.set_state(State.DRAINING)
-            workers, model = entry.workers, entry.model
-        assert workers is not None and model is not None
-        finished = workers.stop(timeout)
-        if finished:
-            model.unload()
-            self.budget.meter.trim()
-        else:
-            log.error("model %s: workers did not finish within %.3g s; left running",
-                      entry.label, timeout, extra={"MODEL": entry.name})
-            self.left_running.append(workers)
-        leftovers: list[WorkItem] = []
-        with entry.lock:
-            entry.model = entry.workers = entry.backend = entry.placement = None
-            entry.memory_bytes = entry.memory_rss_bytes = entry.memory_reported_bytes = None
-            entry.set_state(State.UNLOADED)
-            if finished and not entry.queue.empty():
-                if (self.catalog.servable(entry.name, entry.version)
-                        and not self._stopping.is_set()):
-                    self._loader.start(entry)
-                else:
-                    leftovers = entry.take_queued()
-        log.info("model %s unloaded: %s", entry.label, reason, extra={"MODEL": entry.name})
-        if self.observer is not None:
-            self.observer.unloaded(entry.name, reason.startswith("evicted"))
-        if self.observer is not None:
-            self.observer.unloaded(entry.name, reason.startswith("evicted"))
-        for item in leftovers:
-            self._reroute(entry, item)
-        return True
-
-    def _reroute(self, retired: ModelEntry, item: WorkItem) -> None:
-        """A request that reached a version just retired: hand it to the model's current
-        default version if it named none, else answer NOT_FOUND."""
-        try:
-            if item.request.version is not None:
-                raise ModelError(f"model {retired.label} was removed from the repository",
-                                 ErrorCode.NOT_FOUND)
-            self._enqueue(self.entry(retired.name), item, None)
-        except Exception as e:
-            self._sink.send(item.ticket, Reply(item.request.id, error=failure(
-                e, f"model {retired.label}", log, model=retired.name)))
-
-    def unload_idle(self) -> list[str]:
-        """Unload every unpinned model idle longer than its keep-alive; their labels."""
-        now = time.monotonic()
-        with self._lock:
-            entries = list(self._entries.values())
-        done = []
-        for e in entries:
-            with e.lock:
-                if e.state is not State.READY or e.in_flight or now < e.keep_until:
-                    continue
-                idle = now - e.used_at
-                if idle < e.keep_alive:
-                    continue
-            if self._unload_entry(e, f"idle for {idle:.1f} s (keep_alive "
-                                  f"{e.keep_alive:g} s)", only_if_idle=True):
-                done.append(e.label)
-        return done
-
-    def _idle_loop(self) -> None:
-        while not self._stopping.wait(self.config.cache.idle_check_s):
-            try:
-                self.unload_idle()
-            except Exception:  # the idle check must outlive one bad unload
-                log.exception("idle check failed")
-
     # ----------------------------------------------------------------- control
 
     def load(self, name: str, version: int | None = None) -> ModelEntry:
@@ -299,40 +218,6 @@ class ModelManager:
         if future is not None:
             future.result()
         return entry
-
-    def unload(self, name: str, version: int | None = None, timeout: float | None = None,
-               reason: str = "unload requested") -> ModelEntry:
-        """Drain and unload ``name`` (every loaded version, or just ``version``): queued
-        requests finish first; blocking. Entries the catalog no longer offers are
-        dropped (a version retired by a reload). Returns the default version's entry."""
-        check_name(name)
-        with self._lock:
-            entries = [e for (n, v), e in self._entries.items()
-                       if n == name and (version is None or v == version)]
-        if not entries:
-            return self.entry(name, version)  # NOT_FOUND if unknown, else unloaded
-        for entry in entries:
-            self._unload_wait(entry, reason, timeout)
-            with self._lock:
-                if (not self.catalog.servable(entry.name, entry.version)
-                        and entry.state is State.UNLOADED):
-                    self._entries.pop((entry.name, entry.version), None)
-        spec = self.catalog.get(name)
-        return next((e for e in entries if spec and e.version == spec.default), entries[0])
-
-    def _unload_wait(self, entry: ModelEntry, reason: str, timeout: float | None) -> None:
-        with entry.lock:
-            future = entry.load_future if entry.state is State.LOADING else None
-        if future is not None:
-            try:
-                future.result()
-            except (InferdError, CancelledError):
-                pass  # a failed load answered its requests; a cancelled one, the server
-        with entry.lock:
-            entry.changed.wait_for(lambda: entry.state is not State.DRAINING, timeout)
-            if entry.state is State.FAILED:
-                entry.set_state(State.UNLOADED)
-        self._unload_entry(entry, reason, timeout=timeout)
 
     def load_pinned(self, before_each: Callable[[int, int, str], None] | None = None
                     ) -> list[str]:
