@@ -95,8 +95,6 @@ class Draining:
         log.info("model %s unloaded: %s", entry.label, reason, extra={"MODEL": entry.name})
         if self.observer is not None:
             self.observer.unloaded(entry.name, reason.startswith("evicted"))
-        if self.observer is not None:
-            self.observer.unloaded(entry.name, reason.startswith("evicted"))
         for item in leftovers:
             self._reroute(entry, item)
         return True

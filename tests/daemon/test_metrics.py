@@ -164,3 +164,12 @@ def test_daemon_refuses_a_network_listen_address(start_daemon, short_tmp: Path):
     d = start_daemon(env={"INFERD_CONFIG": str(config)}, ready=False)
     assert d.proc.wait(30) == 2
     assert "[metrics] listen = '0.0.0.0:9464'" in d.log() and "never a network" in d.log()
+
+
+def test_one_unload_counts_once(metrics_daemon):
+    d, _ = metrics_daemon
+    with d.client() as c:
+        c.unload("ocr-cls")
+        s = families(c.call("metrics")["text"])
+    assert value(s, "inferd_model_unloads_total", model="ocr-cls") == 1
+    assert value(s, "inferd_model_evictions_total", model="ocr-cls") == 0
