@@ -16,6 +16,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+from inferd.libbackends.searchpath import list_folder
 from inferd.libbackends.registry import (
     Candidate, CandidateError, CandidateStatus, Form, Stage,
 )
@@ -36,13 +37,7 @@ def discover(dirs: Sequence[Path]) -> list[Candidate]:
     seen: dict[str, str] = {}
     found: list[Candidate] = []
     for d in dirs:
-        try:
-            names = sorted(os.listdir(d))
-        except OSError as e:
-            log.warning("backends directory %s cannot be listed: %s", d, e.strerror,
-                        extra={"PLUGIN_PATH": str(d)})
-            continue
-        for name in names:
+        for name in list_folder(d, "backends", log):
             entry = d / name
             form = _form(entry)
             if form is None:

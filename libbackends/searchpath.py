@@ -10,6 +10,7 @@ directories are logged (WARNING; INFO for a missing default) and skipped.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,3 +82,14 @@ BACKENDS = SearchPath("backends", "--backends-dir", defs.BACKENDS_PATH_ENV, "bac
                       defs.BACKENDS_DIR)
 CUSTOMOPS = SearchPath("custom ops", "--customops-dir", defs.CUSTOMOPS_PATH_ENV,
                        "customops.paths", defs.CUSTOMOPS_DIR)
+
+
+def list_folder(d: Path, what: str, logger: logging.Logger) -> list[str]:
+    """The names in plugin folder ``d``, sorted; none, with a WARNING on ``logger``
+    naming ``what`` and the reason, when the folder cannot be listed."""
+    try:
+        return sorted(os.listdir(d))
+    except OSError as e:
+        logger.warning("%s directory %s cannot be listed: %s", what, d, e.strerror,
+                       extra={"PLUGIN_PATH": str(d)})
+        return []

@@ -21,7 +21,7 @@ from typing import Any
 
 from inferd.libbackends.customops import pyops
 from inferd.libbackends.customops.contract import OpRegistry, Skipped
-from inferd.libbackends.searchpath import CUSTOMOPS
+from inferd.libbackends.searchpath import CUSTOMOPS, list_folder
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +39,7 @@ def load_folders(dirs: Sequence[Path], registry: OpRegistry,
     libraries, which are probed in child processes all at once)."""
     natives: list[Path] = []
     for d in dirs:
-        try:
-            names = sorted(os.listdir(d))
-        except OSError as e:
-            log.warning("custom ops directory %s cannot be listed: %s", d, e.strerror,
-                        extra={"PLUGIN_PATH": str(d)})
-            continue
-        for name in names:
+        for name in list_folder(d, "custom ops", log):
             path = d / name
             if name.startswith((".", "_")):
                 continue
