@@ -70,19 +70,84 @@ def test_results_match_onnxruntime(backend: OpenVinoBackend, name: str) -> None:
         reference.unload()
 
 
+def test_the_probe_leaves_the_device_plugins_out_of_this_process(tmp_path: Path) -> None:
+    # Listing the devices loads every device plugin (the GPU plugin brings OpenCL and its
+    # ICD, pocl with LLVM here: 96 MiB); the probe lists them in a child process.
+    import subprocess
+    import sys
+
+    code = ("from inferd.libbackends.openvino_backend import OpenVinoBackend\n"
+            "p = OpenVinoBackend().probe()\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "print(p.available, list(p.devices), 'intel_gpu_plugin' in maps, 'LLVM' in maps)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out[0] == "True" and "CPU" in out[1]
+    assert out[2:] == ["False", "False"]
+
+
+def test_static_shapes_compile_one_copy_per_shape_up_to_the_limit(
+        backend: OpenVinoBackend) -> None:
+    path = _model("ocr-cls")
+    reference = OnnxRuntimeCpuBackend().load(path, LoadOptions())
+    model = backend.load(path, LoadOptions(options={"static_shapes": 2}))
+    dynamic = backend.load(path, LoadOptions())
+    try:
+        assert dynamic.describe() == {}
+        assert model.describe() == {"static_shapes": [], "static_shapes_limit": 2}
+        for rows in (1, 3, 1, 5, 3):  # 1 and 3 get copies; 5 comes after the limit
+            x = {"x": RNG.random((rows, 3, 48, 192), dtype=np.float32)}
+            got = model.run(x)
+            for key, want in reference.run(x).items():
+                np.testing.assert_allclose(got[key], want, atol=1e-4, rtol=0)
+                np.testing.assert_array_equal(got[key], dynamic.run(x)[key])
+        assert model.describe()["static_shapes"] == ["x=1x3x48x192", "x=3x3x48x192"]
+        copy = model._static[(("x", (1, 3, 48, 192)),)].compiled
+        assert [d.get_length() for d in copy.inputs[0].get_partial_shape()] == [1, 3, 48, 192]
+        assert copy.get_property("INFERENCE_NUM_THREADS") == \
+            dynamic.compiled.get_property("INFERENCE_NUM_THREADS")
+    finally:
+        for m in (model, dynamic, reference):
+            m.unload()
+
+
+def test_inputs_from_the_wire_give_the_same_results(
+        backend: OpenVinoBackend) -> None:
+    # frames from the wire are read-only and need not be aligned (docs/protocol.md)
+    path = _model("ocr-cls")
+    model = backend.load(path, LoadOptions())
+    try:
+        x = RNG.random((2, 3, 48, 192), dtype=np.float32)
+        want = model.run({"x": x})
+        raw = bytes(3) + x.tobytes()
+        unaligned = np.frombuffer(raw, np.float32, offset=3).reshape(x.shape)
+        assert unaligned.ctypes.data % 4 and not unaligned.flags.writeable
+        for arr in (unaligned, np.asfortranarray(x), x[:, :, :, ::-1][:, :, :, ::-1]):
+            got = model.run({"x": arr})
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key])
+        # the outputs are copies: the next run does not change them
+        before = {k: v.copy() for k, v in want.items()}
+        model.run({"x": RNG.random((2, 3, 48, 192), dtype=np.float32)})
+        for key in want:
+            np.testing.assert_array_equal(want[key], before[key])
+    finally:
+        model.unload()
+
+
 def test_f32_by_default_and_precision_overrides(backend: OpenVinoBackend) -> None:
     path = _model("ocr-cls")
     f32 = backend.load(path, LoadOptions())
-    assert str(f32._compiled.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'float32'>"
+    assert str(f32.compiled.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'float32'>"
     # OpenVINO's own thread pinning would fight the model's cpu_affinity
-    assert f32._compiled.get_property("ENABLE_CPU_PINNING") is False
+    assert f32.compiled.get_property("ENABLE_CPU_PINNING") is False
     hint = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT")
     other = "f16" if str(hint) == "<Type: 'float32'>" else "bf16"
     m = backend.load(path, LoadOptions(options={"precision": other, "threads": 2,
                                                 "streams": 1}))
-    assert m._compiled.get_property("INFERENCE_NUM_THREADS") == 2
-    assert str(m._compiled.get_property("INFERENCE_PRECISION_HINT")) != \
-        str(f32._compiled.get_property("INFERENCE_PRECISION_HINT")) or other == "f16"
+    assert m.compiled.get_property("INFERENCE_NUM_THREADS") == 2
+    assert str(m.compiled.get_property("INFERENCE_PRECISION_HINT")) != \
+        str(f32.compiled.get_property("INFERENCE_PRECISION_HINT")) or other == "f16"
     f32.unload()
     m.unload()
 
@@ -178,6 +243,7 @@ def test_an_absent_device_is_a_load_error_quoting_openvino(
     ({"device": "TPU"}, "[openvino] device = 'TPU': expected an OpenVINO device name"),
     ({"precision": "f8"}, "[openvino] precision = 'f8': expected one of f32, f16, bf16"),
     ({"threads": 0}, "[openvino] threads = 0: expected an integer >= 1"),
+    ({"static_shapes": -1}, "[openvino] static_shapes = -1: expected an integer >= 0"),
 ])
 def test_a_bad_openvino_key_names_it(backend: OpenVinoBackend, options: dict[str, object],
                                      words: str) -> None:
