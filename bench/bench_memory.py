@@ -1,10 +1,14 @@
 """Memory that stays inside the budget (issue 12, item 10), against RapidOCR in the same
 run, each engine in its own process, peak RSS of the whole process (VmHWM from /proc):
 
+0. the floor: ocr-det alone on the detector input of these images (1x3x736x2048, as
+   RapidOCR sizes it), each engine in a bare process (python, numpy, the engine):
+   what no daemon serving this graph can go under;
 1. the OCR graph on 6 generated 1000x360 four-line images: the daemon's peak RSS vs
    RapidOCR 1.4.4's (its defaults, in a process of its own), target <= 0.7x, at
    images/s >= 1.3x RapidOCR's; once per arena policy (docs/cache.md), the shipped
-   defaults first;
+   defaults first, then with every model placed on OpenVINO (the detector with
+   ``[openvino] static_shapes = 2``);
 2. the cache's figure for the loaded models (``inferctl status``: cache used) vs what
    they really add to the process (peak RSS while serving minus the idle daemon's
    RSS), target within 25 %;
@@ -34,6 +38,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import DaemonProcess  # noqa: E402
 from inferd.ipc import Client  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from tests.links import link_tree  # noqa: E402  (hard links: the daemon refuses symlinks out)
 
 MODELS = ROOT / "models"
 FONT_DIR = Path("/usr/share/fonts/truetype/dejavu")
@@ -135,6 +142,75 @@ print(json.dumps({{"seconds": elapsed, "peak": peak_rss()[1], "texts": texts}}))
 """
 
 
+FLOOR_CHILD = """
+import json, sys, time
+import numpy as np
+engine = sys.argv[1]
+def rss():
+    out = {{}}
+    for line in open("/proc/self/status"):
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            out[line[:5]] = int(line.split()[1]) * 1024
+    return out["VmRSS"], out["VmHWM"]
+x = np.random.default_rng(0).random((1, 3, 736, 2048), dtype=np.float32)
+path = {model!r}
+if engine.startswith("onnxruntime"):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.enable_cpu_mem_arena = engine == "onnxruntime"
+    s = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    run = lambda: s.run(None, {{"x": x}})
+else:
+    import openvino as ov
+    core = ov.Core()
+    m = core.read_model(path)
+    if engine.endswith("static"):
+        m.reshape({{"x": list(x.shape)}})
+    c = core.compile_model(m, "CPU", {{"INFERENCE_PRECISION_HINT": "f32",
+                                     "ENABLE_CPU_PINNING": False}})
+    r = c.create_infer_request()
+    run = lambda: r.infer({{"x": x}})
+run()
+run()
+print(json.dumps(rss()[1]))
+"""
+FLOOR_ENGINES = {"onnxruntime": "onnxruntime, arena on (RapidOCR's configuration)",
+                 "onnxruntime-noarena": "onnxruntime, arena off",
+                 "openvino": "OpenVINO, dynamic shapes",
+                 "openvino-static": "OpenVINO, static shape"}
+
+
+def floor() -> dict[str, int]:
+    """Peak RSS of a bare process running ocr-det on this detector input, per engine."""
+    out = {}
+    for engine in FLOOR_ENGINES:
+        code = FLOOR_CHILD.format(model=str(MODELS / "ocr-det" / "1" / "model.onnx"))
+        proc = subprocess.run([sys.executable, "-c", code, engine], capture_output=True,
+                              text=True, cwd=ROOT)
+        if proc.returncode == 0:
+            out[engine] = int(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def openvino_repo(tmp: Path) -> Path:
+    """The demo repository with every OCR model placed on OpenVINO first, the detector
+    with static shapes (one camera, one size)."""
+    repo = tmp / "repo-openvino"
+    for name in ("ocr-det", "ocr-cls", "ocr-rec", "vad"):
+        (repo / name).mkdir(parents=True)
+        link_tree(MODELS / name / "1", repo / name / "1")
+        toml = (MODELS / name / "model.toml").read_text() \
+            if (MODELS / name / "model.toml").exists() else ""
+        if name != "vad":
+            toml = 'backends = ["openvino", "cpu"]\n' + toml
+        if name == "ocr-det":
+            toml += "[openvino]\nstatic_shapes = 2\n"
+        (repo / name / "model.toml").write_text(toml)
+    (repo / "ocr").mkdir()
+    shutil.copy(MODELS / "ocr" / "graph.toml", repo / "ocr")
+    return repo
+
+
 def rapidocr() -> dict[str, Any]:
     """RapidOCR in a process of its own: images/s and that process's peak RSS."""
     out = subprocess.run([sys.executable, "-c", RAPID_CHILD.format(bench=str(ROOT / "bench"))],
@@ -142,10 +218,11 @@ def rapidocr() -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def inferd_graph(tmp: Path, name: str, toml: str, batch: list[np.ndarray]) -> dict[str, Any]:
+def inferd_graph(tmp: Path, name: str, toml: str, batch: list[np.ndarray],
+                 models: Path = MODELS) -> dict[str, Any]:
     config = tmp / f"policy-{abs(hash(name))}.toml"
     config.write_text('[metrics]\ntextfile = ""\n' + toml)
-    daemon = DaemonProcess("--models", str(MODELS), config=config)
+    daemon = DaemonProcess("--models", str(models), config=config)
     sampler = PeakSampler(daemon.proc.pid)
     try:
         idle = daemon.rss()
@@ -224,11 +301,20 @@ def main() -> None:
         rapid = rapidocr()
         rapid_rate = N_IMAGES / rapid["seconds"]
         print(f"RapidOCR 1.4.4 (own process, its defaults): {rapid_rate:.2f} img/s, "
-              f"peak RSS {rapid['peak'] / MiB:.0f} MiB")
-        for name, toml in POLICIES.items():
+              f"peak RSS {rapid['peak'] / MiB:.0f} MiB; 0.7x of it: "
+              f"{0.7 * rapid['peak'] / MiB:.0f} MiB")
+        print("the floor: ocr-det alone on 1x3x736x2048 in a bare process (python, numpy, "
+              "the engine), peak RSS:")
+        for engine, peak in floor().items():
+            print(f"  {FLOOR_ENGINES[engine]:45s} {peak / MiB:5.0f} MiB "
+                  f"({peak / rapid['peak']:.2f}x RapidOCR)")
+        arms = [(name, toml, MODELS) for name, toml in POLICIES.items()]
+        arms.append(("every OCR model on OpenVINO, the detector with static shapes", "",
+                     openvino_repo(tmp)))
+        for name, toml, models in arms:
             if only and not any(o in name for o in only):
                 continue
-            r = inferd_graph(tmp, name, toml, batch)
+            r = inferd_graph(tmp, name, toml, batch, models)
             rate = N_IMAGES / r["seconds"]
             mem, speed = r["peak"] / rapid["peak"], rate / rapid_rate
             added = r["peak"] - r["idle"]
