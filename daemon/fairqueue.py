@@ -11,12 +11,16 @@ with a ``ticket``; anything else is a sentinel (the workers' STOP), served once 
 request queued before it has been served, as with a plain FIFO. Requests queued after
 it stay for the next worker (a model being drained keeps the requests that arrive
 meanwhile for its next load).
+
+:meth:`drop` takes out every request of one client (one that has disconnected): they
+are answered by the caller instead of run.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -37,6 +41,7 @@ class FairQueue:
         self._stops: deque[tuple[int, Any]] = deque()  # sentinels and their numbers
         self._seq = 0
         self._size = 0
+        self._stale = 0  # tokens of dropped items, still in _tokens
 
     def put(self, item: Any) -> None:
         with self._lock:
@@ -57,19 +62,36 @@ class FairQueue:
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The next item, taking turns between clients; raises ``queue.Empty`` like
         ``SimpleQueue.get`` when none arrives in time."""
-        self._tokens.get(block, timeout)
+        deadline = None if timeout is None or not block else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._tokens.get(block, left)
+            with self._lock:
+                if self._stale:  # the token of a dropped item: wait for the next one
+                    self._stale -= 1
+                    continue
+                self._size -= 1
+                if self._stops and (not self._peers or min(
+                        f[0][0] for f in self._peers.values()) > self._stops[0][0]):
+                    return self._stops.popleft()[1]  # nothing queued before it is left
+                key, fifo = next(iter(self._peers.items()))
+                _, item = fifo.popleft()
+                if fifo:
+                    self._peers.move_to_end(key)  # its next request waits for the others'
+                else:
+                    del self._peers[key]  # a client with nothing queued holds nothing
+                return item
+
+    def drop(self, peer: bytes) -> list[Any]:
+        """Take out every request of ``peer`` still queued, in order (for the caller to
+        answer); the others keep their turns."""
         with self._lock:
-            self._size -= 1
-            if self._stops and (not self._peers or min(
-                    f[0][0] for f in self._peers.values()) > self._stops[0][0]):
-                return self._stops.popleft()[1]  # nothing queued before it is left
-            key, fifo = next(iter(self._peers.items()))
-            _, item = fifo.popleft()
-            if fifo:
-                self._peers.move_to_end(key)  # its next request waits for the others'
-            else:
-                del self._peers[key]  # a client with nothing queued holds nothing
-            return item
+            fifo = self._peers.pop(peer, None)
+            if not fifo:
+                return []
+            self._size -= len(fifo)
+            self._stale += len(fifo)
+            return [item for _, item in fifo]
 
     def get_nowait(self) -> Any:
         return self.get(False)

@@ -39,8 +39,8 @@ from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import Repository
 from inferd.daemon.units import request_keep_alive
 from inferd.daemon.worker import WorkItem, Workers
-from inferd.ipc.errors import ErrorCode, InferdError, ModelError
-from inferd.ipc.protocol import Request
+from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError
+from inferd.ipc.protocol import Reply, Request
 from inferd.ipc.replies import AnyTicket, ReplySink
 from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.registry import Registry
@@ -181,6 +181,25 @@ class ModelManager(Draining):
             # DRAINING: the request waits in the queue; the drain restarts the load.
             # Last: the put wakes a worker, which then waits for this thread's GIL.
             entry.queue.put(item)
+
+    def cancel_peer(self, peer: bytes) -> int:
+        """Answer CANCELLED every request of a client that has disconnected and is still
+        queued for a model, instead of running it for nobody (I/O thread); how many."""
+        with self._lock:
+            entries = list(self._entries.values())
+        dropped = 0
+        for entry in entries:
+            items = entry.queue.drop(peer)
+            if not items:
+                continue
+            with entry.lock:
+                entry.in_flight -= len(items)
+            for item in items:
+                self._sink.send(item.ticket, Reply(item.request.id, error=Failure(
+                    ErrorCode.CANCELLED, f"model {entry.label}: the client disconnected "
+                    f"before the request ran")))
+            dropped += len(items)
+        return dropped
 
     def _done(self, entry: ModelEntry, ok: bool) -> None:
         with entry.lock:

@@ -79,6 +79,7 @@ class Runtime:
                              max_replies_queued_per_client=(
                                  config.server.max_replies_queued_per_client))
         self.server.on_stop = self._on_stop
+        self.server.on_peer_gone = self._peer_gone
         self.metrics = Metrics(self)
         # wire tickets and in-process ones; each reply is counted (daemon/metrics.py)
         sink = self.metrics.track_replies(
@@ -268,6 +269,14 @@ class Runtime:
             self.reload()
         except InferdError:
             return  # reload() logged it; a SIGHUP has no one else to tell
+
+    def _peer_gone(self, peer: bytes) -> None:
+        """A client disconnected with requests in flight (I/O thread): those still
+        queued for a model are answered CANCELLED, not run."""
+        dropped = self.models.cancel_peer(peer)
+        if dropped:
+            log.info("a client disconnected: %d of its requests were still queued and are "
+                     "dropped", dropped)
 
     def _on_stop(self) -> None:
         # On the I/O thread: drain the models elsewhere so replies keep flowing.

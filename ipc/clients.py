@@ -74,6 +74,10 @@ class ClientLimits:
                     f" = {self.max_bytes}); wait for replies before sending more")
         return None
 
+    def holds(self, key: bytes) -> bool:
+        """Whether client ``key`` has requests in flight."""
+        return key in self._use
+
     def done(self, key: bytes, size: int) -> None:
         """A request of ``key`` was answered."""
         use = self._use.get(key)

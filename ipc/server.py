@@ -7,6 +7,11 @@ back to the I/O thread through an inproc PUSH/PULL pair, so no other thread touc
 the ROUTER. Every request gets exactly one reply: the server tracks what is in flight,
 refuses new work while stopping, and answers whatever is still open with UNAVAILABLE
 when the grace period ends.
+
+A client that disconnects with requests in flight is told to :attr:`Server.on_peer_gone`
+(the daemon answers its queued requests CANCELLED instead of running them for nobody):
+libzmq's socket monitor reports each closed connection by its file descriptor, and the
+I/O thread notes the descriptor of each client's connection from its first message.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from inferd.ipc.access import Access, Peer, Peers
 from inferd.ipc.clients import ClientLimits
@@ -100,7 +106,13 @@ class Server:
         self._stop = False
         self._lock: SocketLock | None = None
         self.on_stop: Callable[[], None] | None = None
-        self.stats = {"requests": 0}
+        # called on the I/O thread with the key of a client that disconnected while it
+        # had requests in flight
+        self.on_peer_gone: Callable[[bytes], None] | None = None
+        self._monitor: zmq.Socket | None = None
+        self._fd_keys: dict[int, set[bytes]] = {}  # connection fd -> client keys on it
+        self._key_fd: dict[bytes, int] = {}
+        self.stats = {"requests": 0, "clients_gone": 0}
         self.undelivered = 0
 
     # ----------------------------------------------------------------- set-up
@@ -143,6 +155,7 @@ class Server:
                     self._lock.release()  # removes the socket file too
                 raise
         self._router = router
+        self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self._replies_addr)
 
@@ -233,6 +246,8 @@ class Server:
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         stopping_since: float | None = None
         while True:
             if self._stop and stopping_since is None:
@@ -254,6 +269,10 @@ class Server:
                 self._drain_wakeups()
             if self._pull in events:
                 self._forward_replies()
+            if self._router in events or self._monitor in events:
+                # disconnections first: a closed connection's descriptor may be reused
+                # by the client whose message is read next
+                self._disconnections()
             if self._router in events:
                 self._receive_request(refuse=stopping_since is not None)
         self._close()
@@ -293,6 +312,35 @@ class Server:
                 log.info("reply #%d not delivered: client gone or not reading (%s); %d "
                          "replies undelivered since start", seq, e, self.undelivered)
 
+    def _disconnections(self) -> None:
+        """Handle the monitor's disconnection events: tell :attr:`on_peer_gone` about
+        each client of the closed connection that still has requests in flight."""
+        if self._monitor is None:
+            return
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            for key in self._fd_keys.pop(int(event["value"]), ()):
+                self._key_fd.pop(key, None)
+                if self.on_peer_gone is None or not self.clients.holds(key):
+                    continue
+                self.stats["clients_gone"] += 1
+                try:
+                    self.on_peer_gone(key)
+                except Exception:  # noqa: BLE001  a bug there must not stop the I/O loop
+                    log.exception("dropping the requests of a disconnected client failed")
+
+    def _note_connection(self, key: bytes, frame: Any) -> None:
+        """Remember which connection (file descriptor) ``key``'s messages come on."""
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except (zmq.ZMQError, TypeError, ValueError):
+            return
+        self._key_fd[key] = fd
+        self._fd_keys.setdefault(fd, set()).add(key)
+
     def _receive_request(self, refuse: bool) -> None:
         frames = recv_frames(self._router)
         # ROUTER prefixes the peer identity; a REQ client adds an empty delimiter.
@@ -301,6 +349,8 @@ class Server:
         self._seq += 1
         seq = self._seq
         key = frames[0].bytes
+        if key not in self._key_fd:
+            self._note_connection(key, frames[-1])
         size = sum(len(f) for f in body)
         self._inflight[seq] = [envelope, None, key, size]
         self.stats["requests"] += 1
@@ -363,6 +413,9 @@ class Server:
                                                  "inferd stopped before this request "
                                                  "finished"))
         assert self._router is not None and self._pull is not None
+        if self._monitor is not None:
+            self._router.disable_monitor()
+            self._monitor.close(0)
         self._router.close(linger=1000)
         self._pull.close(0)
         if self._lock:

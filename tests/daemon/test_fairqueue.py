@@ -93,3 +93,38 @@ def test_items_without_a_peer_and_many_threads_lose_nothing():
     for t in threads:
         t.join(10)
     assert len(got) == len(items) and q.empty()
+
+
+def test_drop_takes_out_one_clients_requests_and_the_others_keep_their_turns():
+    q = FairQueue()
+    for n in range(3):
+        q.put(_item(b"gone", n))
+        q.put(_item(b"stays", n))
+    q.put(STOP)
+    dropped = q.drop(b"gone")
+    assert [(i.ticket.peer, i.n) for i in dropped] == [(b"gone", 0), (b"gone", 1),
+                                                       (b"gone", 2)]
+    assert q.drop(b"gone") == [] and q.drop(b"never") == []
+    assert q.qsize() == 4 and q.peers() == 1
+    # the dropped requests' tokens are skipped, not served as items
+    got = [q.get(timeout=1) for _ in range(4)]
+    assert [(i.ticket.peer, i.n) for i in got[:3]] == [(b"stays", 0), (b"stays", 1),
+                                                       (b"stays", 2)]
+    assert got[3] is STOP
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    assert q.qsize() == 0 and q.empty()
+
+
+def test_a_get_waiting_through_dropped_tokens_still_gets_the_next_item():
+    q = FairQueue()
+    q.put(_item(b"gone", 0))
+    q.drop(b"gone")
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(q.get(timeout=5)))
+    t.start()
+    q.put(_item(b"next", 1))
+    t.join(5)
+    assert [(i.ticket.peer, i.n) for i in got] == [(b"next", 1)]  # type: ignore[attr-defined]

@@ -22,6 +22,10 @@ def _fds() -> set[str]:
 @pytest.mark.slow
 def test_two_runtimes_in_one_process_start_serve_stop_without_leaks(models_dir, short_tmp):
     import onnxruntime  # noqa: F401  (imported once per process; not a leak)
+    try:  # its import starts openvino_telemetry's thread pool, once per process
+        import openvino  # noqa: F401
+    except ImportError:
+        pass
     from zmq.utils.garbage import gc as zmq_gc
 
     if not zmq_gc.is_alive():

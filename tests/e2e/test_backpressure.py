@@ -223,3 +223,47 @@ def test_a_greedy_client_does_not_starve_a_polite_one(start_daemon, models_dir, 
     # one, where the greedy client is also served while the polite request is still on
     # its way to the queue.
     assert sorted(overtaken)[len(overtaken) // 2] <= 50, overtaken
+
+
+def test_the_queued_requests_of_a_client_that_disconnects_are_dropped_not_run(
+        start_daemon, models_dir, short_tmp):
+    """Item 5: what a gone client held is dropped. 300 ocr-rec requests (about 6 s of
+    work) queued, then the client disconnects: those still queued are answered CANCELLED
+    (to nobody) instead of run, and another client is served at once."""
+    config = short_tmp / "inferd.toml"
+    config.write_text("[models]\nqueue_size = 1000\n")
+    d = start_daemon("--config", str(config), "--models", str(models_dir), "--preload",
+                     "ocr-rec")
+    x = np.zeros((1, 3, 48, 320), np.float32)
+    sent = 300
+    with d.client(timeout=60) as c:
+        ctx = zmq.Context()
+        rude = ctx.socket(zmq.DEALER)
+        rude.setsockopt(zmq.LINGER, 0)
+        rude.connect(d.endpoint)
+        for i in range(sent):
+            rude.send_multipart(encode_request(Request(f"r{i}", Op.INFER, "ocr-rec",
+                                                       inputs={"x": x})), copy=False)
+
+        def row() -> dict:
+            return next(m for m in c.models() if m["name"] == "ocr-rec")
+        deadline = time.monotonic() + 60
+        while row()["queued"] < 100:  # received and waiting (ocr-rec: ~20 ms each)
+            assert time.monotonic() < deadline, row()
+            time.sleep(0.01)
+        rude.close(0)
+        ctx.term()
+        t0 = time.perf_counter()
+        _wait_idle(c, timeout=60)
+        drained = time.perf_counter() - t0
+        c.infer("ocr-rec", {"x": x})  # served: the model is free again
+        served = row()["requests"] - 1
+        text = c.call("metrics")["text"]
+    cancelled = next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("inferd_requests_total{")
+                      and 'code="CANCELLED"' in line and 'model="ocr-rec"' in line), 0.0)
+    print(f"{sent} sent: {served} run, {cancelled:.0f} dropped; idle again {drained:.2f} s "
+          f"after the disconnection")
+    assert cancelled >= 100 and served + cancelled <= sent
+    assert "requests were still queued and are dropped" in d.log()
+    assert d.proc.poll() is None
