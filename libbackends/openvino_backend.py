@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import re
 import subprocess
@@ -218,12 +219,19 @@ def _shapes_text(key: ShapeKey) -> str:
 
 def list_devices(timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
     """OpenVINO's ``available_devices``, listed by a child process (see the module's
-    docstring). Raises RuntimeError with the child's reason."""
+    docstring) that imports the same ``openvino`` as this process (the Debian add-on's
+    is vendored: not on the child's default path). Raises RuntimeError with the child's
+    reason."""
+    import openvino
+
+    where = str(Path(openvino.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (where, env.get("PYTHONPATH")) if p)
     code = ("import json, openvino; "
             "print(json.dumps(list(openvino.Core().available_devices)))")
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                              text=True, timeout=timeout_s)
+                              text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"listing the devices took over {timeout_s:.0f} s") from e
     except OSError as e:
