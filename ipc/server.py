@@ -269,9 +269,11 @@ class Server:
                 self._drain_wakeups()
             if self._pull in events:
                 self._forward_replies()
-            if self._router in events or self._monitor in events:
-                # disconnections first: a closed connection's descriptor may be reused
-                # by the client whose message is read next
+            if self._monitor in events:
+                # Disconnections first: a closed connection's descriptor may be reused by
+                # the client whose message is read next. libzmq queues the event before
+                # that client's message, and the poll checks the monitor after the
+                # ROUTER (registration order), so the event is seen no later.
                 self._disconnections()
             if self._router in events:
                 self._receive_request(refuse=stopping_since is not None)

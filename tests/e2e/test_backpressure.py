@@ -228,8 +228,9 @@ def test_a_greedy_client_does_not_starve_a_polite_one(start_daemon, models_dir, 
 def test_the_queued_requests_of_a_client_that_disconnects_are_dropped_not_run(
         start_daemon, models_dir, short_tmp):
     """Item 5: what a gone client held is dropped. 300 ocr-rec requests (about 6 s of
-    work) queued, then the client disconnects: those still queued are answered CANCELLED
-    (to nobody) instead of run, and another client is served at once."""
+    work) sent, 150 or more of them queued, then the client disconnects: those still
+    queued are answered CANCELLED (to nobody) instead of run, and another client is
+    served at once."""
     config = short_tmp / "inferd.toml"
     config.write_text("[models]\nqueue_size = 1000\n")
     d = start_daemon("--config", str(config), "--models", str(models_dir), "--preload",
@@ -248,7 +249,7 @@ def test_the_queued_requests_of_a_client_that_disconnects_are_dropped_not_run(
         def row() -> dict:
             return next(m for m in c.models() if m["name"] == "ocr-rec")
         deadline = time.monotonic() + 60
-        while row()["queued"] < 100:  # received and waiting (ocr-rec: ~20 ms each)
+        while row()["queued"] < 150:  # received and waiting (ocr-rec: ~20 ms each)
             assert time.monotonic() < deadline, row()
             time.sleep(0.01)
         rude.close(0)
@@ -264,6 +265,6 @@ def test_the_queued_requests_of_a_client_that_disconnects_are_dropped_not_run(
                       and 'code="CANCELLED"' in line and 'model="ocr-rec"' in line), 0.0)
     print(f"{sent} sent: {served} run, {cancelled:.0f} dropped; idle again {drained:.2f} s "
           f"after the disconnection")
-    assert cancelled >= 100 and served + cancelled <= sent
+    assert cancelled >= 100 and served + cancelled <= sent  # 50 runs of margin: ~1 s
     assert "requests were still queued and are dropped" in d.log()
     assert d.proc.poll() is None
