@@ -28,6 +28,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import DaemonProcess  # noqa: E402
 from inferd.ipc import Client  # noqa: E402
 
+sys.path.insert(0, str(ROOT))
+from tests.links import link_tree  # noqa: E402  (hard links: the daemon refuses symlinks out)
+
 ROUNDS = 5
 WARM = 20
 INPUTS = {
@@ -81,8 +84,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="inferd-b", dir="/tmp"))
     repo = work / "repo"
     for name in INPUTS:
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "1" / "model.onnx").symlink_to(models / name / "1" / "model.onnx")
+        link_tree(models / name / "1", repo / name / "1")
     (work / "inferd.toml").write_text('[cache]\nmax_memory = "unlimited"\n')
     daemon = DaemonProcess("--models", str(repo), config=work / "inferd.toml")
     endpoint = daemon.endpoint

@@ -31,6 +31,9 @@ from common import DaemonProcess, run_client_processes  # noqa: E402
 from inferd.ipc import Client  # noqa: E402
 from ocr_images import render  # noqa: E402
 
+sys.path.insert(0, str(ROOT))
+from tests.links import link_tree  # noqa: E402  (hard links: the daemon refuses symlinks out)
+
 MODELS = ROOT / "models"
 FONTS = ["DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSans-Bold.ttf"]
 WORDS = ("edge daemon model graph pipeline thread batch tensor socket kernel device "
@@ -133,7 +136,7 @@ def batching(tmp: Path) -> None:
             for i, (mode, toml) in enumerate(modes.items()):
                 repo = tmp / f"repo-{threads}-{spin}-{round_}-{i}"
                 (repo / "ocr-cls").mkdir(parents=True)
-                (repo / "ocr-cls" / "1").symlink_to(MODELS / "ocr-cls" / "1")
+                link_tree(MODELS / "ocr-cls" / "1", repo / "ocr-cls" / "1")
                 (repo / "ocr-cls" / "model.toml").write_text(toml)
                 daemon = DaemonProcess("--models", str(repo), "--preload", "ocr-cls",
                                        config=config)

@@ -23,6 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "daemon"))
+sys.path.insert(0, str(ROOT))  # the test helpers import tests.links
 
 from inferd.daemon.model_settings import check_settings  # noqa: E402
 from inferd.daemon.pipeline import parse_spec  # noqa: E402

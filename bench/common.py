@@ -119,6 +119,16 @@ def run_client_processes(target: Any, arg_lists: list[tuple[Any, ...]]) -> float
     procs = [ctx.Process(target=target, args=(*args, barrier)) for args in arg_lists]
     for p in procs:
         p.start()
+    while barrier.n_waiting < len(procs):  # a client that fails while warming up never
+        failed = [p for p in procs if p.exitcode not in (None, 0)]  # reaches the barrier
+        if failed:
+            barrier.abort()
+            for p in procs:
+                p.kill()
+                p.join()
+            raise SystemExit(f"a benchmark client failed before the start (exit "
+                             f"{failed[0].exitcode})")
+        time.sleep(0.01)
     barrier.wait()
     t0 = time.perf_counter()
     for p in procs:

@@ -112,7 +112,7 @@ class Server:
         self._monitor: zmq.Socket | None = None
         self._fd_keys: dict[int, set[bytes]] = {}  # connection fd -> client keys on it
         self._key_fd: dict[bytes, int] = {}
-        self.stats = {"requests": 0, "clients_gone": 0}
+        self.stats = {"requests": 0}
         self.undelivered = 0
 
     # ----------------------------------------------------------------- set-up
@@ -328,7 +328,6 @@ class Server:
                 self._key_fd.pop(key, None)
                 if self.on_peer_gone is None or not self.clients.holds(key):
                     continue
-                self.stats["clients_gone"] += 1
                 try:
                     self.on_peer_gone(key)
                 except Exception:  # noqa: BLE001  a bug there must not stop the I/O loop
