@@ -134,10 +134,18 @@ def test_budget_evicts_least_recently_used_idle_model_and_keeps_pinned(four: Har
     h = four
     m = h.manager
     assert m.load_pinned() == [] and m.loaded() == ["ocr-cls"]
+    def idle_after(name: str) -> bool:  # a reply goes out just before its run counts done
+        assert h.infer(name).ok
+        wait_for(lambda: h.row(name)["in_flight"] == 0)
+        return True
+
     # Measure each model's cost once (unlimited budget), then unload the unpinned ones.
+    # The cost counts the working memory of a run (measured once per input shape class,
+    # kept across loads), so each model runs here first: the figures below then stay.
     cost = {}
     for name in ("ocr-cls", "ocr-det", "ocr-rec", "vad"):
         m.load(name)
+        assert idle_after(name)
         cost[name] = h.row(name)["memory_bytes"]
         assert cost[name] > 0, name
     for name in ("ocr-det", "ocr-rec", "vad"):
@@ -146,9 +154,9 @@ def test_budget_evicts_least_recently_used_idle_model_and_keeps_pinned(four: Har
     smallest = min(cost["ocr-det"], cost["ocr-rec"], cost["vad"])
     m.config.cache.max_memory = sum(cost.values()) - smallest // 2
 
-    assert h.infer("ocr-det").ok
-    assert h.infer("ocr-rec").ok
-    assert h.infer("ocr-det").ok          # ocr-rec is now the least recently used
+    assert idle_after("ocr-det")
+    assert idle_after("ocr-rec")
+    assert idle_after("ocr-det")          # ocr-rec is now the least recently used
     assert h.infer("vad").ok              # does not fit beside both: evicts ocr-rec
     assert h.state("ocr-rec") is State.UNLOADED
     assert h.state("ocr-det") is State.READY
