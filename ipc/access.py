@@ -82,12 +82,15 @@ class Access:
 
 class Peers:
     """The I/O thread's per-connection view (``key``: the routing id): each
-    connection's credentials, read once, and the connections refused already. Both are
-    bounded by PEER_CACHE_SIZE. Used on the I/O thread only."""
+    connection's credentials, read once, and the connections refused already (both
+    bounded by PEER_CACHE_SIZE); and which file descriptor each connection's messages
+    came on, so that :meth:`gone` can name the clients of a closed one. Used on the I/O
+    thread only."""
 
     def __init__(self) -> None:
         self._peers: OrderedDict[bytes, Peer | None] = OrderedDict()
         self._refused: set[bytes] = set()
+        self._fd_keys: dict[int, set[bytes]] = {}  # open connection fd -> keys on it
 
     def lookup(self, key: bytes, frame: Any) -> Peer | None:
         """The credentials of the connection a message came on (``key``: its routing
@@ -101,6 +104,10 @@ class Peers:
             address = frame.get("Peer-Address")
         except zmq.ZMQError:
             address = None
+        try:
+            self._fd_keys.setdefault(int(frame.get(zmq.SRCFD)), set()).add(key)
+        except (zmq.ZMQError, TypeError, ValueError):
+            pass  # no descriptor: its disconnection goes unnoticed (requests still run)
         peer = Peer.parse(address)
         if peer is not None:
             log.debug("new client: %s", peer.describe())
@@ -110,6 +117,15 @@ class Peers:
         if len(self._peers) > PEER_CACHE_SIZE:
             self._peers.popitem(last=False)
         return peer
+
+    def gone(self, fd: int) -> set[bytes]:
+        """The connection on ``fd`` has closed: forget its clients and return their
+        keys."""
+        keys = self._fd_keys.pop(fd, set())
+        for key in keys:
+            self._peers.pop(key, None)
+            self._refused.discard(key)
+        return keys
 
     def refuse(self, peer: Peer | None, key: bytes, rid: str | None) -> str:
         """Log a refused request (WARNING once per connection, then DEBUG) and return

@@ -10,8 +10,9 @@ when the grace period ends.
 
 A client that disconnects with requests in flight is told to :attr:`Server.on_peer_gone`
 (the daemon answers its queued requests CANCELLED instead of running them for nobody):
-libzmq's socket monitor reports each closed connection by its file descriptor, and the
-I/O thread notes the descriptor of each client's connection from its first message.
+libzmq's socket monitor reports each closed connection by its file descriptor, and
+:class:`~inferd.ipc.access.Peers` notes each client's descriptor from its first message
+(beside its credentials).
 """
 
 from __future__ import annotations
@@ -110,8 +111,6 @@ class Server:
         # had requests in flight
         self.on_peer_gone: Callable[[bytes], None] | None = None
         self._monitor: zmq.Socket | None = None
-        self._fd_keys: dict[int, set[bytes]] = {}  # connection fd -> client keys on it
-        self._key_fd: dict[bytes, int] = {}
         self.stats = {"requests": 0}
         self.undelivered = 0
 
@@ -317,30 +316,19 @@ class Server:
     def _disconnections(self) -> None:
         """Handle the monitor's disconnection events: tell :attr:`on_peer_gone` about
         each client of the closed connection that still has requests in flight."""
-        if self._monitor is None:
-            return
+        assert self._monitor is not None  # called when the poll reports it
         while True:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            for key in self._fd_keys.pop(int(event["value"]), ()):
-                self._key_fd.pop(key, None)
+            for key in self._peers.gone(int(event["value"])):
                 if self.on_peer_gone is None or not self.clients.holds(key):
                     continue
                 try:
                     self.on_peer_gone(key)
                 except Exception:  # noqa: BLE001  a bug there must not stop the I/O loop
                     log.exception("dropping the requests of a disconnected client failed")
-
-    def _note_connection(self, key: bytes, frame: Any) -> None:
-        """Remember which connection (file descriptor) ``key``'s messages come on."""
-        try:
-            fd = int(frame.get(zmq.SRCFD))
-        except (zmq.ZMQError, TypeError, ValueError):
-            return
-        self._key_fd[key] = fd
-        self._fd_keys.setdefault(fd, set()).add(key)
 
     def _receive_request(self, refuse: bool) -> None:
         frames = recv_frames(self._router)
@@ -350,8 +338,6 @@ class Server:
         self._seq += 1
         seq = self._seq
         key = frames[0].bytes
-        if key not in self._key_fd:
-            self._note_connection(key, frames[-1])
         size = sum(len(f) for f in body)
         self._inflight[seq] = [envelope, None, key, size]
         self.stats["requests"] += 1
