@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import (  # noqa: E402
-    MODELS, DaemonProcess, cpu_note, run_client_processes, verdict,
+    MODELS, DaemonProcess, cpu_note, rapidocr, run_client_processes, verdict,
 )
 
 from inferd.ipc import Client  # noqa: E402
@@ -205,18 +205,9 @@ def batching(tmp: Path) -> None:
 
 def ocr(tmp: Path) -> None:
     from bench_ocr import images
-    from rapidocr_onnxruntime import RapidOCR
 
     batch = images(30)
-    engine = RapidOCR()
-    engine(batch[0])
-    t0 = time.perf_counter()
-    reference = []
-    for im in batch:
-        result, _ = engine(im)
-        reference.append([r[1] for r in result] if result else [])
-    rapid_s = time.perf_counter() - t0
-    del engine
+    rapid_s, reference = rapidocr(batch)
     rates, placed, texts = {}, {}, []
     for label, first in (("onnxruntime", "onnxruntime"), ("openvino", "openvino")):
         repo = tmp / f"ocr-repo-{label}"

@@ -125,19 +125,11 @@ class PeakSampler:
 
 
 RAPID_CHILD = """
-import json, sys, time
+import json, sys
 sys.path.insert(0, {bench!r})
 from bench_memory import images, peak_rss
-from rapidocr_onnxruntime import RapidOCR
-batch = images()
-engine = RapidOCR()
-engine(batch[0])
-t0 = time.perf_counter()
-texts = []
-for im in batch:
-    result, _ = engine(im)
-    texts.append([r[1] for r in result] if result else [])
-elapsed = time.perf_counter() - t0
+from common import rapidocr
+elapsed, texts = rapidocr(images())
 print(json.dumps({{"seconds": elapsed, "peak": peak_rss()[1], "texts": texts}}))
 """
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import DaemonProcess, run_client_processes  # noqa: E402
+from common import DaemonProcess, rapidocr, run_client_processes  # noqa: E402
 from inferd.ipc import Client  # noqa: E402
 from ocr_images import render  # noqa: E402
 
@@ -52,28 +52,13 @@ def images(n: int) -> list[np.ndarray]:
 
 
 def ocr(tmp: Path) -> None:
-    from rapidocr_onnxruntime import RapidOCR
-
     batch = images(50)
-    engine = RapidOCR()
-    engine(batch[0])
-    t0 = time.perf_counter()
-    reference = []
-    for im in batch:
-        result, _ = engine(im)
-        reference.append([r[1] for r in result] if result else [])
-    rapid_s = time.perf_counter() - t0
-    del engine
+    rapid_s, reference = rapidocr(batch)
     # a second baseline, for honesty: RapidOCR with onnxruntime on one thread (its
     # default uses every core, which spins badly on a busy 2-vCPU machine); first 10
     # images only, to keep the benchmark short
-    engine = RapidOCR(intra_op_num_threads=1, inter_op_num_threads=1)
-    engine(batch[0])
-    t0 = time.perf_counter()
-    for im in batch[:10]:
-        engine(im)
-    rapid1_rate = 10 / (time.perf_counter() - t0)
-    del engine
+    rapid1_s, _ = rapidocr(batch[:10], intra_op_num_threads=1, inter_op_num_threads=1)
+    rapid1_rate = 10 / rapid1_s
 
     daemon = DaemonProcess("--models", str(MODELS), "--preload", "ocr-det",
                            "--preload", "ocr-cls", "--preload", "ocr-rec")
