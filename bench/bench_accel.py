@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import (  # noqa: E402
-    MODELS, DaemonProcess, cpu_note, rapidocr, run_client_processes, verdict,
+    MODELS, DaemonProcess, cls_client, cpu_note, rapidocr, run_client_processes, verdict,
 )
 
 from inferd.ipc import Client  # noqa: E402
@@ -122,14 +121,6 @@ def latency() -> None:
               f"{ov[key] / b * 1e3:6.3f} ms/row")
 
 
-def _cls_client(endpoint: str, x: np.ndarray, n: int, barrier: Any) -> None:
-    with Client(endpoint, timeout=60) as c:
-        c.infer("ocr-cls", {"x": x})
-        barrier.wait()
-        for _ in range(n):
-            c.infer("ocr-cls", {"x": x})
-
-
 def cls_daemon(tmp: Path, toml: str, clients: int = 16, per_client: int = 150,
                config: str = "") -> float:
     """Requests/s of ocr-cls through a daemon whose model.toml is ``toml`` and whose
@@ -143,7 +134,7 @@ def cls_daemon(tmp: Path, toml: str, clients: int = 16, per_client: int = 150,
                            config=repo / "inferd.toml")
     x = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
     try:
-        elapsed = run_client_processes(_cls_client, [(daemon.endpoint, x, per_client)] *
+        elapsed = run_client_processes(cls_client, [(daemon.endpoint, x, per_client)] *
                                        clients)
     finally:
         daemon.stop()

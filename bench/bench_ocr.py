@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import DaemonProcess, rapidocr, run_client_processes  # noqa: E402
+from common import DaemonProcess, cls_client, rapidocr, run_client_processes  # noqa: E402
 from inferd.ipc import Client  # noqa: E402
 from ocr_images import render  # noqa: E402
 
@@ -85,14 +84,6 @@ def ocr(tmp: Path) -> None:
             print(f"  image {i}: inferd {a} vs RapidOCR {b}")
 
 
-def _client(endpoint: str, x: np.ndarray, n: int, barrier: Any) -> None:
-    with Client(endpoint, timeout=60) as c:
-        c.infer("ocr-cls", {"x": x})
-        barrier.wait()
-        for _ in range(n):
-            c.infer("ocr-cls", {"x": x})
-
-
 def batching(tmp: Path) -> None:
     """Batching on vs off, at two thread budgets, the same budget in both arms.
 
@@ -127,7 +118,7 @@ def batching(tmp: Path) -> None:
                                        config=config)
                 try:
                     elapsed = run_client_processes(
-                        _client, [(daemon.endpoint, x, per_client)] * clients)
+                        cls_client, [(daemon.endpoint, x, per_client)] * clients)
                 finally:
                     daemon.stop()
                 rates[mode] = max(rates.get(mode, 0.0), clients * per_client / elapsed)

@@ -122,6 +122,18 @@ def rapidocr(batch: list[Any], **options: Any) -> tuple[float, list[list[str]]]:
     return time.perf_counter() - t0, texts
 
 
+def cls_client(endpoint: str, x: Any, n: int, barrier: Any) -> None:
+    """A client process of :func:`run_client_processes`: one ocr-cls request to warm
+    up, the start barrier, then ``n`` requests one at a time."""
+    from inferd.ipc import Client
+
+    with Client(endpoint, timeout=60) as c:
+        c.infer("ocr-cls", {"x": x})
+        barrier.wait()
+        for _ in range(n):
+            c.infer("ocr-cls", {"x": x})
+
+
 def run_client_processes(target: Any, arg_lists: list[tuple[Any, ...]]) -> float:
     """Run ``target(*args, barrier)`` in one forked process per ``args`` (separate
     applications, as in the field: threads of one Python process would measure that
