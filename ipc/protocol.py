@@ -27,7 +27,7 @@ from zmq import Frame as ZmqFrame
 
 from inferd.ipc import header as hdr
 from inferd.ipc.errors import ErrorCode, Failure, ProtocolError
-from inferd.libbackends.dtypes import NUMERIC_DTYPES, STRING, WIRE_DTYPES, dtype_name
+from inferd.ipc.dtypes import NUMERIC_DTYPES, STRING, WIRE_DTYPES, dtype_name
 
 TAG = b"INFERD/1"
 """First frame of every request and reply; names the protocol and its major version."""

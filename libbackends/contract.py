@@ -18,7 +18,7 @@ from typing import Any
 from numpy.typing import NDArray
 
 from inferd.ipc.errors import ModelError
-from inferd.libbackends.dtypes import dtype_name
+from inferd.ipc.dtypes import dtype_name
 
 BACKEND_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """What a backend id may be: 1-64 letters, digits, '.', '_' or '-'."""

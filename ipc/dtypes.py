@@ -1,6 +1,6 @@
-"""The tensor element types inferd carries, by their wire names: shared by the protocol
-(:mod:`inferd.ipc.protocol`) and the backend contract, so that neither imports the
-other."""
+"""The tensor element types inferd carries, by their wire names: part of the wire's
+vocabulary, used by the protocol (:mod:`inferd.ipc.protocol`) and by the backend
+contract (:mod:`inferd.libbackends.contract`), which builds on it."""
 
 from __future__ import annotations
 
