@@ -12,8 +12,6 @@ the same bytes as the RSS delta, so for it the larger of the two is taken instea
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -24,6 +22,7 @@ import psutil
 
 from inferd.daemon.model_entry import ModelEntry, ModelKey, State
 from inferd.ipc.errors import ErrorCode, InferdError
+from inferd.ipc.libc import malloc_trim
 
 # Before a model's first load its cost is unknown; the demo models cost 2-5x their file
 # size in onnxruntime (measured, see bench/bench_cache.py). The estimate only decides
@@ -48,15 +47,11 @@ class MemoryMeter:
 
     def __init__(self) -> None:
         self._proc = psutil.Process()
-        name = ctypes.util.find_library("c")
-        libc = ctypes.CDLL(name) if name else None
-        self._trim = getattr(libc, "malloc_trim", None)  # glibc only
 
     def trim(self) -> None:
         """Return free heap pages to the system (glibc ``malloc_trim``), so that the next
         RSS delta counts new memory rather than reused free lists."""
-        if self._trim is not None:
-            self._trim(0)
+        malloc_trim()
 
     def rss(self) -> int:
         return int(self._proc.memory_info().rss)

@@ -26,8 +26,6 @@ after the run is taken instead, and that is logged once.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import math
 import threading
@@ -52,7 +50,6 @@ RELIABLE_SCALE = 4
 """An estimate scaled from a measured class at most this many times smaller is trusted
 enough to refuse a run that cannot fit (a warm-up's tiny class is not)."""
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
 
@@ -67,23 +64,6 @@ def backend_options(backend_id: str, table: dict[str, Any], config: Any) -> dict
         ort = config.onnxruntime
         defaults = {k: getattr(ort, k) for k in OPTION_KEYS if hasattr(ort, k)}
     return {**defaults, **table}
-
-
-def set_mmap_threshold(size: int) -> bool:
-    """Fix glibc's mmap threshold at ``size`` bytes (0: leave glibc's sliding default),
-    so that blocks this big go back to the system when freed. False if not glibc."""
-    if size <= 0:
-        return False
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
-    if mallopt is None:
-        log.warning("cache.malloc_mmap_threshold ignored: this C library has no mallopt")
-        return False
-    if not mallopt(_M_MMAP_THRESHOLD, int(size)):
-        log.warning("cache.malloc_mmap_threshold = %d refused by mallopt", size)
-        return False
-    log.debug("glibc mmap threshold fixed at %d bytes", size)
-    return True
 
 
 class PeakMeter:

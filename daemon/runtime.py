@@ -18,7 +18,6 @@ import psutil
 from inferd.daemon import logs
 from inferd.daemon.config import Config, load_config
 from inferd.daemon.graphs import GraphManager
-from inferd.daemon.memory import set_mmap_threshold
 from inferd.daemon.metrics import Metrics, TextfileWriter
 from inferd.daemon.metrics_http import MetricsEndpoint, parse_listen
 from inferd.daemon.models import ModelManager
@@ -27,6 +26,7 @@ from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
 from inferd.daemon.systemd import Notifier, Watchdog, watchdog_interval
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure
+from inferd.ipc.libc import set_mmap_threshold
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import ReplySink, Ticket
 from inferd.ipc.access import Access

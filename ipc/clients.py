@@ -14,23 +14,14 @@ flight any more and enough has been received since the last time, :meth:`trim` c
 
 from __future__ import annotations
 
-import ctypes
 import logging
-from collections.abc import Callable
+
+from inferd.ipc.libc import malloc_trim
 
 log = logging.getLogger(__name__)
 
 TRIM_AFTER_BYTES = 32 * 2**20
 """Bytes received since the last trim that make an idle moment worth a malloc_trim."""
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        fn = ctypes.CDLL(None).malloc_trim  # glibc; absent on musl
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn  # type: ignore[no-any-return]
 
 
 class ClientLimits:
@@ -47,7 +38,6 @@ class ClientLimits:
         self._use: dict[bytes, list[int]] = {}
         self._in_flight = 0
         self._since_trim = 0
-        self._trim = _malloc_trim()
         self.refused = 0
         self.trims = 0
 
@@ -93,8 +83,7 @@ class ClientLimits:
     def trim(self) -> None:
         """Give free heap pages back to the system."""
         self._since_trim = 0
-        if self._trim is not None:
-            self._trim(0)
+        if malloc_trim():
             self.trims += 1
             log.debug("returned free memory to the system (malloc_trim)")
 

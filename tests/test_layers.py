@@ -7,9 +7,9 @@ The floors, from the ground up (docs/architecture.md, "Layers"):
   backends or the daemon, so an application's ``from inferd.ipc import Client`` brings
   in no engine.
 - ``inferd.libbackends``: the backend contract, the plugin loader, the built-in
-  backends. It builds on the wire's vocabulary only (errors, dtypes, paths); the
-  out-of-process backends (``host``, ``hosted``) also reuse the framing on their pipe.
-  It imports nothing of the daemon.
+  backends. It builds on the wire's vocabulary only (errors, dtypes, paths, the C
+  allocator's knobs); the out-of-process backends (``host``, ``hosted``) also reuse the
+  framing on their pipe. It imports nothing of the daemon.
 - ``inferd.daemon``: the process. It reaches the server loop only through the runtime.
 """
 
@@ -37,8 +37,9 @@ def _modules(folder: str, package: str) -> list[str]:
 IPC = _modules("ipc", "inferd.ipc")
 LIBBACKENDS = [m for m in _modules("libbackends", "inferd.libbackends")
                if not m.endswith("__main__")]
-# The vocabulary every floor above the wire may use.
-VOCABULARY = {"inferd.ipc", "inferd.ipc.errors", "inferd.ipc.dtypes", "inferd.ipc.defs"}
+# The vocabulary every floor above the wire may use, and the C allocator's knobs.
+VOCABULARY = {"inferd.ipc", "inferd.ipc.errors", "inferd.ipc.dtypes", "inferd.ipc.defs",
+              "inferd.ipc.libc"}
 # The out-of-process backends also speak protocol v1 on their pipe to the host process.
 FRAMING = {"inferd.ipc.protocol", "inferd.ipc.header", "inferd.ipc.transport"}
 HOSTED = {"inferd.libbackends.host", "inferd.libbackends.hosted"}

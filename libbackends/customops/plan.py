@@ -10,7 +10,6 @@ step boundaries as they are (numpy arrays handed from one engine to the next, no
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import shutil
@@ -26,6 +25,7 @@ from numpy.typing import NDArray
 from onnx import ModelProto, TensorProto, ValueInfoProto, helper, numpy_helper
 
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+from inferd.ipc.libc import malloc_trim
 from inferd.libbackends.contract import Backend, LoadedModel, LoadOptions, TensorSpec
 from inferd.libbackends.customops.contract import BindContext, BoundOp, OpRegistry, Shape
 from inferd.libbackends.customops.partition import (
@@ -70,7 +70,7 @@ def load_model(backend: Backend, path: Path, options: LoadOptions, *, model: str
     executors = assign(proto, model, backend, others, ops)
     if all(b is backend for _, b, _ in executors):
         del proto
-        _trim()  # the parsed graph must not count in the model's measured memory
+        malloc_trim()  # the parsed graph must not count in the model's measured memory
         return backend.load(path, options)
     return PartitionedModel.build(proto, executors, _per_backend(backend, options, tables,
                                                                  model), model, path,
@@ -87,15 +87,6 @@ def _may_partition(backend: Backend, ops: OpRegistry | None,
         return True
     return callable(getattr(backend, "supported_nodes", None)) and \
         any(callable(getattr(b, "supported_nodes", None)) for b in others)
-
-
-def _trim() -> None:
-    """Give the parsed graph's freed heap back to the system (glibc ``malloc_trim``): the
-    cache measures a load by its RSS delta."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def _per_backend(chosen: Backend, options: LoadOptions, tables: Mapping[str, Any] | None,

@@ -1,0 +1,67 @@
+"""The C allocator's two knobs the daemon uses, in one place (glibc only; elsewhere
+they do nothing and say so).
+
+- :func:`malloc_trim`: give the free pages of the heap back to the system. Freed
+  buffers otherwise stay in malloc's free lists, so the resident size keeps its peak
+  after a burst of requests, and a resident-memory delta across a model's load would
+  count memory that an earlier model left behind.
+- :func:`set_mmap_threshold` (``mallopt(M_MMAP_THRESHOLD)``): blocks at least this big
+  are mapped on their own and unmapped when freed, instead of staying in the heap.
+
+It sits on the ground floor (beside the errors and dtypes) because the wire (the
+per-client limits), the backends (the custom-op planner) and the daemon (the cache's
+memory meter) all use it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3
+"""glibc's mallopt parameter number for the mmap threshold."""
+
+
+def _function(name: str, argtypes: list[type], restype: type) -> Callable[..., int] | None:
+    try:
+        fn = getattr(ctypes.CDLL(None), name)  # the C library the process already uses
+    except (OSError, AttributeError):  # not glibc (musl has neither)
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn  # type: ignore[no-any-return]
+
+
+_TRIM = _function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+_MALLOPT = _function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+
+
+def malloc_trim() -> bool:
+    """Return the heap's free pages to the system; False where there is no malloc_trim
+    (not glibc)."""
+    if _TRIM is None:
+        return False
+    _TRIM(0)
+    return True
+
+
+def set_mmap_threshold(size: int) -> bool:
+    """Fix glibc's mmap threshold at ``size`` bytes (0 or less: leave glibc's sliding
+    default), so that blocks this big go back to the system when freed.
+
+    Returns:
+        True if the threshold was set; False if ``size`` asks for the default, the C
+        library has no mallopt (logged), or mallopt refused the value (logged).
+    """
+    if size <= 0:
+        return False
+    if _MALLOPT is None:
+        log.warning("cache.malloc_mmap_threshold ignored: this C library has no mallopt")
+        return False
+    if not _MALLOPT(M_MMAP_THRESHOLD, int(size)):
+        log.warning("cache.malloc_mmap_threshold = %d refused by mallopt", size)
+        return False
+    log.debug("glibc mmap threshold fixed at %d bytes", size)
+    return True
