@@ -1,13 +1,17 @@
 """``inferctl``: talk to a running inferd from the shell.
 
 Readable tables by default, ``--json`` for scripts. Exit status: 0 on success, 1 when the
-daemon answers with an error (its code and message go to stderr), 2 on usage errors.
+daemon answers with an error (its code and message go to stderr), 2 on usage errors,
+141 (128 + SIGPIPE, silently, as coreutils) when the reader of its output went away
+(``inferctl top --once | head -3``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -295,6 +299,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``inferctl`` command; returns its exit status."""
+    try:
+        try:
+            return _main(argv)
+        finally:  # also after argparse's --help: a closed pipe is caught here, not at exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    # Python ignores SIGPIPE, so writing to a pipe whose reader is gone raises instead of
+    # ending the process as it ends `cat`; end quietly like cat, and point stdout at
+    # /dev/null so that the interpreter's own flush at exit does not raise again.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     args.socket = args.socket or default_endpoint()
     if args.cmd == "wait":
@@ -338,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     except RequestError as e:
         print(f"inferctl: {e.code}: {e.message}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise  # an OSError, but not the daemon's: main() ends quietly
     except OSError as e:
         print(f"inferctl: {e}", file=sys.stderr)
         return 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -67,3 +69,23 @@ def test_wait(daemon, short_tmp):
     assert inferctl(daemon.endpoint, "wait", "--timeout", "10").returncode == 0
     r = inferctl(f"ipc://{short_tmp}/nobody.sock", "wait", "--timeout", "0.5")
     assert r.returncode == 1 and "not ready after 0.5 s" in r.stderr
+
+
+def closed_pipe_run(*args: str) -> subprocess.CompletedProcess:
+    """inferctl ARGS with its stdout a pipe whose reader is already gone (what `| head`
+    leaves once head has its lines)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", *args],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("args", [["top", "--once"], ["models"], ["--json", "status"],
+                                  ["metrics"]])
+def test_output_into_a_closed_pipe_ends_quietly(daemon, args):
+    r = closed_pipe_run("--socket", daemon.endpoint, *args)
+    assert r.stderr == "" and r.returncode == 128 + signal.SIGPIPE, r.stderr
+
