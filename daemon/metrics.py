@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from inferd.ipc.protocol import Reply
+from inferd.ipc.runfiles import UnsafePath, check_directory, replace_file
 from inferd.ipc.replies import ReplySink
 
 log = logging.getLogger(__name__)
@@ -263,22 +264,25 @@ class TextfileWriter:
             self.write()
 
     def write(self) -> None:
-        """Write the file once: to a temporary file beside it, then rename over it."""
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        """Write the file once: to a new temporary file beside it, then rename over it
+        (:func:`~inferd.ipc.runfiles.replace_file`: never through a planted link; a
+        directory every user may write into, without a sticky bit, is refused)."""
         try:
-            tmp.write_text(self.metrics.text())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path)
+            check_directory(self.path)
+            replace_file(self.path, self.metrics.text())
+        except UnsafePath as e:
+            if not self._failing:
+                log.error("%s (metrics.textfile)", e.message)
+            self._failing = True
+            return
         except OSError as e:
             if not self._failing:  # once, not every few seconds
                 log.warning("cannot write the metrics textfile %s (metrics.textfile): %s",
                             self.path, e.strerror)
             self._failing = True
-            tmp.unlink(missing_ok=True)
             return
         except Exception:  # a collector failing must not end the thread
             log.exception("writing the metrics textfile %s failed", self.path)
-            tmp.unlink(missing_ok=True)
             return
         if self._failing:
             log.info("metrics textfile %s written again", self.path)

@@ -17,6 +17,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from inferd.ipc.runfiles import check_directory
+
 log = logging.getLogger(__name__)
 
 LOCAL_NAMES = ("localhost", "ip6-localhost")
@@ -104,6 +106,7 @@ class MetricsEndpoint:
         self._server: socketserver.BaseServer
         if listen.unix:
             path = Path(listen.unix)
+            check_directory(path)  # no socket where others could plant links
             if path.is_socket():
                 path.unlink()
             self._server = _UnixHTTPServer(listen.unix, handler)

@@ -3,6 +3,9 @@
 :class:`SocketLock` holds ``<path>.lock`` so that a second daemon refuses to start
 instead of libzmq silently taking over a live socket; :func:`_chgrp` gives the socket
 file the configured ``server.socket_group``. Used by :meth:`inferd.ipc.server.Server.bind`.
+The lock file is never written through a link planted beside the socket
+(:mod:`inferd.ipc.runfiles`), and a directory every user may write into without a
+sticky bit is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 from pathlib import Path
 
 from inferd.ipc.errors import ErrorCode, InferdError
+from inferd.ipc.runfiles import check_directory, open_own_file
 
 log = logging.getLogger("inferd.ipc.server")  # the server's logger, as before the split
 
@@ -32,7 +36,10 @@ class SocketLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        """Take the lock (raises InferdError if another daemon holds it, or if the
+        directory or the lock file is unsafe: :mod:`inferd.ipc.runfiles`)."""
+        check_directory(self.lock_path)
+        fd = open_own_file(self.lock_path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -46,7 +53,13 @@ class SocketLock:
         self._fd = fd
         if self.path.exists() or self.path.is_symlink():
             log.info("removing stale socket file %s left by a daemon that is gone", self.path)
-            self.path.unlink()
+            try:
+                self.path.unlink()  # a link itself, never what it points to
+            except OSError as e:
+                os.close(fd)
+                self._fd = None
+                raise InferdError(f"cannot remove the stale socket file {self.path}: "
+                                  f"{e.strerror}", ErrorCode.UNAVAILABLE) from e
 
     def release(self) -> None:
         if self._fd is None:
@@ -63,8 +76,8 @@ def _chgrp(path: Path, group: str) -> None:
         gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
         # Usually the file already has it (the daemon's own group): then no chown, which
         # the unit's SystemCallFilter=~@privileged would refuse.
-        if os.stat(path).st_gid != gid:
-            os.chown(path, -1, gid)
+        if os.lstat(path).st_gid != gid:
+            os.chown(path, -1, gid, follow_symlinks=False)
     except (KeyError, OSError) as e:
         raise InferdError(f"cannot give {path} the group {group!r} (server.socket_group): "
                           f"{e}", ErrorCode.UNAVAILABLE) from e
