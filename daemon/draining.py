@@ -146,6 +146,9 @@ class Draining:
             entries = [e for (n, v), e in self._entries.items()
                        if n == name and (version is None or v == version)]
         if not entries:
+            spec = self.catalog.get(name)
+            if spec is not None and spec.error:  # nothing loaded, nothing to do
+                return ModelEntry(name, version or spec.default, 1)
             return self.entry(name, version)  # NOT_FOUND if unknown, else unloaded
         for entry in entries:
             self._unload_wait(entry, reason, timeout)

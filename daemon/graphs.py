@@ -55,7 +55,7 @@ class GraphManager:
         try:
             return (graph_path(self.repo, name).is_file()
                     and not self.repo.versions(name))
-        except InferdError:
+        except (InferdError, OSError):  # an unreadable model folder is no graph
             return False
 
     def executor(self, name: str) -> TaskExecutor | PipelineExecutor:

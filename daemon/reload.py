@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from inferd.daemon.budget import MemoryBudget
 from inferd.daemon.catalog import Catalog
 from inferd.daemon.model_entry import ModelEntry, State
+from inferd.daemon.model_settings import SETTINGS_FILE
 from inferd.daemon.repository import ModelSpec
 from inferd.ipc.errors import ErrorCode, InferdError
 
@@ -68,11 +69,14 @@ def reload_catalog(manager: Cache, config: Any) -> dict[str, list[str]]:
         prev = old.get(name)
         if prev is None:
             continue
-        if (prev.settings, prev.error) != (spec.settings, spec.error):
+        if prev.settings != spec.settings or SETTINGS_FILE in f"{prev.error}{spec.error}":
             summary["changed"].append(f"{name}: model.toml changed"
                                       + (f" ({spec.error})" if spec.error else ""))
-        if prev.default == spec.default:
-            continue
+        elif prev.error != spec.error:  # a folder that cannot be read (or now can)
+            summary["changed"].append(f"{name}: cannot be served ({spec.error})"
+                                      if spec.error else f"{name}: can be served again")
+        if prev.default == spec.default or spec.error:
+            continue  # an unservable model: what it has loaded is retired below
         if manager.version_state(name, prev.default) in (State.READY, State.LOADING):
             # Serve the old version until the new one is ready.
             installed[name] = replace(spec, default=prev.default, versions=tuple(

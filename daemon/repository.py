@@ -33,6 +33,10 @@ def model_file(folder: Path) -> Path | None:
     return next((folder / f for f in MODEL_FILES if (folder / f).is_file()), None)
 
 
+def _unreadable(name: str, folder: Path, e: OSError) -> str:
+    return f"model {name}: cannot read {folder}: {e.strerror or e}"
+
+
 def check_name(name: Any) -> str:
     """Return ``name`` if it is a plain model name; raise ModelError otherwise.
 
@@ -142,20 +146,43 @@ class Repository:
         return path
 
     def names(self) -> list[str]:
-        """Model names present (directories holding at least one version), sorted."""
-        if not self.root.is_dir():
+        """Model names present (directories holding at least one version, or that
+        cannot be read: those fail as models of their own), sorted."""
+        try:
+            if not self.root.is_dir():
+                return []
+            found = [p.name for p in self.root.iterdir() if _NAME.fullmatch(p.name)]
+        except OSError:  # problem() says why
             return []
-        return sorted(p.name for p in self.root.iterdir()
-                      if _NAME.fullmatch(p.name) and self.versions(p.name))
+        return sorted(n for n in found if any(self.listing(n)))
 
     def versions(self, name: str) -> list[int]:
-        """Versions of ``name`` that hold a model file, ascending."""
+        """Versions of ``name`` that hold a model file, ascending (none if one of its
+        folders cannot be read: :meth:`listing` says why)."""
+        versions, problem = self.listing(name)
+        return [] if problem else versions
+
+    def listing(self, name: str) -> tuple[list[int], str | None]:
+        """Versions of ``name`` that hold a model file, ascending, and why its folder or
+        one of its version folders cannot be read (None if all can)."""
         base = self.root / check_name(name)
-        if not base.is_dir() or not self.inside(base, name):
-            return []
-        return sorted(int(p.name) for p in base.iterdir()
-                      if p.name.isdigit() and int(p.name) > 0
-                      and (f := model_file(p)) is not None and self.inside(f, name))
+        try:
+            if not base.is_dir() or not self.inside(base, name):
+                return [], None
+            children = list(base.iterdir())
+        except OSError as e:
+            return [], _unreadable(name, base, e)
+        versions = []
+        for p in children:
+            if not (p.name.isdigit() and int(p.name) > 0):
+                continue
+            try:
+                f = model_file(p)
+            except OSError as e:
+                return [], _unreadable(name, p, e)
+            if f is not None and self.inside(f, name):
+                versions.append(int(p.name))
+        return sorted(versions), None
 
     def _settings_link_check(self, name: str) -> None:
         """Refuse (without reading it) a model.toml that is a link out of the repository."""
@@ -167,20 +194,24 @@ class Repository:
 
     def spec(self, name: str) -> ModelSpec | None:
         """What ``name`` offers now, or None if it has no version on disk. Its
-        model.toml is read and checked here, once per scan. A bad model.toml gives a
-        spec with ``error`` set (and is logged) rather than an exception, so one bad
-        model fails only itself: the others, and reloads, go on."""
-        on_disk = self.versions(name)
-        if not on_disk:
+        model.toml is read and checked here, once per scan. A bad model.toml, or a
+        model or version folder that cannot be read, gives a spec with ``error`` set
+        (and is logged) rather than an exception, so one bad model fails only itself:
+        the others, and reloads, go on."""
+        on_disk, problem = self.listing(name)
+        if problem is None and not on_disk:
             return None
         try:
+            if problem is not None:
+                raise ModelError(problem, ErrorCode.INTERNAL)
             self._settings_link_check(name)
             settings = read_settings(name, self.root / name)
             versions, default = _version_policy(name, on_disk, settings)
         except ModelError as e:
             log.error("model %s cannot be served: %s", name, e.message,
                       extra={"MODEL": name})
-            return ModelSpec(name, tuple(on_disk), on_disk[-1], ModelSettings(), e.message)
+            return ModelSpec(name, tuple(on_disk), on_disk[-1] if on_disk else 0,
+                             ModelSettings(), e.message)
         return ModelSpec(name, versions, default, settings)
 
     def scan(self) -> dict[str, ModelSpec]:
@@ -197,9 +228,12 @@ class Repository:
 
         Raises:
             ModelError: invalid name (INVALID_ARGUMENT), unknown model or version
-                (NOT_FOUND, listing what exists).
+                (NOT_FOUND, listing what exists), a folder that cannot be read
+                (INTERNAL, naming it).
         """
-        versions = self.versions(name)
+        versions, problem = self.listing(name)
+        if problem is not None:
+            raise ModelError(problem, ErrorCode.INTERNAL)
         if not versions:
             raise ModelError(f"model {name!r} not found in {self.root}; available: "
                              f"{', '.join(self.names()) or 'none'}", ErrorCode.NOT_FOUND)

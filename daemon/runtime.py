@@ -330,7 +330,10 @@ class Runtime:
             if self.graphs.is_graph(request.model):
                 self._control.submit(self._control_op, request, ticket)
                 return None
-            self.models.entry(request.model)  # refuse bad or unknown names right away
+            if op is Op.LOAD or not self.models.catalog.knows(request.model):
+                # Refuse bad or unknown names right away; an unload of a model the
+                # catalog knows always goes ahead, also when it cannot be served.
+                self.models.entry(request.model)
             self._control.submit(self._control_op, request, ticket)
             return None
         if op is Op.RELOAD:

@@ -42,13 +42,15 @@ class Daemon:
     """A real ``inferd`` process on a private socket."""
 
     def __init__(self, workdir: Path, args: list[str],
-                 env: dict[str, str | None] | None = None):
-        """``env`` adds to (a None value removes from) the environment."""
+                 env: dict[str, str | None] | None = None, wrap: list[str] | None = None):
+        """``env`` adds to (a None value removes from) the environment; ``wrap`` is a
+        command the daemon runs under (``prlimit --nofile=...``, ``setpriv ...``)."""
         self.workdir = workdir
         self.socket_path = workdir / "inferd.sock"
         self.endpoint = f"ipc://{self.socket_path}"
         self.log_path = workdir / "inferd.log"
-        cmd = [sys.executable, "-m", "inferd.daemon.main", "--socket", self.endpoint, *args]
+        cmd = [*(wrap or []), sys.executable, "-m", "inferd.daemon.main", "--socket",
+               self.endpoint, *args]
         self._log = open(self.log_path, "ab")
         # Keep the host's /etc/inferd/inferd.toml (an installed package) out of tests:
         # without --config the daemon reads an empty file of the test's own.
@@ -100,12 +102,13 @@ class Daemon:
 
 @pytest.fixture
 def start_daemon(short_tmp: Path) -> Iterator:
-    """Factory: ``start_daemon(*args, env=None, ready=True) -> Daemon``; stopped after."""
+    """Factory: ``start_daemon(*args, env=None, ready=True, wrap=None) -> Daemon``;
+    stopped after."""
     started: list[Daemon] = []
 
     def start(*args: str, env: dict[str, str] | None = None, ready: bool = True,
-              workdir: Path | None = None) -> Daemon:
-        d = Daemon(workdir or short_tmp, list(args), env)
+              workdir: Path | None = None, wrap: list[str] | None = None) -> Daemon:
+        d = Daemon(workdir or short_tmp, list(args), env, wrap)
         started.append(d)
         if ready:
             d.wait_ready()
