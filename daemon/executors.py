@@ -65,7 +65,7 @@ class ModelCaller:
         request = Request(rid, Op.INFER, model=model, inputs=inputs, timeout_ms=timeout_ms)
         while True:  # a full model queue is backpressure here, not a failure
             try:
-                self._submit(request, LocalTicket(rid, deliver, deadline))
+                self._submit(request, LocalTicket(rid, deliver, deadline, model=model))
                 break
             except InferdError as e:
                 if e.code is not ErrorCode.RESOURCE_EXHAUSTED or (

@@ -1,8 +1,9 @@
 """The operator's view: Prometheus metrics of one runtime (docs/metrics.md).
 
-Counters and histograms are fed by small hooks: every reply to a request for a model or
-a graph (:meth:`Metrics.track_submit` wraps the submit functions, :meth:`track_replies`
-the reply sink), every model run (:meth:`Metrics.for_model`, called by the workers),
+Counters and histograms are fed by small hooks: every answered request for a model or
+a graph (:meth:`Metrics.count`, reading the request's ticket: the server calls it where
+every wire reply passes, the reply sink for the in-process calls of graph nodes), every
+model run (:meth:`Metrics.for_model`, called by the workers),
 every load and unload (:meth:`Metrics.loaded`, :meth:`Metrics.unloaded`). Gauges (queue
 depth, memory, states, backends, process) are read from the runtime when the metrics are
 collected. They are exposed three ways: a textfile for node_exporter's textfile collector
@@ -26,9 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from inferd.ipc.protocol import Reply
+from inferd.ipc.replies import OK, AnyTicket
 from inferd.ipc.runfiles import UnsafePath, check_directory, replace_file
-from inferd.ipc.replies import ReplySink
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,6 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-OK = "OK"
 
 if hasattr(prometheus_client, "disable_created_metrics"):  # 0.17+ (Debian 12 has 0.16)
     prometheus_client.disable_created_metrics()  # *_created series: noise in a textfile
@@ -78,39 +77,18 @@ class Metrics:
         self.evictions = Counter("inferd_model_evictions", "Unloads to make room in the "
                                  "cache budget", ["model"], registry=r)
         r.register(_StateCollector(runtime))
-        self._pending: dict[int, tuple[Any, str]] = {}
-        self._lock = threading.Lock()
-        self._proc = psutil.Process()
 
     # ----------------------------------------------------------------- hooks
 
-    def track_submit(self, submit: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-        """Wrap a submit function (request, ticket): its ticket's reply is counted under
-        the request's model, and a refusal (an exception) is counted at once."""
-        def tracked(request: Any, ticket: Any) -> None:
-            name = request.model or "-"
-            with self._lock:
-                self._pending[id(ticket)] = (ticket, name)
-            try:
-                submit(request, ticket)
-            except Exception as e:
-                with self._lock:
-                    self._pending.pop(id(ticket), None)
-                self.requests.labels(name, str(getattr(e, "code", "INTERNAL"))).inc()
-                raise
-        return tracked
-
-    def track_replies(self, sink: ReplySink) -> ReplySink:
-        """A sink that counts each tracked ticket's reply, then sends it through ``sink``."""
-        return _CountingSink(self, sink)
-
-    def count_reply(self, ticket: Any, r: Reply) -> None:
-        with self._lock:
-            tracked = self._pending.pop(id(ticket), None)
-        if tracked is not None:
-            name = tracked[1]
-            self.requests.labels(name, OK if r.error is None else str(r.error[0])).inc()
-            self.request_seconds.labels(name).observe(time.monotonic() - ticket.received)
+    def count(self, ticket: AnyTicket) -> None:
+        """Count an answered request (any thread) as its ticket says: under the model
+        or graph an ``infer`` named, by its outcome, with its time from receipt to
+        reply. Tickets of other ops (``model`` None) are not counted."""
+        name = ticket.model
+        if name is None or ticket.answered is None:
+            return
+        self.requests.labels(name, ticket.code or OK).inc()
+        self.request_seconds.labels(name).observe(ticket.answered - ticket.received)
 
     def for_model(self, name: str) -> Callable[[list[Any], float, float], None]:
         """The workers' run hook for ``name``: (tickets, started, seconds)."""
@@ -144,19 +122,6 @@ class Metrics:
         """Every sample as ``[name, labels, value]`` (the ``metrics`` op)."""
         return [[s.name, s.labels, s.value] for family in self.registry.collect()
                 for s in family.samples]
-
-
-class _CountingSink(ReplySink):
-    """A :class:`ReplySink` that counts replies on their way (see Metrics.track_replies)."""
-
-    def __init__(self, metrics: Metrics, inner: ReplySink) -> None:
-        super().__init__(None, inner.release_thread)
-        self._metrics = metrics
-        self._inner = inner
-
-    def send(self, ticket: Any, reply: Reply) -> None:
-        self._metrics.count_reply(ticket, reply)
-        self._inner.send(ticket, reply)
 
 
 class _StateCollector(Collector):

@@ -67,6 +67,8 @@ class Runtime:
         self.registry = Registry()
         self.repo = Repository(Path(config.models.repository).resolve(),
                                config.models.allow_external_links)
+        # Reads the runtime only when collected; counts each answered request's ticket.
+        self.metrics = Metrics(self)
         self.server = Server(config.server.socket, self.handle,
                              max_message_bytes=config.server.max_message_bytes,
                              socket_mode=config.server.socket_mode,
@@ -77,20 +79,19 @@ class Runtime:
                              max_requests_per_client=config.server.max_requests_per_client,
                              max_bytes_per_client=config.server.max_bytes_per_client,
                              max_replies_queued_per_client=(
-                                 config.server.max_replies_queued_per_client))
+                                 config.server.max_replies_queued_per_client),
+                             observe=self.metrics.count)
         self.server.on_stop = self._on_stop
         self.server.on_peer_gone = self._peer_gone
-        self.metrics = Metrics(self)
-        # wire tickets and in-process ones; each reply is counted (daemon/metrics.py)
-        sink = self.metrics.track_replies(
-            ReplySink(self.server.send_reply, self.server.release_thread))
+        # Wire tickets are counted by the server, in-process ones (graph nodes calling
+        # models) by the sink.
+        sink = ReplySink(self.server.send_reply, self.server.release_thread,
+                         observe=self.metrics.count)
         self.models = ModelManager(self.repo, self.registry, config, sink)
         self.models.observer = self.metrics
         self.processors = ProcessorRegistry()
         self.models.processors = self.processors
-        self._submit_model = self.metrics.track_submit(self.models.submit)
-        self.graphs = GraphManager(self.repo, self.processors, self._submit_model, sink)
-        self._submit_graph = self.metrics.track_submit(self.graphs.submit)
+        self.graphs = GraphManager(self.repo, self.processors, self.models.submit, sink)
         self._textfile: TextfileWriter | None = None
         self._endpoint: MetricsEndpoint | None = None
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-control",
@@ -302,7 +303,7 @@ class Runtime:
             if not self.models.catalog.knows(request.model) and self.graphs.is_graph(request.model):
                 self.graphs.submit(request, ticket)
             else:
-                self._submit_model(request, ticket)
+                self.models.submit(request, ticket)
             return None
         if op is Op.PING:
             return Reply(request.id, result={"pong": True, "ready": self.ready.is_set()})

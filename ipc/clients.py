@@ -1,8 +1,10 @@
 """What one client may hold in the daemon, and giving memory back when clients go.
 
 The I/O thread counts, per connection (the ZeroMQ routing id), the requests received
-and not yet answered and their bytes. A request over either limit is answered
-RESOURCE_EXHAUSTED at once, so one client cannot fill the models' queues or the
+and not yet answered and their bytes, as each request's ticket (its in-flight record,
+``ipc/replies.py``) says: :meth:`ClientLimits.admit` and :meth:`ClientLimits.done` take
+the ticket, so what is counted in is what is counted out. A request over either limit
+is answered RESOURCE_EXHAUSTED at once, so one client cannot fill the models' queues or the
 daemon's memory for the others; a lone request is always admitted (its size is bounded
 by ``max_message_bytes``). A client with nothing in flight has no entry at all.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 
 from inferd.ipc.libc import malloc_trim
+from inferd.ipc.replies import Ticket
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +44,12 @@ class ClientLimits:
         self.refused = 0
         self.trims = 0
 
-    def admit(self, key: bytes, size: int) -> str | None:
-        """Count a request of ``size`` bytes from ``key``; why it is over a limit, or None.
+    def admit(self, ticket: Ticket) -> str | None:
+        """Count the request of ``ticket`` (its peer and size); why it is over a limit,
+        or None.
 
         Every call is matched by one :meth:`done` (also for a refused request)."""
+        key, size = ticket.peer, ticket.size
         use = self._use.get(key)
         if use is None:
             use = self._use[key] = [0, 0]
@@ -68,14 +73,14 @@ class ClientLimits:
         """Whether client ``key`` has requests in flight."""
         return key in self._use
 
-    def done(self, key: bytes, size: int) -> None:
-        """A request of ``key`` was answered."""
-        use = self._use.get(key)
+    def done(self, ticket: Ticket) -> None:
+        """The request of ``ticket`` was answered."""
+        use = self._use.get(ticket.peer)
         if use is not None:
             use[0] -= 1
-            use[1] -= size
+            use[1] -= ticket.size
             if use[0] <= 0:
-                del self._use[key]
+                del self._use[ticket.peer]
         self._in_flight -= 1
         if self._in_flight == 0 and self._since_trim >= TRIM_AFTER_BYTES:
             self.trim()

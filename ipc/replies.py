@@ -1,63 +1,144 @@
-"""Where replies go: the reply targets and the one reply sink every answering thread uses.
+"""The in-flight record of a request, and the one reply sink every answering thread uses.
 
-A request is answered exactly once, to a *ticket*:
+A request is answered exactly once, to its *ticket*, and the ticket is the request's one
+record while it is in flight (docs/architecture.md, "One record per request"): the
+server, the per-client limits, the model queues and the metrics read it instead of
+keeping ledgers of their own.
 
-- :class:`Ticket`: a client on the wire; the server made it when the request arrived and
-  turns it back into the client's envelope (:meth:`inferd.ipc.server.Server.send_reply`).
+- :class:`Ticket`: a client on the wire. The server makes it when the request's frames
+  arrive (sequence number, client, envelope, bytes, receipt time), fills in what the
+  header says once it is decoded (id, deadline, the model or graph an ``infer`` names)
+  and turns it back into the client's envelope
+  (:meth:`inferd.ipc.server.Server.send_reply`).
 - :class:`LocalTicket`: a caller inside the daemon (a graph node calling a model); the
   reply is handed to its ``deliver`` callback.
 
-:class:`ReplySink` sends a reply to either kind, from any thread; the daemon's model
-workers and graph threads hold one sink instead of a reply function and a thread-exit
-hook each. This module is neutral ground: the server and the daemon both import it, and
-neither imports the other through it.
+Both are answered once: :meth:`Ticket.answer` notes the outcome (the code and when) and
+says whether this was the first answer, thread-safe, so that whoever answers first (a
+stage, a deadline watch, the stop) wins and a later reply is dropped quietly; whatever
+counts replies reads the outcome. :class:`ReplySink` sends a reply to either kind, from
+any thread; the daemon's model workers and graph threads hold one sink instead of a
+reply function and a thread-exit hook each. This module is neutral ground: the server
+and the daemon both import it, and neither imports the other through it.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inferd.ipc.protocol import Reply
 
+log = logging.getLogger(__name__)
 
-@dataclass(slots=True)
+OK = "OK"
+"""The outcome of a ticket answered with a result (else its reply's error code)."""
+
+# One lock for every ticket's first answer: held for a compare and a store, so sharing
+# it costs less than a lock per ticket.
+_ANSWER_LOCK = threading.Lock()
+
+
+def _answer(ticket: Ticket | LocalTicket, reply: Reply) -> bool:
+    code = OK if reply.error is None else str(reply.error.code)
+    with _ANSWER_LOCK:
+        if ticket.code is not None:
+            return False
+        ticket.code = code
+    ticket.answered = time.monotonic()
+    return True
+
+
+@dataclass(slots=True, eq=False)
 class Ticket:
-    """What a handler needs to answer a wire request later: an opaque sequence number
-    plus the request's id, arrival time and deadline (monotonic seconds, or None), and
-    the client connection it came on (its routing id: the model queues take turns
-    between clients)."""
+    """The record of one wire request, from its receipt to its reply.
+
+    Made by the I/O thread when the frames arrive; ``request_id``, ``deadline`` and
+    ``model`` are filled in once the header is decoded (they stay empty for a message
+    refused unread). ``code`` and ``answered`` are set once, by the first
+    :meth:`answer`, on the thread that answers.
+
+    Attributes:
+        seq: the server's number for the request (unique in one server's life).
+        request_id: the client's id ("" until decoded, or if it cannot be read).
+        received: monotonic seconds at receipt.
+        deadline: monotonic seconds past which it is not run (None: no timeout).
+        peer: the client connection (its ZeroMQ routing id): the limits count per peer,
+            the model queues take turns between peers.
+        envelope: the frames that address the reply (routing id, REQ delimiter).
+        size: bytes of the request's frames (what the client holds in the daemon).
+        model: the model or graph an ``infer`` names ("-" if none); None for the other
+            ops, which the request metrics do not count.
+        code: "OK" or the reply's error code, once answered.
+        answered: monotonic seconds when the reply was made.
+    """
 
     seq: int
     request_id: str
     received: float
-    deadline: float | None
+    deadline: float | None = None
+    peer: bytes = b""
+    envelope: list[Any] = field(default_factory=list)
+    size: int = 0
+    model: str | None = None
+    code: str | None = None
+    answered: float | None = None
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def answer(self, reply: Reply) -> bool:
+        """Note the reply's outcome if it is the first answer (any thread).
+
+        Returns:
+            True for the first answer; False if the ticket was answered already (then
+            ``reply`` must not be sent).
+        """
+        return _answer(self, reply)
+
+
+@dataclass(slots=True, eq=False)
+class LocalTicket:
+    """An in-process reply target: the reply is handed to ``deliver`` (any thread).
+
+    Attributes:
+        request_id, deadline, received, model, code, answered: as for :class:`Ticket`
+            (``model``: the model the caller asked, for the request metrics).
+        deliver: called with the reply.
+        peer: b"" (the daemon itself, for the fair queues).
+    """
+
+    request_id: str
+    deliver: Callable[[Reply], None]
+    deadline: float | None = None
+    model: str | None = None
+    received: float = field(default_factory=time.monotonic)
+    code: str | None = None
+    answered: float | None = None
     peer: bytes = b""
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
-
-class LocalTicket:
-    """An in-process reply target: the reply is handed to ``deliver`` (any thread)."""
-
-    def __init__(self, request_id: str, deliver: Callable[[Reply], None],
-                 deadline: float | None = None) -> None:
-        self.request_id = request_id
-        self.received = time.monotonic()
-        self.deadline = deadline
-        self.deliver = deliver
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
+    def answer(self, reply: Reply) -> bool:
+        """Note the reply's outcome if it is the first answer (see :meth:`Ticket.answer`)."""
+        return _answer(self, reply)
 
 
 AnyTicket = Ticket | LocalTicket
+Observer = Callable[[AnyTicket], None]
+"""Told about every ticket once it is answered (the request metrics)."""
 
 
 def _no_release() -> None:
+    return None
+
+
+def _no_observer(ticket: AnyTicket) -> None:
     return None
 
 
@@ -65,20 +146,33 @@ class ReplySink:
     """Sends replies for tickets from any thread.
 
     Args:
-        send: answers a wire :class:`Ticket` (the server's ``send_reply``); None for a
-            sink that only serves :class:`LocalTicket` s (tests, benchmarks).
+        send: answers a wire :class:`Ticket` (the server's ``send_reply``, which also
+            notes the outcome and tells its observer); None for a sink that only serves
+            :class:`LocalTicket` s (tests, benchmarks).
         release_thread: called by a thread that used the sink when it ends (the server
             closes that thread's reply socket).
+        observe: told about each :class:`LocalTicket` answered (wire tickets are
+            observed by the server, where every wire reply passes).
     """
 
     def __init__(self, send: Callable[[Any, Reply], None] | None = None,
-                 release_thread: Callable[[], None] = _no_release) -> None:
+                 release_thread: Callable[[], None] = _no_release,
+                 observe: Observer = _no_observer) -> None:
         self._send = send
         self.release_thread = release_thread
+        self._observe = observe
 
     def send(self, ticket: Any, reply: Reply) -> None:
-        """Answer ``ticket`` with ``reply``: exactly once per ticket, any thread."""
+        """Answer ``ticket`` with ``reply``, any thread. Only the first answer of a
+        ticket is sent; a later one (a stage finishing after a deadline watch or the
+        stop answered) is dropped quietly."""
         if isinstance(ticket, LocalTicket):
+            if not ticket.answer(reply):
+                log.debug("second reply to in-process request %s dropped (answered %s)",
+                          ticket.request_id, ticket.code,
+                          extra={"REQUEST_ID": ticket.request_id})
+                return
+            self._observe(ticket)
             ticket.deliver(reply)
         elif self._send is not None:
             self._send(ticket, reply)

@@ -4,9 +4,12 @@ Requests are decoded here and handed to a handler. A handler either answers at o
 (returns a :class:`Reply`) or keeps the :class:`~inferd.ipc.replies.Ticket` and answers
 later from any thread with :meth:`Server.send_reply`; replies from other threads come
 back to the I/O thread through an inproc PUSH/PULL pair, so no other thread touches
-the ROUTER. Every request gets exactly one reply: the server tracks what is in flight,
-refuses new work while stopping, and answers whatever is still open with UNAVAILABLE
-when the grace period ends.
+the ROUTER. Every request gets exactly one reply: the server keeps each request's
+ticket (its one in-flight record, ``ipc/replies.py``) until it is answered, refuses new
+work while stopping, and answers whatever is still open with UNAVAILABLE when the grace
+period ends. Every wire reply passes :meth:`Server._deliver`, the one place where it is
+counted: the per-client limits are given the ticket back and the observer (the request
+metrics) is told.
 
 A client that disconnects with requests in flight is told to :attr:`Server.on_peer_gone`
 (the daemon answers its queued requests CANCELLED instead of running them for nobody):
@@ -34,8 +37,8 @@ from zmq.utils.monitor import recv_monitor_message
 from inferd.ipc.access import Access, Peer, Peers
 from inferd.ipc.clients import ClientLimits
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ProtocolError, failure
-from inferd.ipc.protocol import Reply, Request, decode_request, encode_reply, peek_request_id
-from inferd.ipc.replies import Ticket
+from inferd.ipc.protocol import Op, Reply, Request, decode_request, encode_reply, peek_request_id
+from inferd.ipc.replies import Observer, Ticket
 from inferd.ipc.socketfile import SocketLock, _chgrp
 from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames
 
@@ -66,14 +69,18 @@ class Server:
         grace_s: how long :meth:`run` waits for in-flight requests when stopping.
         cpu_affinity: cores for the I/O thread and libzmq's own I/O thread (empty: any
             core). Threads that the I/O thread starts inherit them.
+        observe: told about every answered ticket, on the I/O thread, as its reply
+            leaves (the request metrics).
     """
 
     def __init__(self, endpoint: str, handler: Handler, *, max_message_bytes: int,
                  socket_mode: int = 0o660, grace_s: float = 10.0, socket_group: str = "",
                  access: Access | None = None, cpu_affinity: Iterable[int] = (),
                  max_requests_per_client: int = 512, max_bytes_per_client: int = 128 * 2**20,
-                 max_replies_queued_per_client: int = 1000) -> None:
+                 max_replies_queued_per_client: int = 1000,
+                 observe: Observer | None = None) -> None:
         self.endpoint = endpoint
+        self._observe = observe
         self.clients = ClientLimits(max_requests_per_client, max_bytes_per_client)
         self._max_replies_queued = max_replies_queued_per_client
         self._handler = handler
@@ -96,8 +103,8 @@ class Server:
         # thread, and while they are closed: none is used after _closed is set.
         self._send_lock = threading.Lock()
         self._closed = False
-        # seq -> [envelope frames, request id once decoded, client key, bytes]
-        self._inflight: dict[int, list[Any]] = {}
+        # seq -> the request's record, from receipt until its reply leaves
+        self._inflight: dict[int, Ticket] = {}
         self._seq = 0
         self._io_ident: int | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -161,20 +168,27 @@ class Server:
     # ----------------------------------------------------------------- any thread
 
     def send_reply(self, ticket: Ticket, reply: Reply) -> None:
-        """Answer ``ticket``; callable from any thread, exactly once per ticket.
+        """Answer ``ticket``; callable from any thread. Only its first answer is sent
+        (:meth:`Ticket.answer`): a later one is dropped quietly.
 
         Once the server has closed (the grace period is over and every open request was
         answered UNAVAILABLE), a late reply is dropped: no thread touches a socket that
         is closed or about to be.
         """
-        frames = encode_reply(reply)
         if threading.get_ident() == self._io_ident:
-            self._deliver(ticket.seq, frames)
+            if ticket.answer(reply):
+                self._deliver(ticket.seq, encode_reply(reply))
+            else:
+                self._second(ticket)
             return
+        frames = encode_reply(reply)
         with self._send_lock:
-            if self._closed:
+            if self._closed:  # answered UNAVAILABLE already: its record stays so
                 log.debug("late reply to request %s dropped: the server has closed",
                           ticket.request_id, extra={"REQUEST_ID": ticket.request_id})
+                return
+            if not ticket.answer(reply):
+                self._second(ticket)
                 return
             push = getattr(self._local, "push", None)
             if push is None:
@@ -189,6 +203,11 @@ class Server:
             except zmq.ZMQError as e:
                 log.error("reply to request %s could not reach the I/O thread: %s",
                           ticket.request_id, e, extra={"REQUEST_ID": ticket.request_id})
+
+    @staticmethod
+    def _second(ticket: Ticket) -> None:
+        log.debug("second reply to request %s dropped (answered %s)", ticket.request_id,
+                  ticket.code, extra={"REQUEST_ID": ticket.request_id})
 
     def release_thread(self) -> None:
         """Close the calling thread's reply socket (worker threads call this on exit)."""
@@ -299,14 +318,20 @@ class Server:
         self._deliver(seq, frames[1:])
 
     def _deliver(self, seq: int, frames: list[Any]) -> None:
-        entry = self._inflight.pop(seq, None)
-        if entry is None:
+        """Send the reply of request #``seq``: every wire reply passes here, once."""
+        ticket = self._inflight.pop(seq, None)
+        if ticket is None:
             log.warning("dropping a second or late reply for request #%d (already answered)",
                         seq)
             return
-        self.clients.done(entry[2], entry[3])
+        self.clients.done(ticket)
+        if self._observe is not None:
+            try:
+                self._observe(ticket)
+            except Exception:  # noqa: BLE001  counting must not lose the reply
+                log.exception("counting the reply to request %s failed", ticket.request_id)
         try:
-            send_frames(self._router, [*entry[0], *frames], NOBLOCK)
+            send_frames(self._router, [*ticket.envelope, *frames], NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away; EAGAIN: not reading
             self.undelivered += 1
             if self.undelivered & (self.undelivered - 1) == 0:  # 1, 2, 4, 8...: no flood
@@ -336,69 +361,82 @@ class Server:
         split = 2 if len(frames) > 1 and len(frames[1]) == 0 else 1
         envelope, body = frames[:split], frames[split:]
         self._seq += 1
-        seq = self._seq
-        key = frames[0].bytes
-        size = sum(len(f) for f in body)
-        self._inflight[seq] = [envelope, None, key, size]
+        # The request's record from here until its reply leaves (_deliver).
+        ticket = Ticket(self._seq, "", time.monotonic(), peer=frames[0].bytes,
+                        envelope=envelope, size=sum(len(f) for f in body))
+        self._inflight[ticket.seq] = ticket
         self.stats["requests"] += 1
-        over = self.clients.admit(key, size)
-        peer = self._peers.lookup(key, frames[-1])
+        over = self.clients.admit(ticket)
+        peer = self._peers.lookup(ticket.peer, frames[-1])
         if not self.access.allows(peer):
-            self._refuse(seq, body, peer, key)
+            self._refuse(ticket, body, peer)
             return
         if over is not None:
             rid = peek_request_id(body)
             log.debug("request %s refused: %s", rid, over,
                       extra={"REQUEST_ID": rid or "", "CODE": "RESOURCE_EXHAUSTED"})
-            self._answer_error(seq, rid, Failure(ErrorCode.RESOURCE_EXHAUSTED, over))
+            self._answer_error(ticket, Failure(ErrorCode.RESOURCE_EXHAUSTED, over), rid)
             return
-        self._handle(seq, body, refuse, key, size)
+        self._handle(ticket, body, refuse)
 
-    def _refuse(self, seq: int, body: list[Any], peer: Peer | None, key: bytes) -> None:
+    def _refuse(self, ticket: Ticket, body: list[Any], peer: Peer | None) -> None:
         rid = peek_request_id(body)
-        message = self._peers.refuse(peer, key, rid)
-        self._answer_error(seq, rid, Failure(ErrorCode.PERMISSION_DENIED, message))
+        message = self._peers.refuse(peer, ticket.peer, rid)
+        self._answer_error(ticket, Failure(ErrorCode.PERMISSION_DENIED, message), rid)
 
-    def _handle(self, seq: int, body: list[Any], refuse: bool, key: bytes,
-                size: int) -> None:
-        received = time.monotonic()
-        request_id: str | None = None
+    def _handle(self, ticket: Ticket, body: list[Any], refuse: bool) -> None:
         try:
-            if size > self._max_bytes:
-                raise ProtocolError(f"message of {size} bytes is over the limit of "
+            if ticket.size > self._max_bytes:
+                raise ProtocolError(f"message of {ticket.size} bytes is over the limit of "
                                     f"{self._max_bytes} bytes (server.max_message_bytes)",
                                     ErrorCode.RESOURCE_EXHAUSTED,
                                     request_id=peek_request_id(body))
             request = decode_request(body)
-            request_id = self._inflight[seq][1] = request.id
+            ticket.request_id = request.id
+            if request.op is Op.INFER:
+                ticket.model = request.model or "-"
+            if request.timeout_ms:
+                ticket.deadline = ticket.received + request.timeout_ms / 1000.0
             if refuse:
                 raise InferdError("inferd is shutting down", ErrorCode.UNAVAILABLE)
-            deadline = (received + request.timeout_ms / 1000.0
-                        if request.timeout_ms else None)
-            ticket = Ticket(seq, request.id, received, deadline, key)
             reply = self._handler(request, ticket)
         except Exception as e:
-            rid = e.request_id if isinstance(e, ProtocolError) else request_id
+            rid = e.request_id if isinstance(e, ProtocolError) else ticket.request_id
             error = failure(e, "internal error", log, request_id=rid or "")
             if isinstance(e, InferdError):
                 log.debug("request %s refused: %s %s", rid, e.code, e.message,
                           extra={"REQUEST_ID": rid or "", "CODE": str(e.code)})
-            self._answer_error(seq, rid, error)
+            self._answer_error(ticket, error, rid)
             return
         if reply is not None:
-            self._deliver(seq, encode_reply(reply))
+            self.send_reply(ticket, reply)
 
-    def _answer_error(self, seq: int, request_id: str | None, error: Failure) -> None:
-        """Answer #``seq`` with ``error`` (``request_id`` may be unknown: then "")."""
-        self._deliver(seq, encode_reply(Reply(request_id or "", error=error)))
+    def _answer_error(self, ticket: Ticket, error: Failure,
+                      request_id: str | None = None) -> None:
+        """Answer ``ticket`` with ``error``, addressed to its request id; ``request_id``
+        is the id of a message refused before it was decoded (None: unknown, then the
+        reply's id is "")."""
+        if request_id and not ticket.request_id:  # read without decoding the header
+            ticket.request_id = request_id
+        reply = Reply(ticket.request_id, error=error)
+        if not ticket.answer(reply):
+            # answered, but that reply never left (the stop, or a failed hand-over to
+            # the I/O thread): this one goes, the record keeps the first outcome
+            log.debug("request %s answered %s, but its reply was lost: answering %s",
+                      ticket.request_id, ticket.code, error.code)
+        self._deliver(ticket.seq, encode_reply(reply))
 
     def _close(self) -> None:
         with self._send_lock:  # from here on, late replies from other threads are dropped
             self._closed = True
-        for seq, entry in list(self._inflight.items()):
-            self._answer_error(seq, entry[1], Failure(ErrorCode.UNAVAILABLE,
-                                                 "inferd stopped before this request "
-                                                 "finished"))
+        assert self._pull is not None
+        # Replies handed over before that still go out; what is left was never answered.
+        while self._pull.poll(0):
+            self._forward_replies()
+        for ticket in list(self._inflight.values()):
+            self._answer_error(ticket, Failure(ErrorCode.UNAVAILABLE,
+                                               "inferd stopped before this request "
+                                               "finished"))
         assert self._router is not None and self._pull is not None
         if self._monitor is not None:
             self._router.disable_monitor()

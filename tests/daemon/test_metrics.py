@@ -173,3 +173,26 @@ def test_one_unload_counts_once(metrics_daemon):
         s = families(c.call("metrics")["text"])
     assert value(s, "inferd_model_unloads_total", model="ocr-cls") == 1
     assert value(s, "inferd_model_evictions_total", model="ocr-cls") == 0
+
+
+def test_graph_requests_are_counted(start_daemon, models_dir):
+    """Requests to a graph count under the graph's name (they were not counted at all
+    before the ticket became the request's record), its model nodes' calls under each
+    model, and ``inferctl top`` shows both."""
+    d = start_daemon("--models", str(models_dir))
+    blank = np.full((64, 96, 3), 255, np.uint8)  # no text: only the detector runs
+    with d.client(timeout=120) as c:
+        for _ in range(5):
+            assert c.infer("ocr", {"image": blank})["texts"].shape == (0,)
+        with pytest.raises(RequestError):
+            c.infer("ocr", {"image": np.zeros((4, 4), np.float32)})
+        s = families(c.call("metrics")["text"])
+    assert value(s, "inferd_requests_total", model="ocr", code="OK") == 5
+    assert value(s, "inferd_requests_total", model="ocr", code="INVALID_ARGUMENT") == 1
+    assert value(s, "inferd_request_seconds_count", model="ocr") == 6
+    assert value(s, "inferd_requests_total", model="ocr-det", code="OK") == 5
+    r = subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--socket", d.endpoint,
+                        "top", "--once"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    row = next(line.split() for line in r.stdout.splitlines() if line.startswith("ocr "))
+    assert (int(row[3]), int(row[4])) == (6, 1), r.stdout

@@ -21,6 +21,7 @@ from inferd.ipc import AsyncClient, Client, RequestError
 from inferd.ipc.clients import ClientLimits
 from inferd.ipc.errors import ErrorCode
 from inferd.ipc.protocol import Op, Request, encode_request
+from inferd.ipc.replies import Ticket
 from tests.links import link_tree
 
 X = np.zeros((1, 3, 48, 192), np.float32)  # one ocr-cls request: 110,592 bytes of tensor
@@ -32,13 +33,17 @@ RSS_RETURNED_BOUND = 96 * 2**20
 
 def test_client_limits_count_and_forget():
     limits = ClientLimits(max_requests=2, max_bytes=1000)
-    assert limits.admit(b"a", 600) is None
-    assert "max_bytes_per_client" in (limits.admit(b"a", 600) or "")
-    assert "max_requests_per_client" in (limits.admit(b"a", 1) or "")
-    assert limits.admit(b"b", 5000) is None  # a lone request is always admitted
-    for size in (600, 600, 1):
-        limits.done(b"a", size)
-    limits.done(b"b", 5000)
+    a = [Ticket(i, "", 0.0, peer=b"a", size=size) for i, size in enumerate((600, 600, 1))]
+    b = Ticket(3, "", 0.0, peer=b"b", size=5000)
+    assert limits.admit(a[0]) is None
+    assert "max_bytes_per_client" in (limits.admit(a[1]) or "")
+    assert "max_requests_per_client" in (limits.admit(a[2]) or "")
+    assert limits.admit(b) is None  # a lone request is always admitted
+    for t in a:
+        assert limits.holds(b"a")
+        limits.done(t)
+    assert not limits.holds(b"a") and limits.holds(b"b")
+    limits.done(b)
     assert limits.clients() == 0 and limits.refused == 2
 
 
