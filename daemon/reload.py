@@ -10,6 +10,10 @@ fresh look at the repository, applied without failing a request.
   budget, the old one is drained first and requests wait in the new one's queue.
 - Versions no longer offered are drained; the budget is enforced again (it may have
   shrunk); pinned models that are not loaded are loaded.
+- A loaded version whose files changed in place (truncated, overwritten, swapped by a
+  rename: inode, size, times, content hash) is drained and loaded again from the files
+  as they are now; requests that arrive meanwhile wait in its queue. Reported under
+  "changed" ("ocr-cls: version 1 changed on disk, loaded again").
 - A changed model.toml or pin is reported under "changed". A loaded model keeps the
   threads, steps and backend it was loaded with until its next load (``inferctl unload``
   then a request, or ``inferctl load``); its keep-alive changes at once.
@@ -28,7 +32,7 @@ from inferd.daemon.budget import MemoryBudget
 from inferd.daemon.catalog import Catalog
 from inferd.daemon.model_entry import ModelEntry, State
 from inferd.daemon.model_settings import SETTINGS_FILE
-from inferd.daemon.repository import ModelSpec
+from inferd.daemon.repository import ModelSpec, same_contents
 from inferd.ipc.errors import ErrorCode, InferdError
 
 log = logging.getLogger(__name__)
@@ -98,15 +102,48 @@ def reload_catalog(manager: Cache, config: Any) -> dict[str, list[str]]:
             summary["changed"].append(f"{name}: version {old_version} -> {spec.default}")
         else:
             summary["failed"].append(name)
+    _reload_changed_files(manager, old, new, summary)
     manager.retire_stale()
     try:  # the budget may have shrunk
         manager.budget.enforce()
     except InferdError as e:
         log.warning("cache is over its budget and cannot evict more: %s", e.message)
-    summary["failed"] += manager.load_pinned()
+    summary["failed"] = list(dict.fromkeys(summary["failed"] + manager.load_pinned()))
     log.info("reload: %s", "; ".join(f"{k} {', '.join(v)}" for k, v in summary.items() if v)
              or "nothing changed")
     return summary
+
+
+def _reload_changed_files(manager: Cache, old: dict[str, ModelSpec],
+                          new: dict[str, ModelSpec], summary: dict[str, list[str]]) -> None:
+    """Load again each loaded version whose files changed on disk since the last scan
+    (truncated, overwritten, swapped by a rename): it is drained (what it has queued
+    and running finishes on the old copy, new requests wait in its queue) and loaded
+    from the files as they are now. A version not loaded is only reported."""
+    for name, spec in sorted(new.items()):
+        prev = old.get(name)
+        if prev is None or spec.error:
+            continue
+        for version, files in sorted(spec.files.items()):
+            before = prev.files.get(version)
+            if before is None or version not in spec.versions or same_contents(before,
+                                                                               files):
+                continue
+            if manager.version_state(name, version) not in (State.READY, State.LOADING):
+                summary["changed"].append(f"{name}: version {version} changed on disk")
+                continue
+            log.info("model %s version %d: its files changed on disk; loading it again",
+                     name, version, extra={"MODEL": name})
+            manager.unload(name, version, reason="its files changed on disk")
+            try:
+                manager.load(name, version)
+            except InferdError as e:
+                log.error("model %s version %d changed on disk and failed to load again: "
+                          "%s", name, version, e.message, extra={"MODEL": name})
+                summary["failed"].append(name)
+                continue
+            summary["changed"].append(f"{name}: version {version} changed on disk, "
+                                      f"loaded again")
 
 
 def _swap(manager: Cache, name: str, old_version: int, spec: ModelSpec) -> bool:

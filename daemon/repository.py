@@ -5,12 +5,19 @@
 Versions policy (model.toml): by default the highest version is served and every version
 on disk may be asked for by number; ``version = N`` serves N instead; ``keep_versions =
 N`` offers only the latest N (the default is then the highest of them).
+
+Each scan also takes the fingerprint of every version folder's files (:func:`contents`:
+inode, size, times, and a content hash of files up to :data:`HASH_LIMIT`), so that a
+reload notices a file replaced in place (daemon/reload.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +38,58 @@ A backend may read a sibling form itself (openvino prefers the IR beside model.o
 def model_file(folder: Path) -> Path | None:
     """The model file of a version folder, or None if it holds none."""
     return next((folder / f for f in MODEL_FILES if (folder / f).is_file()), None)
+
+
+HASH_LIMIT = 16 * 2**20
+"""Files up to this size are hashed at each scan (a 10 MB model: about 15 ms); larger
+ones are compared by inode, size and times only."""
+
+
+@dataclass(frozen=True)
+class FileId:
+    """What one file of a version folder was at a scan. ``ctime_ns`` moves on every
+    write (it cannot be set back, unlike the mtime); ``digest`` is None past
+    :data:`HASH_LIMIT`."""
+
+    name: str
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    digest: str | None
+
+    def same_contents(self, other: FileId) -> bool:
+        """Whether ``other`` holds what this held: by content hash when both have one
+        (a chmod or an identical copy is no change), else by inode, size and times."""
+        if self.digest is not None and other.digest is not None:
+            return (self.name, self.size, self.digest) == (other.name, other.size,
+                                                            other.digest)
+        return self == other
+
+
+def contents(folder: Path) -> tuple[FileId, ...]:
+    """The fingerprint of the regular files in a version folder, by name.
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    out = []
+    for path in sorted(folder.iterdir()):
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # readable?
+        with os.fdopen(fd, "rb") as f:
+            digest = (hashlib.file_digest(f, "blake2b").hexdigest()
+                      if st.st_size <= HASH_LIMIT else None)
+        out.append(FileId(path.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                          digest))
+    return tuple(out)
+
+
+def same_contents(a: tuple[FileId, ...], b: tuple[FileId, ...]) -> bool:
+    """Whether two fingerprints of a version folder hold the same files."""
+    return len(a) == len(b) and all(x.same_contents(y) for x, y in zip(a, b, strict=True))
 
 
 def _unreadable(name: str, folder: Path, e: OSError) -> str:
@@ -66,7 +125,9 @@ class ModelSpec:
         versions: versions a request may name, ascending.
         default: the version served when a request names none.
         settings: its checked model.toml (defaults if absent or unusable).
-        error: why the model cannot be served (a bad model.toml), else None.
+        error: why the model cannot be served (a bad model.toml, a folder or file
+            that cannot be read), else None.
+        files: each version's fingerprint (:func:`contents`), by version.
     """
 
     name: str
@@ -74,6 +135,7 @@ class ModelSpec:
     default: int
     settings: ModelSettings = field(default_factory=ModelSettings)
     error: str | None = None
+    files: dict[int, tuple[FileId, ...]] = field(default_factory=dict, compare=False)
 
 
 def _version_policy(name: str, on_disk: list[int], settings: ModelSettings
@@ -201,6 +263,13 @@ class Repository:
         on_disk, problem = self.listing(name)
         if problem is None and not on_disk:
             return None
+        files: dict[int, tuple[FileId, ...]] = {}
+        for version in on_disk:
+            folder = self.root / name / str(version)
+            try:
+                files[version] = contents(folder)
+            except OSError as e:
+                problem = problem or _unreadable(name, Path(e.filename or folder), e)
         try:
             if problem is not None:
                 raise ModelError(problem, ErrorCode.INTERNAL)
@@ -211,8 +280,8 @@ class Repository:
             log.error("model %s cannot be served: %s", name, e.message,
                       extra={"MODEL": name})
             return ModelSpec(name, tuple(on_disk), on_disk[-1] if on_disk else 0,
-                             ModelSettings(), e.message)
-        return ModelSpec(name, versions, default, settings)
+                             ModelSettings(), e.message, files)
+        return ModelSpec(name, versions, default, settings, files=files)
 
     def scan(self) -> dict[str, ModelSpec]:
         """Every model on disk, by name."""

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
-from inferd.ipc import RequestError
+from inferd.ipc import Client, RequestError
 from inferd.ipc.protocol import Op
-from tests.e2e.test_cache_reload import add_version, rows
+from tests.e2e.test_cache_reload import add_version, poll, rows
 
 
 
@@ -133,3 +136,107 @@ def test_unload_of_a_model_whose_model_toml_became_unreadable(
         assert "model vad version 1 unloaded: unload requested" in d.log()
     finally:
         settings.chmod(0o644)
+
+
+def add_model(add: float) -> bytes:
+    """An ONNX model y = x + ``add`` (x: [N, 4] float): what it adds tells which file
+    served a request. Models of different ``add`` have the same size."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "c"], ["y"])], "add",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor("c", TensorProto.FLOAT, [4], [add] * 4)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    return m.SerializeToString()
+
+
+class Adder(threading.Thread):
+    """Sends requests back to back, recording what each added (or its failure)."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(name="adder", daemon=True)
+        self.endpoint = endpoint
+        self.added: list[float] = []
+        self.failures: list[str] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        x = np.zeros((1, 4), np.float32)
+        with Client(self.endpoint, timeout=60) as c:
+            while not self.halt.is_set():
+                try:
+                    self.added.append(float(c.infer("m", {"x": x})["y"][0, 0]))
+                except RequestError as e:
+                    self.failures.append(f"{e.code}: {e.message}")
+
+
+def _replace(path: Path, data: bytes, how: str) -> None:
+    if how == "rename":  # a new file swapped in atomically: a new inode
+        tmp = path.with_name("model.onnx.new")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    elif how == "overwrite":  # the same inode, the same size, the mtime put back
+        st = path.stat()
+        with open(path, "r+b") as f:
+            f.write(data)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["rename", "overwrite"])
+def test_a_version_file_replaced_in_place_is_loaded_again_without_a_failed_request(
+        short_tmp: Path, start_daemon: Any, how: str) -> None:
+    """Issue 18, defect 5."""
+    model = short_tmp / "repo" / "m" / "1" / "model.onnx"
+    model.parent.mkdir(parents=True)
+    model.write_bytes(add_model(1.0))
+    assert len(add_model(1.0)) == len(add_model(2.0))
+    d = start_daemon("--models", str(short_tmp / "repo"), "--preload", "m")
+    adder = Adder(d.endpoint)
+    adder.start()
+    poll(lambda: len(adder.added) >= 20)
+    _replace(model, add_model(2.0), how)
+    with d.client(timeout=120) as c:
+        summary = c.call(Op.RELOAD)
+        assert "m: version 1 changed on disk, loaded again" in summary["changed"], summary
+        n = len(adder.added)
+        poll(lambda: len(adder.added) >= n + 20)
+        assert c.call(Op.RELOAD)["changed"] == []  # reported once
+    adder.halt.set()
+    adder.join(60)
+    assert adder.failures == []
+    assert set(adder.added) == {1.0, 2.0} and adder.added[-1] == 2.0
+    assert adder.added == sorted(adder.added)  # never the old file after the new one
+    assert "model m version 1 unloaded: its files changed on disk" in d.log()
+
+
+def test_a_truncated_version_file_is_reported_and_an_unloaded_one_too(
+        short_tmp: Path, start_daemon: Any) -> None:
+    repo = short_tmp / "repo"
+    for name in ("m", "n"):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.onnx").write_bytes(add_model(1.0))
+    d = start_daemon("--models", str(repo), "--preload", "m")
+    os.truncate(repo / "m" / "1" / "model.onnx", 0)
+    (repo / "n" / "1" / "model.onnx").write_bytes(add_model(3.0))
+    with d.client(timeout=120) as c:
+        summary = c.call(Op.RELOAD)
+        assert summary["failed"] == ["m"], summary
+        assert "n: version 1 changed on disk" in summary["changed"], summary
+        with pytest.raises(RequestError) as e:
+            c.infer("m", {"x": np.zeros((1, 4), np.float32)})
+        assert "failed to load" in e.value.message
+        assert c.infer("n", {"x": np.zeros((1, 4), np.float32)})["y"][0, 0] == 3.0
+        (repo / "m" / "1" / "model.onnx").write_bytes(add_model(2.0))  # fixed
+        c.call(Op.RELOAD)
+        poll(lambda: _served(c, "m") == 2.0)
+    assert "model m version 1 changed on disk and failed to load again" in d.log()
+
+
+def _served(c: Any, name: str) -> float | None:
+    try:
+        return float(c.infer(name, {"x": np.zeros((1, 4), np.float32)})["y"][0, 0])
+    except RequestError:
+        return None
