@@ -134,6 +134,18 @@ def _path_or_off(v: Any) -> str:
     raise ValueError
 
 
+def _placement_mode(v: Any) -> str:
+    if v in ("measured", "first"):
+        return str(v)
+    raise ValueError
+
+
+def _tolerance(v: Any) -> float:
+    if isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 1:
+        return float(v)
+    raise ValueError
+
+
 def _listen(v: Any) -> str:
     from inferd.daemon.metrics_http import parse_listen
     parse_listen(v)  # refuses anything but off, a unix socket or a loopback address
@@ -217,6 +229,13 @@ SCHEMA: dict[str, dict[str, Setting]] = {
     "openvino": {
         "threads": Setting(1, positive_int, "a positive integer"),
         "streams": Setting(1, positive_int, "a positive integer"),
+    },
+    "placement": {
+        "mode": Setting("measured", _placement_mode, "\"measured\" or \"first\""),
+        "time_limit_s": Setting(60.0, _seconds, "a positive number of seconds"),
+        "tolerance": Setting(1e-3, _tolerance, "a number from 0 to 1"),
+        "directory": Setting("", _path_or_off, "an absolute directory path, or \"\" for "
+                             "$STATE_DIRECTORY (systemd's StateDirectory=; else none)"),
     },
     "cache": {
         "max_memory": Setting("75%", parse_budget, "a size ('512MiB'), a share of physical memory "

@@ -49,6 +49,12 @@ def _shapes(v: Any) -> dict[str, list[int]]:
     raise ValueError
 
 
+def _placement(v: Any) -> str:
+    if v in ("measured", "first"):
+        return str(v)
+    raise ValueError
+
+
 def _steps(v: Any) -> list[dict[str, Any]]:
     if isinstance(v, list) and all(isinstance(s, dict) for s in v):
         return [dict(s) for s in v]
@@ -69,6 +75,10 @@ SCHEMA: dict[str, Setting] = {
     # backends (docs/backends.md)
     "backends": Setting(None, string_list, "a list of backend ids or device kinds, e.g. "
                         "[\"npu\", \"cpu\"]"),
+    "placement": Setting(None, _placement, "\"measured\" or \"first\" (default: "
+                         "[placement] mode)"),
+    "threads": Setting(None, positive_int, "a positive integer (default: the backend's "
+                       "own, or measured within a graph)"),
     # the model's threads (docs/pipelines.md)
     "instances": Setting(None, positive_int, "a positive integer (default: [models] "
                          "instances)"),
@@ -97,6 +107,8 @@ class ModelSettings:
     version: int | None = None
     keep_versions: int | None = None
     backends: list[str] | None = None
+    placement: str | None = None
+    threads: int | None = None
     instances: int | None = None
     queue_size: int | None = None
     cpu_affinity: list[int] | None = None

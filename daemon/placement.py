@@ -1,20 +1,33 @@
-"""Placement of a model on a backend and device, with fallback along its preference list.
+"""Placement of a model on a backend and device: the first of its plan that loads, then,
+where several backends could run it on that device kind, the one measured fastest.
 
 The registry's plan (:meth:`inferd.libbackends.registry.Registry.plan`) lists every
 (backend, device kind) the model's ``backends = [...]`` allows, best first. A load that
 fails there (the device is absent, the engine refuses the file) is logged with the
-engine's reason and the next entry is tried; the first that loads is the model's
-placement: backend, device (``CPU``, ``GPU.0``, ``cuda:0``...) and why it was chosen,
-shown by ``inferctl models -v`` and ``inferctl backends`` and said by the load's
-journal line.
+engine's reason and the next entry is tried; the first that loads serves the model.
+
+With ``placement = "measured"`` (model.toml, else ``[placement] mode``; the default),
+when the plan holds more than one backend of the kind that loaded, the placer
+(:mod:`inferd.daemon.placer`) measures them in the background once the model serves:
+each candidate is loaded beside it, run on the inputs its first requests brought (or
+its warm-up inputs when every input size is fixed), checked against the reference
+backend (the plan's first) and timed (:mod:`inferd.daemon.measure`); the fastest
+correct one takes over between two runs (:mod:`inferd.daemon.placed_model`). Within a
+graph, the slowest stage is given the cores the others leave idle, where that measures
+faster. The decision is kept under the state directory (:mod:`inferd.daemon.decisions`),
+so the next load goes straight to the winner. ``placement = "first"`` keeps the first that loads.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from contextlib import AbstractContextManager
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
 
 from inferd.ipc.errors import BackendError, ErrorCode, InferdError
 from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
@@ -22,19 +35,63 @@ from inferd.libbackends.registry import Choice
 
 log = logging.getLogger(__name__)
 
+Load = Callable[[Choice, LoadOptions], LoadedModel]
 
-@dataclass(frozen=True)
+
+class Mode(StrEnum):
+    """model.toml ``placement`` and ``[placement] mode``."""
+
+    MEASURED = "measured"
+    FIRST = "first"
+
+
+class Status(StrEnum):
+    """How the placement in force was reached (shown by ``inferctl models -v``)."""
+
+    FIRST = "first"          # the first that loads; nothing else to measure, or "first"
+    MEASURING = "measuring"  # the first that loads serves while the others are measured
+    MEASURED = "measured"    # the measured winner serves
+    KEPT = "kept"            # the winner of an earlier measurement (decisions.json)
+
+
 class ModelPlacement:
-    """Where a loaded model runs and why."""
+    """Where a loaded model runs and why. Placement code changes it (:meth:`moved`,
+    :meth:`settled`) when measuring moves the model; readers see one consistent state.
+    """
 
-    backend: str
-    kind: DeviceKind
-    device: str
-    why: str
+    def __init__(self, backend: str, kind: DeviceKind, device: str, why: str,
+                 threads: int | None = None, status: Status = Status.FIRST) -> None:
+        self._lock = threading.Lock()
+        self.backend, self.kind, self.device = backend, kind, device
+        self.why, self.threads, self.status = why, threads, status
+
+    def moved(self, backend: str, kind: DeviceKind, device: str, threads: int | None,
+              why: str) -> None:
+        """The measured winner now serves the model."""
+        with self._lock:
+            self.backend, self.kind, self.device = backend, kind, device
+            self.threads, self.why, self.status = threads, why, Status.MEASURED
+
+    def settled(self, status: Status, why: str) -> None:
+        """The placement stays where it is, now for ``why``."""
+        with self._lock:
+            self.status, self.why = status, why
 
     def to_json(self) -> dict[str, Any]:
-        return {"backend": self.backend, "kind": str(self.kind), "device": self.device,
-                "why": self.why}
+        with self._lock:
+            return {"backend": self.backend, "kind": str(self.kind), "device": self.device,
+                    "why": self.why, "threads": self.threads, "status": str(self.status)}
+
+
+class Room(Protocol):
+    """What measuring needs of the cache's memory budget."""
+
+    def measured(self, key: tuple[str, int]) -> int | None:
+        """The cost measured at the model's last load, if any."""
+
+    def reserve(self, label: str, need: int) -> AbstractContextManager[None]:
+        """Count ``need`` bytes as used while the block runs; raise InferdError
+        (RESOURCE_EXHAUSTED) at once if they do not fit (evicting nothing)."""
 
 
 def backend_options(config: Any, settings: Any, backend_id: str) -> dict[str, Any]:
@@ -47,9 +104,20 @@ def backend_options(config: Any, settings: Any, backend_id: str) -> dict[str, An
     return {**base, **settings.backend_options(backend_id)}
 
 
-def place(model: str, plan: list[Choice], settings: Any, config: Any,
-          load: Callable[[Choice, LoadOptions], LoadedModel]
-          ) -> tuple[ModelPlacement, LoadedModel]:
+def load_options(choice: Choice, settings: Any, config: Any,
+                 threads: int | None) -> LoadOptions:
+    """What one load on ``choice`` is asked: the ``[onnxruntime]`` thread settings, the
+    backend's own options, the device kind, and ``threads`` when the placement chose
+    the model's engine threads (model.toml ``threads``, or measured)."""
+    ort = config.onnxruntime
+    return LoadOptions(threads or ort.intra_op_threads, ort.inter_op_threads,
+                       ort.allow_spinning,
+                       options=backend_options(config, settings, choice.backend.id),
+                       kind=choice.kind, threads=threads)
+
+
+def place(model: str, plan: list[Choice], settings: Any, config: Any, load: Load,
+          threads: int | None = None) -> tuple[ModelPlacement, LoadedModel]:
     """Load ``model`` on the first entry of ``plan`` that loads.
 
     Args:
@@ -58,6 +126,7 @@ def place(model: str, plan: list[Choice], settings: Any, config: Any,
         settings: the model's checked model.toml (ModelSettings).
         config: the daemon's config (``[onnxruntime]`` threads, backend sections).
         load: loads on one choice with the given options.
+        threads: the engine threads to ask for (None: each backend's own setting).
 
     Returns:
         The placement and the loaded model.
@@ -67,16 +136,11 @@ def place(model: str, plan: list[Choice], settings: Any, config: Any,
             (the first one's message, then each other backend's reason; their code if
             they agree, else UNAVAILABLE).
     """
-    ort = config.onnxruntime
     failures: list[tuple[Choice, InferdError]] = []
     for choice in plan:
         b = choice.backend
         try:
-            options = LoadOptions(ort.intra_op_threads, ort.inter_op_threads,
-                                  ort.allow_spinning,
-                                  options=backend_options(config, settings, b.id),
-                                  kind=choice.kind)
-            loaded = load(choice, options)
+            loaded = load(choice, load_options(choice, settings, config, threads))
         except Exception as e:  # noqa: BLE001  a plugin's failure: contained here, once
             err = e if isinstance(e, InferdError) else InferdError(
                 f"backend {b.id} load() raised {type(e).__name__}: {e}")
@@ -90,7 +154,7 @@ def place(model: str, plan: list[Choice], settings: Any, config: Any,
         skipped = [f"{c.backend.id} ({c.kind}): {e.message}" for c, e in failures]
         if skipped or choice.passed_over:
             why += "; passed over: " + "; ".join([*choice.passed_over, *skipped])
-        return ModelPlacement(b.id, choice.kind, device, why), loaded
+        return ModelPlacement(b.id, choice.kind, device, why, threads), loaded
     first = failures[0][1]
     if len(failures) == 1:
         raise first
@@ -98,3 +162,37 @@ def place(model: str, plan: list[Choice], settings: Any, config: Any,
     raise BackendError(f"{first.message}; the other choices failed too: " + "; ".join(
         f"{c.backend.id} ({c.kind}): {e.message}" for c, e in failures[1:]),
         codes.pop() if len(codes) == 1 else ErrorCode.UNAVAILABLE)
+
+
+def rivals(plan: list[Choice], kind: DeviceKind) -> list[Choice]:
+    """The plan's entries of ``kind``, one per backend, in plan order: what measuring
+    compares (another device kind is a choice the preference list made, not a race)."""
+    out: list[Choice] = []
+    for c in plan:
+        if c.kind is kind and all(o.backend.id != c.backend.id for o in out):
+            out.append(c)
+    return out
+
+
+def set_threads(settings: Any) -> int | None:
+    """The engine threads model.toml fixes: ``threads``, else None."""
+    return getattr(settings, "threads", None)
+
+
+def threads_fixed(settings: Any, backend_ids: list[str]) -> bool:
+    """Whether model.toml fixes the model's threads (``threads``, or a thread key in a
+    candidate's own table): then measuring does not choose them."""
+    if set_threads(settings) is not None:
+        return True
+    keys = ("threads", "intra_op_threads")
+    return any(k in settings.backend_options(b) for b in backend_ids for k in keys)
+
+
+def state_directory(config: Any) -> Path | None:
+    """Where decisions are kept: ``[placement] directory``, else ``$STATE_DIRECTORY``
+    (set by systemd's ``StateDirectory=``), else None (kept in memory only)."""
+    configured = config.placement.directory
+    if configured:
+        return Path(configured)
+    env = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    return Path(env) if env else None

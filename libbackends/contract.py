@@ -86,6 +86,10 @@ class LoadOptions:
             the model.toml key for an unknown or bad one.
         kind: the device kind the placement chose for this load (the entry of the
             model's preference list that matched); None means the backend's own kind.
+        threads: the engine threads per run the placement chose for this model
+            (model.toml ``threads``, or measured within a graph); a backend uses it
+            over its own thread setting. None: the backend's own setting. When set,
+            ``intra_op_threads`` equals it too (for backends written before it).
     """
 
     intra_op_threads: int = 1
@@ -93,6 +97,7 @@ class LoadOptions:
     allow_spinning: bool = True
     options: dict[str, Any] = field(default_factory=dict)
     kind: DeviceKind | None = None
+    threads: int | None = None
 
 
 class LoadedModel(ABC):

@@ -10,7 +10,8 @@ model's preference list.
 
 Results are f32 by default: OpenVINO's CPU plugin otherwise picks bf16 on CPUs that
 have it, which changes the results (``[openvino] precision`` overrides). Threads and
-streams come from the config's ``[openvino]`` section, per model from model.toml.
+streams come from the config's ``[openvino]`` section, per model from model.toml; the
+placement's thread count (``LoadOptions.threads``), when it chose one, wins.
 
 The probe lists the devices in a short-lived child process: listing them loads every
 device plugin (the GPU plugin brings OpenCL and its ICD, e.g. pocl with LLVM: 96 MiB
@@ -308,7 +309,7 @@ class OpenVinoBackend(Backend):
         if dev_kind in (DeviceKind.CPU, DeviceKind.GPU) or "precision" in settings:
             config["INFERENCE_PRECISION_HINT"] = settings.get("precision", "f32")
         if dev_kind is DeviceKind.CPU:
-            config["INFERENCE_NUM_THREADS"] = settings.get("threads", 1)
+            config["INFERENCE_NUM_THREADS"] = options.threads or settings.get("threads", 1)
             # OpenVINO pins its inference threads to cores by default: that fights the
             # model's cpu_affinity, and on a busy device a pinned thread waits for its
             # one core (ocr-cls 27 ms instead of 1.4 ms, measured on 2 busy vCPUs).

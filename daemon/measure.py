@@ -1,0 +1,186 @@
+"""Measuring placement candidates: the same inputs through each loaded candidate, its
+outputs checked against the reference backend's, its runs timed; and the thread count
+a graph's stage earns from its share of the graph's work.
+
+Pure functions over loaded models; loading, memory and the decision are the placer's
+(:mod:`inferd.daemon.placement`).
+
+- **Correctness.** A candidate's outputs must have the reference's names, dtypes and
+  shapes; float outputs may differ by at most ``tolerance`` times the larger of 1 and
+  the reference output's largest magnitude, other outputs not at all. One sample beyond
+  it and the candidate is never chosen (:func:`difference` says why).
+- **Time.** The candidates run in turns (one run of each on every sample, then again),
+  so that a change in the machine's load falls on all of them alike; each sample's time
+  is the median of its runs, a candidate's time the sum over the samples. Runs stop at
+  ``rounds`` or at the deadline, whichever comes first (at least one round).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+import numpy as np
+
+from inferd.daemon.placed_model import Inputs, shapes_text
+from inferd.ipc.errors import InferdError
+from inferd.libbackends.contract import LoadedModel
+
+ROUNDS = 5
+"""Timed rounds per candidate when the time limit allows (after the checking run)."""
+
+THREADS_PAY = 0.9
+"""More threads are kept only if they bring a stage's time to at most this share of its
+time on one thread: a gain smaller than that is within this machine's noise."""
+
+
+@dataclass
+class Trial:
+    """One candidate being measured: a backend (with a thread count) and its figures."""
+
+    label: str
+    backend: str
+    threads: int | None = None
+    model: LoadedModel | None = None
+    times: list[list[float]] = field(default_factory=list)
+    """Per sample, the seconds of each timed run."""
+    why_not: str | None = None
+    """Why it cannot be chosen (failed to load, wrong results, too slow), else None."""
+
+    @property
+    def seconds(self) -> float:
+        """The sum over samples of each sample's median run (inf before any run)."""
+        if not self.times or any(not t for t in self.times):
+            return math.inf
+        return sum(statistics.median(t) for t in self.times)
+
+
+def signature_difference(reference: LoadedModel, candidate: LoadedModel) -> str | None:
+    """Why ``candidate`` cannot stand in for ``reference`` (other input or output
+    names, dtypes or ranks, or another fixed size), or None if it can."""
+    for what, mine, theirs in (("inputs", reference.inputs, candidate.inputs),
+                               ("outputs", reference.outputs, candidate.outputs)):
+        a = {s.name: s for s in mine}
+        b = {s.name: s for s in theirs}
+        if set(a) != set(b):
+            return f"its {what} are {sorted(b)}, not {sorted(a)}"
+        for name, s in a.items():
+            t = b[name]
+            fixed = [(x, y) for x, y in zip(s.shape, t.shape)
+                     if isinstance(x, int) and isinstance(y, int)]
+            if s.dtype != t.dtype or len(s.shape) != len(t.shape) or any(
+                    x != y for x, y in fixed):
+                return (f"its {what[:-1]} {name!r} is {t.dtype} {list(t.shape)}, not "
+                        f"{s.dtype} {list(s.shape)}")
+    return None
+
+
+def difference(reference: Inputs, got: Inputs, tolerance: float) -> str | None:
+    """Why ``got`` (a candidate's outputs) is not ``reference``'s within ``tolerance``
+    (see the module docstring), or None if it is."""
+    if set(got) != set(reference):
+        return f"it gave outputs {sorted(got)}, not {sorted(reference)}"
+    for name, ref in reference.items():
+        out = np.asarray(got[name])
+        ref = np.asarray(ref)
+        if out.shape != ref.shape or out.dtype != ref.dtype:
+            return (f"its output {name!r} is {out.dtype} {list(out.shape)}, not "
+                    f"{ref.dtype} {list(ref.shape)}")
+        if ref.dtype.kind in "fc":
+            finite = np.isfinite(ref)
+            if not np.array_equal(np.isfinite(out), finite):
+                return f"its output {name!r} has NaN or infinite values where the " \
+                       f"reference has none, or the other way round"
+            diff = float(np.max(np.abs(out[finite] - ref[finite]), initial=0.0))
+            scale = max(1.0, float(np.max(np.abs(ref[finite]), initial=0.0)))
+            if diff > tolerance * scale:
+                return (f"its output {name!r} differs by {diff:.3g} (tolerance "
+                        f"{tolerance:g} x {scale:.3g})")
+        elif not np.array_equal(out, ref):
+            wrong = int(np.count_nonzero(out != ref)) if out.shape == ref.shape else -1
+            return f"its output {name!r} differs in {wrong} of {ref.size} values"
+    return None
+
+
+def check(trial: Trial, samples: list[Inputs], reference: list[Inputs],
+          tolerance: float) -> None:
+    """Run ``trial`` once on every sample and compare with ``reference`` (the
+    reference backend's outputs on the same samples); sets ``why_not`` if it differs
+    or fails."""
+    assert trial.model is not None
+    for i, (inputs, ref) in enumerate(zip(samples, reference)):
+        try:
+            got = trial.model.run(inputs)
+        except InferdError as e:
+            trial.why_not = f"it failed to run: {e.message}"
+            return
+        why = difference(ref, got, tolerance)
+        if why is not None:
+            trial.why_not = why + (f" on sample {i + 1}" if len(samples) > 1 else "")
+            return
+
+
+def time_trials(trials: list[Trial], samples: list[Inputs], deadline: float,
+                rounds: int = ROUNDS, stop: threading.Event | None = None) -> None:
+    """Time every trial without ``why_not`` on ``samples``, in turns (see the module
+    docstring), adding to the times it has, until ``rounds`` more or ``deadline``
+    (``time.monotonic()``) or ``stop``; at least one round. A trial that fails to run
+    gets ``why_not``."""
+    live = [t for t in trials if t.why_not is None and t.model is not None]
+    for t in live:
+        if len(t.times) != len(samples):
+            t.times = [[] for _ in samples]
+    for n in range(rounds):
+        if n and (time.monotonic() >= deadline or (stop is not None and stop.is_set())):
+            break
+        for t in live:
+            if t.why_not is not None:
+                continue
+            assert t.model is not None
+            for i, inputs in enumerate(samples):
+                started = time.perf_counter()
+                try:
+                    t.model.run(inputs)
+                except InferdError as e:
+                    t.why_not = f"it failed to run: {e.message}"
+                    break
+                t.times[i].append(time.perf_counter() - started)
+
+
+def fastest(trials: list[Trial], margin: float = 0.02) -> Trial | None:
+    """The fastest trial that can be chosen; one within ``margin`` of an earlier one
+    (in plan order) does not beat it, so noise does not move a model for nothing."""
+    best: Trial | None = None
+    for t in trials:
+        if t.why_not is not None or math.isinf(t.seconds):
+            continue
+        if best is None or t.seconds < best.seconds * (1 - margin):
+            best = t
+    return best
+
+
+def stage_threads(share: float, cores: int) -> int:
+    """The engine threads a graph stage earns: its share of the graph's busy time in
+    cores, rounded up, at least 1 and at most ``cores`` (the slowest stage takes the
+    cores the others leave idle: 70 % of the work on 2 cores gives 2 threads)."""
+    if cores <= 1 or share <= 0:
+        return 1
+    return max(1, min(cores, math.ceil(share * cores - 1e-9)))
+
+
+def times_ms(trials: list[Trial]) -> dict[str, float]:
+    """Each timed trial's milliseconds per sample set, by label."""
+    return {t.label: round(t.seconds * 1000, 3) for t in trials
+            if t.why_not is None and not math.isinf(t.seconds)}
+
+
+def untimed(trials: list[Trial]) -> dict[str, str]:
+    """Each trial that cannot be chosen, with why."""
+    return {t.label: t.why_not for t in trials if t.why_not is not None}
+
+
+def describe_samples(samples: list[Inputs]) -> tuple[str, ...]:
+    """The samples' input shapes, for the decision and the journal."""
+    return tuple(shapes_text(s) for s in samples)

@@ -1,0 +1,159 @@
+"""A loaded model that can move to another backend between two runs, and that keeps the
+inputs of its first runs and its busy time for the placement's measuring.
+
+The cache's workers run a :class:`PlacedModel` like any loaded model. When the
+background measuring finds a faster candidate, :meth:`PlacedModel.switch` makes the
+winner serve every run that starts from then on; runs already inside the old engine
+finish there, and the last one to finish unloads it. No worker is restarted, no queue is
+drained, no request fails.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from inferd.libbackends.contract import LoadedModel
+
+Inputs = dict[str, NDArray[Any]]
+
+
+def shapes_text(inputs: Inputs) -> str:
+    """``x=1x3x48x192`` (several inputs comma-separated), for figures and the journal."""
+    return ", ".join(f"{n}={'x'.join(map(str, a.shape)) or 'scalar'}"
+                     for n, a in sorted(inputs.items()))
+
+
+class PlacedModel(LoadedModel):
+    """The model a cache entry serves, whichever engine runs it now.
+
+    Args:
+        model: the engine the placement loaded first.
+        on_sample: called (without arguments) after a sample was kept.
+        on_unload: called with this model once it is unloaded.
+    """
+
+    def __init__(self, model: LoadedModel, on_sample: Callable[[], None] | None = None,
+                 on_unload: Callable[[PlacedModel], None] | None = None) -> None:
+        self.inputs = model.inputs
+        self.outputs = model.outputs
+        self.device = model.device
+        self._current = model
+        self._lock = threading.Lock()
+        self._active: dict[int, int] = {}  # id(engine) -> runs inside it now
+        self._retired: list[LoadedModel] = []  # switched away from, runs still inside
+        self._want = 0
+        self._on_sample = on_sample
+        self._on_unload = on_unload
+        self._closed = False
+        self._samples: list[Inputs] = []
+        self._seen: set[tuple[Any, ...]] = set()
+        self.first_sample_at: float | None = None
+        self.busy_s = 0.0
+        """Seconds spent inside the engines since the load (every run)."""
+        self.runs = 0
+
+    @property
+    def engine(self) -> LoadedModel:
+        """The engine that runs the next run."""
+        return self._current
+
+    def run(self, inputs: Inputs, outputs: list[str] | None = None) -> Inputs:
+        with self._lock:
+            engine = self._current
+            self._active[id(engine)] = self._active.get(id(engine), 0) + 1
+            keep = len(self._samples) < self._want
+        if keep:
+            self._sample(inputs)
+        started = time.perf_counter()
+        try:
+            return engine.run(inputs, outputs)
+        finally:
+            took = time.perf_counter() - started
+            with self._lock:
+                self.busy_s += took
+                self.runs += 1
+                left = self._active[id(engine)] = self._active[id(engine)] - 1
+                done = engine in self._retired and left == 0
+                if done:
+                    self._retired.remove(engine)
+                    del self._active[id(engine)]
+            if done:
+                engine.unload()
+
+    def run_unsampled(self, inputs: Inputs) -> Inputs:
+        """One run that is not kept as a sample nor counted as busy (the warm-up)."""
+        return self._current.run(inputs)
+
+    def _sample(self, inputs: Inputs) -> None:
+        shapes = tuple(sorted((n, a.shape, str(a.dtype)) for n, a in inputs.items()))
+        with self._lock:
+            if shapes in self._seen or len(self._samples) >= self._want:
+                return
+            self._seen.add(shapes)
+            # copies: a request's arrays are views of its message frames
+            self._samples.append({n: np.array(a, copy=True) for n, a in inputs.items()})
+            if self.first_sample_at is None:
+                self.first_sample_at = time.monotonic()
+        if self._on_sample is not None:
+            self._on_sample()
+
+    def samples(self) -> list[Inputs]:
+        """The inputs kept so far, one dict per distinct shape, in the order seen."""
+        with self._lock:
+            return list(self._samples)
+
+    def resample(self, samples: int) -> None:
+        """Keep the inputs of the next ``samples`` distinct shapes (measuring again)."""
+        with self._lock:
+            self._want = samples
+            self._samples, self._seen = [], set()
+            self.first_sample_at = None
+
+    def switch(self, engine: LoadedModel) -> bool:
+        """Serve every run that starts from now on with ``engine``; the engine it
+        replaces is unloaded at once if idle, else by its last run. False (and
+        ``engine`` unloaded) if this model was unloaded meanwhile."""
+        with self._lock:
+            closed = self._closed
+            old, idle = self._current, False
+            if not closed:
+                self._current, self.device = engine, engine.device
+                if self._active.get(id(old)):
+                    self._retired.append(old)  # its last run unloads it
+                else:
+                    self._active.pop(id(old), None)
+                    idle = True
+        if closed:
+            engine.unload()
+            return False
+        if idle:
+            old.unload()
+        return True
+
+    def unload(self) -> None:
+        # The workers have stopped: no run is inside any engine any more.
+        with self._lock:
+            engines = [self._current, *self._retired]
+            self._retired, self._active = [], {}
+            self._want, self._samples, self._closed = 0, [], True
+        for engine in engines:
+            engine.unload()
+        if self._on_unload is not None:
+            self._on_unload(self)
+
+    def memory_bytes(self) -> int | None:
+        return self._current.memory_bytes()
+
+    def describe(self) -> dict[str, Any]:
+        return self._current.describe()
+
+    def __getattr__(self, name: str) -> Any:  # backend extras (metadata...) pass through
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._current, name)

@@ -1,0 +1,421 @@
+"""Measured placement: the loader's one call (:meth:`Placer.place`), and the background
+thread (``inferd-placement``) that measures a model's rival backends once it serves and
+moves it onto the fastest (see :mod:`inferd.daemon.placement` for the rules).
+
+The cost is bounded: a model is measured once per machine (the decision is kept,
+:mod:`inferd.daemon.decisions`), after its first load, while the first candidate
+serves; each measurement stops at ``[placement] time_limit_s``; the candidates being
+measured are counted in the cache's memory budget, and measuring waits
+(``RETRY_S``) rather than evict a model or load past the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inferd.daemon import measure
+from inferd.daemon.budget import estimate_cost
+from inferd.daemon.decisions import (
+    Decision, DecisionKey, DecisionStore, candidate_label, cpu_model, file_sha256,
+)
+from inferd.daemon.placed_model import Inputs, PlacedModel
+from inferd.daemon.placement import (
+    Load, Mode, ModelPlacement, Room, Status, backend_options, place, rivals,
+    set_threads, state_directory, threads_fixed,
+)
+from inferd.daemon.units import PROCESS_CORES
+from inferd.daemon.warmup import warmup_inputs
+from inferd.ipc.errors import ErrorCode, InferdError
+from inferd.libbackends.contract import LoadedModel
+from inferd.libbackends.registry import Choice
+
+log = logging.getLogger("inferd.daemon.placement")
+
+SAMPLES = 3
+"""Runs of distinct input shapes a model keeps as its measuring inputs."""
+SETTLE_S = 2.0
+"""After its first request, how long a model waits for more input shapes to measure."""
+RETRY_S = 30.0
+"""How long measuring waits before it tries again when the cache is short of memory."""
+GRAPH_FILE = "graph.toml"
+
+
+def graphs_of(repo_root: Path, model: str) -> list[tuple[str, list[str]]]:
+    """The graphs of the repository whose nodes call ``model``, each with every model
+    it calls (read from each ``graph.toml``; an unreadable one is skipped: loading the
+    graph reports it)."""
+    found = []
+    for path in sorted(Path(repo_root).glob(f"*/{GRAPH_FILE}")):
+        try:
+            nodes = tomllib.loads(path.read_text(encoding="utf-8")).get("nodes", [])
+            members = sorted({n["model"] for n in nodes
+                              if isinstance(n, dict) and isinstance(n.get("model"), str)})
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, TypeError):
+            continue
+        if model in members:
+            found.append((path.parent.name, members))
+    return found
+
+
+@dataclass
+class Job:
+    """One model version whose rivals are (to be) measured."""
+
+    name: str
+    version: int
+    path: Path
+    plan: list[Choice]
+    """The rivals, reference (the plan's first of this kind) first."""
+    settings: Any
+    load: Load
+    key: DecisionKey
+    model: PlacedModel
+    placement: ModelPlacement
+    fixed_shapes: bool
+    graphs: list[tuple[str, list[str]]] = field(default_factory=list)
+    not_before: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} version {self.version}"
+
+    @property
+    def samples_wanted(self) -> int:
+        """Its first requests' inputs are waited for unless every input size is fixed
+        and it is in no graph (whose busy times its threads need)."""
+        return 0 if self.fixed_shapes and not self.graphs else SAMPLES
+
+
+class Placer:
+    """Places models and measures the ones with rivals (see the module docstring).
+
+    Args:
+        config: the daemon configuration (``[placement]``, ``[cache] warmup_dim``);
+            replaced on reload with :meth:`use_config`.
+        room: the cache's memory budget, which counts a candidate being measured.
+        store: where decisions are kept (default: from ``[placement] directory``).
+    """
+
+    def __init__(self, config: Any, room: Room, store: DecisionStore | None = None) -> None:
+        self.config = config
+        self._room = room
+        self.store = store if store is not None else DecisionStore(state_directory(config))
+        self._cond = threading.Condition()
+        self._queue: list[Job] = []
+        self._jobs: dict[tuple[str, int], Job] = {}  # placed models that have rivals
+        self._models: dict[tuple[str, int], PlacedModel] = {}  # every placed model
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._cpu = cpu_model()
+
+    def use_config(self, config: Any) -> None:
+        """Measure by ``config`` from now on (a reload)."""
+        self.config = config
+
+    # ----------------------------------------------------------------- the loader's call
+
+    def place(self, name: str, version: int, path: Path, plan: list[Choice],
+              settings: Any, config: Any, load: Load, repo_root: Path
+              ) -> tuple[ModelPlacement, PlacedModel]:
+        """Load ``name`` ``version`` (file ``path``) where it is known to run best (a
+        kept decision's winner), else on the plan's first that loads; where the plan
+        has rivals of the kind that loaded and ``placement = "measured"``, measure them
+        in the background. ``load`` is called again later, on the placement thread,
+        for each rival.
+
+        Raises:
+            InferdError: as :func:`inferd.daemon.placement.place`.
+        """
+        label = f"{name} version {version}"
+        mode = Mode(settings.placement or config.placement.mode)
+        threads = set_threads(settings)
+        decision = None
+        order = plan
+        if mode is Mode.MEASURED and len(rivals(plan, plan[0].kind)) > 1:
+            decision = self.store.get(name, version, self._key(
+                path, rivals(plan, plan[0].kind), settings, config, repo_root, name))
+            if decision is not None:
+                won = (decision.backend, decision.kind)
+                order = sorted(plan, key=lambda c: (c.backend.id, str(c.kind)) != won)
+                threads = decision.threads if threads is None else threads
+        placement, engine = place(label, order, settings, config, load, threads)
+        model = PlacedModel(engine, on_sample=self._wake, on_unload=self._closed)
+        with self._cond:
+            self._models[(name, version)] = model
+        found = rivals(plan, placement.kind)
+        if decision is not None and placement.backend == decision.backend:
+            placement.settled(Status.KEPT, f"{decision.text()}; {self._kept(decision)}")
+            return placement, model
+        if mode is Mode.FIRST or len(found) < 2:
+            if len(found) > 1:
+                placement.settled(Status.FIRST, f'{placement.why}; placement = "first"')
+            return placement, model
+        fixed = all(isinstance(d, int) and d >= 0 for s in engine.inputs for d in s.shape)
+        job = Job(name, version, path, found, settings, load,
+                  self._key(path, found, settings, config, repo_root, name), model,
+                  placement, fixed, graphs_of(repo_root, name))
+        model.resample(job.samples_wanted)
+        placement.settled(Status.MEASURING, f"{placement.why}; measuring "
+                          f"{', '.join(c.backend.id for c in found)} in the background")
+        self._submit(job)
+        return placement, model
+
+    def _key(self, path: Path, found: list[Choice], settings: Any, config: Any,
+             repo_root: Path, name: str) -> DecisionKey:
+        ids = [c.backend.id for c in found]
+        relevant = {"threads": set_threads(settings),
+                    "options": {b: backend_options(config, settings, b) for b in ids},
+                    "onnxruntime": vars(config.onnxruntime),
+                    "graphs": [g for g, _ in graphs_of(repo_root, name)]}
+        return DecisionKey(file_sha256(path),
+                           tuple(f"{c.backend.id} {c.backend.version} {c.kind}"
+                                 for c in found),
+                           self._cpu, len(PROCESS_CORES),
+                           json.dumps(relevant, sort_keys=True, default=str))
+
+    def _kept(self, decision: Decision) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(decision.measured_at))
+        where = f" ({self.store.path})" if self.store.path is not None else ""
+        return f"kept from the measurement of {when}{where}"
+
+    # ----------------------------------------------------------------- the thread
+
+    def _submit(self, job: Job) -> None:
+        with self._cond:
+            self._jobs[(job.name, job.version)] = job
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="inferd-placement",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _closed(self, model: PlacedModel) -> None:
+        """A placed model was unloaded: forget it (a measurement of it in progress
+        will not switch it: :meth:`PlacedModel.switch` refuses)."""
+        with self._cond:
+            for k in [k for k, m in self._models.items() if m is model]:
+                del self._models[k]
+                job = self._jobs.pop(k, None)
+                if job is not None and job in self._queue:
+                    self._queue.remove(job)
+
+    def _ready(self, job: Job, now: float) -> bool:
+        if now < job.not_before:
+            return False
+        if not job.samples_wanted:
+            return True
+        first = job.model.first_sample_at
+        return len(job.model.samples()) >= SAMPLES or (
+            first is not None and now - first >= SETTLE_S)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._stopping.is_set():
+                        return
+                    now = time.monotonic()
+                    job = next((j for j in self._queue if self._ready(j, now)), None)
+                    if job is not None:
+                        self._queue.remove(job)
+                        break
+                    # a job waits for samples or a retry time: look again soon
+                    self._cond.wait(0.5 if self._queue else None)
+            try:
+                self._measure(job)
+            except Exception:  # noqa: BLE001  measuring must never take serving down
+                log.exception("model %s: measuring its placement failed; it stays on %s",
+                              job.label, job.placement.backend, extra={"MODEL": job.name})
+                job.placement.settled(Status.FIRST, "measuring failed (see the journal); "
+                                      "the first of the plan that loads serves")
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop measuring (one in progress stops at its next run); True if the thread
+        ended within ``timeout``."""
+        self._stopping.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def remeasure(self, names: list[str] | None = None) -> list[str]:
+        """Forget the decisions of ``names`` (None: every model) and measure the loaded
+        ones with rivals again; the labels of those that will be measured."""
+        for name in names if names is not None else [None]:
+            self.store.forget(name)
+        again = []
+        with self._cond:
+            for job in self._jobs.values():
+                if (names is not None and job.name not in names) or job in self._queue:
+                    continue
+                job.not_before = 0.0
+                job.model.resample(job.samples_wanted)
+                job.placement.settled(Status.MEASURING, f"{job.placement.why}; measuring "
+                                      f"again (inferctl reload --remeasure)")
+                self._queue.append(job)
+                again.append(job.label)
+            self._cond.notify_all()
+        return again
+
+    # ----------------------------------------------------------------- measuring
+
+    def _measure(self, job: Job) -> None:
+        """Measure ``job``'s rivals, keep the decision, move the model to the winner."""
+        cfg = self.config.placement
+        deadline = time.monotonic() + cfg.time_limit_s
+        samples = job.model.samples() or [warmup_inputs(
+            job.label, job.model, job.path, job.settings, self.config.cache.warmup_dim)]
+        each = self._room.measured((job.name, job.version)) or estimate_cost(
+            job.path.stat().st_size)
+        trials: list[measure.Trial] = []
+        try:
+            with self._room.reserve(f"measuring the placement of {job.label}",
+                                    each * (len(job.plan) + 1)):
+                try:
+                    decision = self._decide(job, samples, deadline, trials)
+                    if decision is not None:
+                        self._adopt(job, decision, trials)
+                finally:
+                    for t in trials:
+                        if t.model is not None:
+                            t.model.unload()
+        except InferdError as e:
+            if e.code is not ErrorCode.RESOURCE_EXHAUSTED:
+                raise
+            log.info("model %s: measuring its placement postponed by %.0f s: the cache is "
+                     "short of memory (%s)", job.label, RETRY_S, e.message,
+                     extra={"MODEL": job.name})
+            with self._cond:
+                if (job.name, job.version) in self._jobs:
+                    job.not_before = time.monotonic() + RETRY_S
+                    self._queue.append(job)
+
+    def _load(self, job: Job, choice: Choice, threads: int | None) -> LoadedModel:
+        """A fresh engine of ``choice`` for measuring; raises InferdError (logged by
+        :func:`place`, like a load's fallback)."""
+        _, engine = place(job.label, [choice], job.settings, self.config, job.load, threads)
+        return engine
+
+    def _trial(self, job: Job, choice: Choice, threads: int | None, samples: list[Inputs],
+               reference: list[Inputs] | None, deadline: float) -> measure.Trial:
+        trial = measure.Trial(candidate_label(choice.backend.id, threads), choice.backend.id,
+                              threads)
+        if time.monotonic() >= deadline or self._stopping.is_set():
+            limit = self.config.placement.time_limit_s
+            trial.why_not = f"not measured within the time limit ({limit:g} s)"
+            return trial
+        try:
+            trial.model = self._load(job, choice, threads)
+        except InferdError as e:
+            trial.why_not = f"it failed to load: {e.message}"
+            return trial
+        trial.why_not = measure.signature_difference(job.model, trial.model)
+        if trial.why_not is None and reference is not None:
+            measure.check(trial, samples, reference, self.config.placement.tolerance)
+        return trial
+
+    def _decide(self, job: Job, samples: list[Inputs], deadline: float,
+                trials: list[measure.Trial]) -> Decision | None:
+        """Measure every rival (into ``trials``, which the caller unloads) and decide;
+        None if the reference itself cannot be run again."""
+        threads = set_threads(job.settings)
+        ref = self._trial(job, job.plan[0], threads, samples, None, deadline)
+        trials.append(ref)
+        if ref.model is None or ref.why_not is not None:
+            log.warning("model %s: its placement cannot be measured: the reference backend "
+                        "%s %s; it stays on %s", job.label, ref.backend, ref.why_not,
+                        job.placement.backend, extra={"MODEL": job.name})
+            job.placement.settled(Status.FIRST, f"measuring impossible: {ref.backend} "
+                                  f"{ref.why_not}")
+            return None
+        try:
+            reference = [ref.model.run(s) for s in samples]
+        except InferdError as e:
+            ref.why_not = f"it failed to run: {e.message}"
+            job.placement.settled(Status.FIRST, f"measuring impossible: {ref.backend} "
+                                  f"{ref.why_not}")
+            return None
+        for choice in job.plan[1:]:
+            trials.append(self._trial(job, choice, threads, samples, reference, deadline))
+        measure.time_trials(trials, samples, deadline, stop=self._stopping)
+        best = measure.fastest(trials) or ref
+        note = ""
+        share = self._share(job)
+        if share is not None and not threads_fixed(job.settings, [c.backend.id
+                                                                  for c in job.plan]):
+            graph, part = share
+            cores = len(job.settings.cpu_affinity or PROCESS_CORES)
+            more = measure.stage_threads(part, cores)
+            note = (f"threads: {part:.0%} of graph {graph}'s busy time on {cores} cores "
+                    f"earns {more}")
+            if more > 1:
+                choice = next(c for c in job.plan if c.backend.id == best.backend)
+                wide = self._trial(job, choice, more, samples, reference, deadline)
+                trials.append(wide)
+                measure.time_trials([best, wide], samples, deadline, stop=self._stopping)
+                if wide.seconds <= best.seconds * measure.THREADS_PAY:
+                    best = wide
+                elif wide.why_not is None:
+                    note += f", which did not pay (kept {best.threads or 1})"
+        return Decision(best.backend, str(job.plan[0].kind), best.threads,
+                        measure.times_ms(trials), measure.untimed(trials),
+                        measure.describe_samples(samples), time.time(), note)
+
+    def _share(self, job: Job) -> tuple[str, float] | None:
+        """The graph in which ``job``'s model does the largest share of the busy time
+        of the graph's models since they loaded, and that share; None outside graphs."""
+        best: tuple[str, float] | None = None
+        with self._cond:
+            busy: dict[str, float] = {}
+            for (name, _), m in self._models.items():
+                busy[name] = max(busy.get(name, 0.0), m.busy_s)
+        for graph, members in job.graphs:
+            total = sum(busy.get(m, 0.0) for m in members)
+            if total > 0:
+                part = busy.get(job.name, 0.0) / total
+                if best is None or part > best[1]:
+                    best = (graph, part)
+        return best
+
+    def _adopt(self, job: Job, decision: Decision, trials: list[measure.Trial]) -> None:
+        """Keep ``decision`` and move the model onto its winner (the winner's engine
+        leaves ``trials``)."""
+        self.store.put(job.name, job.version, job.key, decision)
+        for label, why in decision.rejected.items():
+            if not why.startswith(("it failed to load", "not measured")):
+                log.warning("model %s: %s is never chosen for it: %s", job.label, label,
+                            why, extra={"MODEL": job.name, "BACKEND": label.split(",")[0]})
+        text = decision.text()
+        log.info("model %s: placement measured on %s: chosen: %s", job.label,
+                 "; ".join(decision.inputs), text,
+                 extra={"MODEL": job.name, "BACKEND": decision.backend})
+        serving = job.placement.to_json()
+        if (decision.backend, decision.threads) == (serving["backend"], serving["threads"]):
+            job.placement.settled(Status.MEASURED, text)
+            return
+        winner = next(t for t in trials if (t.backend, t.threads) ==
+                      (decision.backend, decision.threads))
+        engine, winner.model = winner.model, None
+        assert engine is not None
+        if not job.model.switch(engine):
+            return  # unloaded meanwhile; the decision serves its next load
+        job.placement.moved(decision.backend, job.plan[0].kind,
+                            getattr(engine, "device", "") or serving["device"],
+                            decision.threads, text)
+        log.info("model %s now runs on %s (device %s); %s is unloaded after its last run",
+                 job.label, decision.label, job.placement.device,
+                 candidate_label(serving["backend"], serving["threads"]),
+                 extra={"MODEL": job.name, "BACKEND": decision.backend})

@@ -1,0 +1,476 @@
+"""Measured placement (daemon/placer.py, placement.py, measure.py, decisions.py,
+placed_model.py): two test backends that sleep a known time per run make "which is
+faster" deterministic; one that doubles its input gives wrong results. The models are a
+real ONNX file (its hash keys the decision); the test backends run it in numpy.
+
+The memory budget here is ``RecordingRoom``, which records what the placer reserves and
+refuses on demand: the cache's own budget (daemon/budget.py) is exercised with the real
+daemon in tests/e2e/test_placement.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from inferd.daemon.config import load_config
+from inferd.daemon.decisions import Decision, DecisionKey, DecisionStore, cpu_model
+from inferd.daemon.measure import Trial, difference, fastest, stage_threads
+from inferd.daemon.model_settings import ModelSettings, check_settings
+from inferd.daemon.placed_model import PlacedModel
+from inferd.daemon.placer import Placer
+from inferd.ipc.errors import ErrorCode, InferdError
+from inferd.libbackends.contract import (
+    Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
+)
+from inferd.libbackends.registry import Registry
+
+SLOW_S, FAST_S = 0.030, 0.006
+
+
+class SleepModel(LoadedModel):
+    """y = x * scale, after sleeping ``delay / threads`` seconds per run."""
+
+    def __init__(self, delay: float, scale: float, threads: int, log: list[str],
+                 name: str) -> None:
+        self.inputs = (TensorSpec("x", "float32", (None, 4)),)
+        self.outputs = (TensorSpec("y", "float32", (None, 4)),)
+        self.device = "CPU"
+        self._delay, self._scale, self._threads = delay, scale, threads
+        self._log, self._name = log, name
+        self.unloaded = False
+
+    def run(self, inputs: dict[str, Any], outputs: list[str] | None = None) -> dict[str, Any]:
+        assert not self.unloaded, f"{self._name} ran after its unload"
+        time.sleep(self._delay / self._threads)
+        return {"y": inputs["x"] * np.float32(self._scale)}
+
+    def unload(self) -> None:
+        self.unloaded = True
+        self._log.append(f"unload {self._name}")
+
+
+class SleepBackend(Backend):
+    kind = DeviceKind.CPU
+
+    def __init__(self, id: str, delay: float, scale: float = 1.0, version: str = "1.0",
+                 fail: str = "") -> None:
+        self.id, self.version = id, version
+        self._delay, self._scale, self._fail = delay, scale, fail
+        self.loads: list[LoadOptions] = []
+        self.log: list[str] = []
+        self.models: list[SleepModel] = []
+
+    def probe(self) -> Probe:
+        return Probe(True, devices=("cpu",))
+
+    def supports(self, model_path: Path) -> tuple[bool, str]:
+        return True, ""
+
+    def load(self, model_path: Path, options: LoadOptions) -> LoadedModel:
+        if self._fail:
+            raise InferdError(f"{self.id} cannot load {model_path}: {self._fail}")
+        self.loads.append(options)
+        model = SleepModel(self._delay, self._scale, options.threads or 1, self.log,
+                           f"{self.id}#{len(self.loads)}")
+        self.models.append(model)
+        return model
+
+
+class RecordingRoom:
+    """The budget's two calls the placer makes; ``refuse`` makes reserve() say no."""
+
+    def __init__(self) -> None:
+        self.reserved: list[tuple[str, int]] = []
+        self.refuse = False
+        self.held = 0
+
+    def measured(self, key: tuple[str, int]) -> int | None:
+        return 1000
+
+    @contextlib.contextmanager
+    def reserve(self, label: str, need: int) -> Iterator[None]:
+        if self.refuse:
+            raise InferdError("model needs 3 KiB but the budget is 1 KiB",
+                              ErrorCode.RESOURCE_EXHAUSTED)
+        self.reserved.append((label, need))
+        self.held += need
+        try:
+            yield
+        finally:
+            self.held -= need
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    path = tmp_path / "repo" / "m" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not really onnx, but a file whose hash keys the decision")
+    return tmp_path / "repo"
+
+
+def make(backends: list[Backend], directory: Path | None, **overrides: Any
+         ) -> tuple[Placer, Registry, RecordingRoom]:
+    config = load_config(None, {"placement.time_limit_s": 30.0, **overrides})
+    registry = Registry()
+    for b in backends:
+        registry.register(b)
+    room = RecordingRoom()
+    return Placer(config, room, DecisionStore(directory)), registry, room
+
+
+def place(placer: Placer, registry: Registry, repo: Path,
+          settings: ModelSettings | None = None) -> tuple[Any, PlacedModel]:
+    path = repo / "m" / "1" / "model.onnx"
+    plan = registry.plan("m", path, settings.backends if settings else None)
+    return placer.place("m", 1, path, plan, settings or ModelSettings(), placer.config,
+                        lambda choice, options: choice.backend.load(path, options), repo)
+
+
+def serve(model: PlacedModel, runs: int = 3) -> None:
+    """The model's first requests: distinct shapes, as a graph's stages bring them."""
+    for i in range(runs):
+        x = np.arange(4 * (i + 1), dtype=np.float32).reshape(i + 1, 4)
+        np.testing.assert_array_equal(model.run({"x": x})["y"], x)
+
+
+def settled(placement: Any, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while placement.to_json()["status"] == "measuring":
+        assert time.monotonic() < deadline, placement.to_json()
+        time.sleep(0.02)
+    return placement.to_json()
+
+
+def test_the_faster_backend_takes_over_and_the_slower_is_unloaded(repo: Path) -> None:
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, room = make([slow, fast], None)
+    placement, model = place(placer, registry, repo)
+    try:
+        first = placement.to_json()
+        assert (first["backend"], first["status"]) == ("slow", "measuring")
+        assert "measuring slow, fast in the background" in first["why"]
+        serve(model)
+        now = settled(placement)
+        assert (now["backend"], now["status"]) == ("fast", "measured")
+        assert now["why"].startswith("fast, ") and " vs slow " in now["why"]
+        assert now["why"].split(" vs ")[0].endswith("ms") and "(measured)" in now["why"]
+        # the serving engine moved; the first one and the measuring copies are unloaded
+        assert model.engine is fast.models[-1]
+        assert all(m.unloaded for m in slow.models) and slow.models
+        assert [m.unloaded for m in fast.models] == [True] * (len(fast.models) - 1) + [False]
+        serve(model, 1)
+        # the candidates were counted in the budget while they were measured
+        assert room.reserved == [("measuring the placement of m version 1", 3000)]
+        assert room.held == 0
+    finally:
+        placer.stop()
+        model.unload()
+    assert all(m.unloaded for m in fast.models)
+
+
+def test_a_candidate_with_wrong_results_is_never_chosen(repo: Path, caplog: Any) -> None:
+    ok, wrong = SleepBackend("ok", SLOW_S), SleepBackend("wrong", FAST_S, scale=2.0)
+    placer, registry, _ = make([ok, wrong], None)
+    placement, model = place(placer, registry, repo)
+    caplog.set_level(logging.INFO, "inferd.daemon.placement")
+    try:
+        serve(model)
+        now = settled(placement)
+        assert (now["backend"], now["status"]) == ("ok", "measured")
+        assert "not chosen: wrong (its output 'y' differs by" in now["why"]
+        assert model.engine is ok.models[0]  # never switched
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("wrong is never chosen for it: its output 'y' differs by" in m
+                   for m in warned), warned
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_the_decision_survives_a_restart_and_a_new_version_measures_again(
+        repo: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, _ = make([slow, fast], state)
+    placement, model = place(placer, registry, repo)
+    serve(model)
+    assert settled(placement)["backend"] == "fast"
+    placer.stop()
+    model.unload()
+    stored = json.loads((state / "decisions.json").read_text())["decisions"]["m/1"]
+    assert stored["decision"]["backend"] == "fast"
+    assert stored["key"]["cpu"] == cpu_model()
+
+    # a restart: a new placer and a new store on the same directory load the winner
+    slow2, fast2 = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, room = make([slow2, fast2], state)
+    placement, model = place(placer, registry, repo)
+    try:
+        now = placement.to_json()
+        assert (now["backend"], now["status"]) == ("fast", "kept")
+        assert "kept from the measurement of" in now["why"] and str(state) in now["why"]
+        assert not slow2.loads and len(fast2.loads) == 1
+        serve(model)
+        assert placer._thread is None and not room.reserved  # nothing measured
+    finally:
+        placer.stop()
+        model.unload()
+
+    # a new version of a backend: the key changed, the first of the plan serves and the
+    # rivals are measured again
+    slow3, fast3 = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S, version="1.1")
+    placer, registry, _ = make([slow3, fast3], state)
+    placement, model = place(placer, registry, repo)
+    try:
+        assert placement.to_json()["backend"] == "slow"
+        assert placement.to_json()["status"] == "measuring"
+        serve(model)
+        assert settled(placement)["backend"] == "fast"
+    finally:
+        placer.stop()
+        model.unload()
+    key = json.loads((state / "decisions.json").read_text())["decisions"]["m/1"]["key"]
+    assert "fast 1.1 cpu" in key["backends"]
+
+
+@pytest.mark.parametrize("where", ["model.toml", "config"])
+def test_placement_first_keeps_the_first_that_loads(repo: Path, where: str) -> None:
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    overrides = {"placement.mode": "first"} if where == "config" else {}
+    placer, registry, room = make([slow, fast], None, **overrides)
+    settings = check_settings("m", {"placement": "first"}) if where == "model.toml" \
+        else ModelSettings()
+    placement, model = place(placer, registry, repo, settings)
+    try:
+        serve(model)
+        now = placement.to_json()
+        assert (now["backend"], now["status"]) == ("slow", "first")
+        assert now["why"].endswith('placement = "first"')
+        assert placer._thread is None and not fast.loads and not room.reserved
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_one_backend_named_in_model_toml_is_obeyed(repo: Path) -> None:
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, _ = make([slow, fast], None)
+    placement, model = place(placer, registry, repo, check_settings(
+        "m", {"backends": ["slow"]}))
+    try:
+        serve(model)
+        assert placement.to_json()["status"] == "first" and not fast.loads
+        assert placer._thread is None
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_a_rival_that_fails_to_load_is_not_chosen_and_says_why(repo: Path) -> None:
+    slow = SleepBackend("slow", SLOW_S)
+    broken = SleepBackend("broken", FAST_S, fail="no kernel for If")
+    placer, registry, _ = make([slow, broken], None)
+    placement, model = place(placer, registry, repo)
+    try:
+        assert placement.to_json()["backend"] == "slow"
+        serve(model)
+        now = settled(placement)
+        assert (now["backend"], now["status"]) == ("slow", "measured")
+        assert "not chosen: broken (it failed to load: broken cannot load" in now["why"]
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_measuring_waits_while_the_cache_is_short_of_memory(repo: Path,
+                                                           caplog: Any) -> None:
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, room = make([slow, fast], None)
+    room.refuse = True
+    caplog.set_level(logging.INFO, "inferd.daemon.placement")
+    placement, model = place(placer, registry, repo)
+    try:
+        serve(model)
+        deadline = time.monotonic() + 30
+        while not any("postponed" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert placement.to_json()["status"] == "measuring"
+        assert not fast.loads and len(slow.loads) == 1 and not room.reserved
+        line = next(r.getMessage() for r in caplog.records if "postponed" in r.getMessage())
+        assert line == ("model m version 1: measuring its placement postponed by 30 s: the "
+                        "cache is short of memory (model needs 3 KiB but the budget is 1 KiB)")
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_the_time_limit_stops_measuring(repo: Path) -> None:
+    slow = SleepBackend("slow", 0.3)
+    fast = SleepBackend("fast", FAST_S)
+    placer, registry, _ = make([slow, fast], None, **{"placement.time_limit_s": 0.01})
+    placement, model = place(placer, registry, repo)
+    try:
+        serve(model)
+        now = settled(placement)
+        # the reference ran its check and one round; the time was gone before the rival
+        assert now["backend"] == "slow"
+        assert "not chosen: fast (not measured within the time limit (0.01 s))" in now["why"]
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_within_a_graph_the_slowest_stage_gets_the_idle_cores(repo: Path,
+                                                             monkeypatch: Any) -> None:
+    (repo / "g").mkdir()
+    (repo / "g" / "graph.toml").write_text(
+        '[[nodes]]\nname = "a"\nmodel = "m"\n[[nodes]]\nname = "b"\nmodel = "other"\n')
+    monkeypatch.setattr("inferd.daemon.placer.PROCESS_CORES", frozenset({0, 1}))
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", 0.012)
+    placer, registry, _ = make([slow, fast], None)
+    placement, model = place(placer, registry, repo)
+    try:
+        serve(model)
+        now = settled(placement)
+        # "other" never ran: m did all of the graph's work, so it earns both cores, and
+        # the sleeping backend really is faster on two threads
+        assert (now["backend"], now["threads"]) == ("fast", 2), now
+        assert now["why"].startswith("fast, 2 threads, ")
+        assert "threads: 100% of graph g's busy time on 2 cores earns 2" in now["why"]
+        assert fast.loads[-1].threads == 2 and fast.loads[-1].intra_op_threads == 2
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_threads_set_in_model_toml_are_not_measured(repo: Path, monkeypatch: Any) -> None:
+    (repo / "g").mkdir()
+    (repo / "g" / "graph.toml").write_text('[[nodes]]\nname = "a"\nmodel = "m"\n')
+    monkeypatch.setattr("inferd.daemon.placer.PROCESS_CORES", frozenset({0, 1}))
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, _ = make([slow, fast], None)
+    placement, model = place(placer, registry, repo, check_settings("m", {"threads": 1}))
+    try:
+        serve(model)
+        now = settled(placement)
+        assert (now["backend"], now["threads"]) == ("fast", 1)
+        assert all(o.threads == 1 for o in fast.loads + slow.loads)
+        assert "threads:" not in now["why"]
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_remeasure_forgets_the_decision_and_measures_again(repo: Path,
+                                                           tmp_path: Path) -> None:
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, _ = make([slow, fast], tmp_path / "state")
+    placement, model = place(placer, registry, repo)
+    try:
+        serve(model)
+        settled(placement)
+        loads = len(slow.loads)
+        assert placer.remeasure(["other"]) == []
+        assert placer.remeasure(["m"]) == ["m version 1"]
+        assert placement.to_json()["status"] == "measuring"
+        assert not json.loads((tmp_path / "state" / "decisions.json").read_text())[
+            "decisions"]
+        serve(model)
+        assert settled(placement)["backend"] == "fast"
+        assert len(slow.loads) == loads + 1  # the reference was loaded again
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_a_switch_lets_runs_in_the_old_engine_finish_there() -> None:
+    log: list[str] = []
+
+    class Blocking(SleepModel):
+        def __init__(self) -> None:
+            super().__init__(0.0, 1.0, 1, log, "old")
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def run(self, inputs: dict[str, Any], outputs: list[str] | None = None
+                ) -> dict[str, Any]:
+            self.entered.set()
+            assert self.release.wait(30)
+            return super().run(inputs, outputs)
+
+    old, new = Blocking(), SleepModel(0.0, 1.0, 1, log, "new")
+    placed = PlacedModel(old)
+    x = {"x": np.ones((1, 4), np.float32)}
+    results: list[Any] = []
+    t = threading.Thread(target=lambda: results.append(placed.run(x)))
+    t.start()
+    assert old.entered.wait(30)
+    assert placed.switch(new)
+    assert not old.unloaded  # a run is still inside it
+    np.testing.assert_array_equal(placed.run(x)["y"], x["x"])  # served by the new one
+    old.release.set()
+    t.join(30)
+    assert results and old.unloaded and not new.unloaded
+    assert log == ["unload old"]
+    placed.unload()
+    assert log == ["unload old", "unload new"]
+    late = SleepModel(0.0, 1.0, 1, log, "late")
+    assert not placed.switch(late) and late.unloaded  # after the unload: refused
+
+
+def test_difference_within_and_beyond_the_tolerance() -> None:
+    ref = {"y": np.array([[0.5, 100.0]], np.float32), "n": np.array([3], np.int64)}
+    near = {"y": ref["y"] + np.float32(0.05), "n": ref["n"]}
+    assert difference(ref, near, 1e-3) is None  # 0.05 <= 1e-3 x 100
+    far = {"y": ref["y"] + np.float32(0.5), "n": ref["n"]}
+    assert difference(ref, far, 1e-3) == ("its output 'y' differs by 0.5 (tolerance "
+                                          "0.001 x 100)")
+    assert difference(ref, {"y": ref["y"], "n": ref["n"] + 1}, 1e-3) == \
+        "its output 'n' differs in 1 of 1 values"
+    assert difference(ref, {"y": ref["y"][:, :1], "n": ref["n"]}, 1e-3) == \
+        "its output 'y' is float32 [1, 1], not float32 [1, 2]"
+    nan = {"y": np.array([[np.nan, 100.0]], np.float32), "n": ref["n"]}
+    assert "NaN or infinite" in (difference(ref, nan, 1e-3) or "")
+
+
+def test_stage_threads_and_fastest() -> None:
+    assert [stage_threads(s, 2) for s in (0.0, 0.25, 0.5, 0.7, 1.0)] == [1, 1, 1, 2, 2]
+    assert [stage_threads(s, 4) for s in (0.25, 0.5, 0.7)] == [1, 2, 3]
+    assert stage_threads(0.9, 1) == 1
+    a, b, c = Trial("a", "a"), Trial("b", "b"), Trial("c", "c", why_not="wrong")
+    a.times, b.times, c.times = [[0.010]], [[0.0099]], [[0.001]]
+    assert fastest([a, b, c]) is a  # within 2 %: the earlier one stays
+    b.times = [[0.005]]
+    assert fastest([a, b, c]) is b
+
+
+def test_a_store_that_cannot_be_read_or_written_measures_again(tmp_path: Path,
+                                                               caplog: Any) -> None:
+    key = DecisionKey("sha", ("a 1 cpu", "b 1 cpu"), "cpu", 2, "{}")
+    (tmp_path / "decisions.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        store = DecisionStore(tmp_path)
+    assert "cannot be read" in caplog.text and store.get("m", 1, key) is None
+    store.put("m", 1, key, Decision("b", "cpu", None, {"a": 2.0, "b": 1.0}))
+    again = DecisionStore(tmp_path)
+    assert again.get("m", 1, key) == store.get("m", 1, key)
+    assert again.get("m", 1, DecisionKey("sha2", *list(vars(key).values())[1:])) is None
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        store = DecisionStore(blocked / "sub")
+        store.put("m", 1, key, Decision("b", "cpu"))
+        store.put("m", 2, key, Decision("b", "cpu"))
+    assert caplog.text.count("cannot be written") == 1
+    assert store.get("m", 2, key) == Decision("b", "cpu")  # kept in memory
