@@ -245,7 +245,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "failed_load_hold_s": Setting(10.0, _seconds, "a positive number of seconds"),
         "idle_check_s": Setting(1.0, _seconds, "a positive number of seconds"),
         "warmup_dim": Setting(64, _int_upto(65536), "a positive integer up to 65536"),
-        "malloc_mmap_threshold": Setting("4MiB", _mmap_threshold, "a size ('4MiB') or "
+        "malloc_mmap_threshold": Setting("32MiB", _mmap_threshold, "a size ('4MiB') or "
                                          "'auto' (glibc's own sliding threshold)"),
     },
     "logging": {

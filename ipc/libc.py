@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+M_TRIM_THRESHOLD = -1
+"""glibc's mallopt parameter number for the trim threshold."""
 M_MMAP_THRESHOLD = -3
 """glibc's mallopt parameter number for the mmap threshold."""
 
@@ -63,5 +65,6 @@ def set_mmap_threshold(size: int) -> bool:
     if not _MALLOPT(M_MMAP_THRESHOLD, int(size)):
         log.warning("cache.malloc_mmap_threshold = %d refused by mallopt", size)
         return False
+    _MALLOPT(M_TRIM_THRESHOLD, 2 * int(size))
     log.debug("glibc mmap threshold fixed at %d bytes", size)
     return True

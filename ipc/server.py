@@ -279,10 +279,16 @@ class Server:
                 left = self._grace_s - (time.monotonic() - stopping_since)
                 if left <= 0:
                     break
-                timeout = max(1, int(left * 1000))
+                timeout: int | None = max(1, int(left * 1000))
             else:
                 timeout = None
+            trim = self.clients.trim_in()
+            if trim is not None:  # sleep no longer than until the idle trim
+                timeout = min(timeout or 2**31, max(1, int(trim * 1000) + 1))
             events = dict(poller.poll(timeout))
+            if not events:
+                self.clients.trim_if_due()
+                continue
             if self._wake_r.fileno() in events:
                 self._drain_wakeups()
             if self._pull in events:

@@ -1,0 +1,64 @@
+"""ClientLimits' idle trim: free heap pages go back once the daemon has been quiet for
+IDLE_TRIM_S, never between two requests of a steady client (that made each request
+fault its buffers in again); a status poll does not put it off."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferd.ipc import clients
+from inferd.ipc.clients import TRIM_AFTER_BYTES, ClientLimits
+from inferd.ipc.libc import malloc_trim
+from inferd.ipc.replies import Ticket
+
+pytestmark = pytest.mark.skipif(not malloc_trim(), reason="malloc_trim is glibc's")
+
+
+def _ticket(i: int) -> Ticket:
+    return Ticket(i, "", 0.0, peer=b"a", size=TRIM_AFTER_BYTES)
+
+
+def test_no_trim_between_requests_of_a_steady_client() -> None:
+    limits = ClientLimits(8, 2**40)
+    for i in range(5):
+        t = _ticket(i)
+        assert limits.admit(t) is None
+        assert limits.trim_in() is None  # a request in flight: nothing waits
+        limits.done(t)
+        wait = limits.trim_in()
+        assert wait is not None and wait > 0  # due only after IDLE_TRIM_S of quiet
+        limits.trim_if_due()
+    assert limits.trims == 0
+
+
+def test_trim_once_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(clients, "IDLE_TRIM_S", 0.0)
+    limits = ClientLimits(8, 2**40)
+    small = Ticket(0, "", 0.0, peer=b"a", size=10)
+    limits.admit(small)
+    limits.done(small)
+    assert limits.trim_in() is None  # too little received to be worth a trim
+    t = _ticket(1)
+    limits.admit(t)
+    limits.done(t)
+    assert limits.trim_in() == 0.0
+    limits.trim_if_due()
+    assert limits.trims == 1 and limits.trim_in() is None
+
+
+def test_small_requests_do_not_put_the_trim_off() -> None:
+    limits = ClientLimits(8, 2**40)
+    t = _ticket(0)
+    limits.admit(t)
+    limits.done(t)
+    first = limits.trim_in()
+    for i in range(1, 20):  # a status poll while the daemon is otherwise quiet
+        ping = Ticket(i, "", 0.0, peer=b"b", size=200)
+        limits.admit(ping)
+        assert limits.trim_in() is not None
+        limits.done(ping)
+    wait = limits.trim_in()
+    assert first is not None and wait is not None and wait <= first
+    big = _ticket(99)
+    limits.admit(big)  # work again: the trim waits for the next quiet moment
+    assert limits.trim_in() is None
