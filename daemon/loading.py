@@ -23,17 +23,17 @@ from inferd.daemon.catalog import Catalog, Settings
 from inferd.daemon.memory import WorkingLedger
 from inferd.daemon.model_entry import ModelEntry, State
 from inferd.daemon.pipeline import PipelineSpec, parse_spec, unpin_current_thread
-from inferd.daemon.placement import place
+from inferd.daemon.placement import backend_options, place
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.warmup import warm_up
 from inferd.daemon.worker import Workers
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
 from inferd.ipc.protocol import Reply
 from inferd.ipc.replies import ReplySink
-from inferd.libbackends.contract import DeviceKind, LoadedModel
+from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
 from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.customops.plan import load_planned, plan_note
-from inferd.libbackends.registry import Registry
+from inferd.libbackends.registry import Choice, Registry
 
 log = logging.getLogger(__name__)
 
@@ -184,13 +184,17 @@ class ModelLoader:
         before = meter.rss()
         # The first entry of the plan that loads (daemon/placement.py); custom ops and
         # nodes the backend lacks make a partitioned plan (libbackends/customops).
-        placement, model = place(entry.name, plan, spec.settings, config,
-                                 lambda choice, options: load_planned(
-                                     choice.backend, source.path, options, model=entry.label,
-                                     model_dir=repo.root / entry.name, ops=self.customops,
-                                     fallbacks=self.registry.available(),
-                                     tables=spec.settings.backend_tables,
-                                     probe_timeout_s=config.backends.probe_timeout_s))
+        fallbacks = self.registry.available()
+        # a fallback backend's sub-graphs get the same options it would get as the
+        # model's own backend: its config section under its model.toml table
+        tables = {b.id: backend_options(config, spec.settings, b.id) for b in fallbacks}
+
+        def load_on(choice: Choice, options: LoadOptions) -> LoadedModel:
+            return load_planned(choice.backend, source.path, options, model=entry.label,
+                                model_dir=repo.root / entry.name, ops=self.customops,
+                                fallbacks=fallbacks, tables=tables,
+                                probe_timeout_s=config.backends.probe_timeout_s)
+        placement, model = place(entry.name, plan, spec.settings, config, load_on)
         entry.placement = placement
         try:
             warm_up(entry.label, model, source.path, spec.settings, config.cache.warmup_dim)

@@ -54,18 +54,6 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
 
 
-def backend_options(backend_id: str, table: dict[str, Any], config: Any) -> dict[str, Any]:
-    """``LoadOptions.options`` for ``backend_id``: ``table`` (the model.toml table named
-    after the backend) over the daemon-wide defaults inferd.toml has for it (only
-    ``[onnxruntime]``'s memory keys so far)."""
-    defaults: dict[str, Any] = {}
-    if backend_id == "onnxruntime":
-        from inferd.libbackends.onnxruntime_cpu import OPTION_KEYS
-        ort = config.onnxruntime
-        defaults = {k: getattr(ort, k) for k in OPTION_KEYS if hasattr(ort, k)}
-    return {**defaults, **table}
-
-
 class PeakMeter:
     """The process's peak resident memory, resettable (Linux ``clear_refs``)."""
 

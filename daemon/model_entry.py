@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -28,16 +27,6 @@ class State(StrEnum):
     READY = "ready"
     FAILED = "failed"
     DRAINING = "draining"
-
-
-@dataclass
-class Settings:
-    """Per-model settings: config defaults overridden by the model's model.toml."""
-
-    instances: int
-    queue_size: int
-    backends: list[str] | None
-    keep_alive: float
 
 
 class ModelEntry:

@@ -8,8 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from inferd.daemon.config import load_config
-from inferd.daemon.memory import PeakMeter, WorkingMemory, backend_options, shape_class
+from inferd.daemon.memory import PeakMeter, WorkingMemory, shape_class
 from inferd.ipc import RequestError
 from inferd.ipc.errors import ModelError
 from inferd.libbackends.onnxruntime_cpu import ArenaPolicy, arena_policy
@@ -64,15 +63,6 @@ def test_arena_policy_defaults_and_values():
 def test_arena_policy_names_the_bad_key(options, key):
     with pytest.raises(ModelError, match=key):
         arena_policy(options, "model m")
-
-
-def test_backend_options_are_the_model_table_over_the_daemon_defaults():
-    config = load_config(None)
-    merged = backend_options("onnxruntime", {"arena_shrinkage": False}, config)
-    assert merged["arena_shrinkage"] is False
-    assert merged["arena_extend_strategy"] == config.onnxruntime.arena_extend_strategy
-    assert "intra_op_threads" not in merged  # LoadOptions carries the threads itself
-    assert backend_options("openvino", {"x": 1}, config) == {"x": 1}
 
 
 @pytest.fixture

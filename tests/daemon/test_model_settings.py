@@ -15,6 +15,7 @@ import pytest
 from inferd.daemon.config import load_config
 from inferd.daemon.model_settings import SCHEMA, ModelSettings, check_settings, read_settings
 from inferd.daemon.models import ModelManager
+from inferd.daemon.placement import backend_options
 from inferd.daemon.repository import Repository
 from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.ipc.replies import ReplySink
@@ -63,6 +64,17 @@ def test_tables_named_after_backends_pass_through_unchecked() -> None:
     assert s.backend_options("openvino") == {"device": "GPU", "anything": 1}
     assert s.backend_options("onnxruntime-gpu") == {"device_id": 0}
     assert s.backend_options("rknn") == {}
+
+
+def test_backend_options_are_the_model_table_over_the_config_section() -> None:
+    config = load_config(None)
+    s = check_settings("m", {"onnxruntime": {"arena_shrinkage": False}})
+    merged = backend_options(config, s, "onnxruntime")
+    assert merged["arena_shrinkage"] is False
+    assert merged["arena_extend_strategy"] == config.onnxruntime.arena_extend_strategy
+    assert backend_options(config, check_settings("m", {"openvino": {"x": 1}}),
+                           "openvino") == {**vars(config.openvino), "x": 1}
+    assert backend_options(config, s, "rknn") == {}  # no section, no table
 
 
 @pytest.mark.parametrize("content, words", [
