@@ -11,13 +11,11 @@ Run: .venv/bin/python bench/bench_pipeline.py
 
 from __future__ import annotations
 
-import queue
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -25,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "daemon"))
 sys.path.insert(0, str(ROOT))  # the test helpers import tests.links
 
+from inferd.daemon.fairqueue import FairQueue  # noqa: E402
 from inferd.daemon.model_settings import check_settings  # noqa: E402
 from inferd.daemon.pipeline import parse_spec  # noqa: E402
 from inferd.daemon.processors import ProcessorRegistry  # noqa: E402
@@ -51,7 +50,7 @@ def three_stage() -> None:
     slowest = max(STAGE_MS / 1000, infer_s)
     n = 60
     done = threading.Semaphore(0)
-    work: queue.Queue[Any] = queue.Queue()
+    work = FairQueue()
     spec = parse_spec("rec3", check_settings("rec3", {
         "pre": [{"op": "sleep", "ms": STAGE_MS}], "post": [{"op": "sleep", "ms": STAGE_MS}]}),
         ProcessorRegistry())

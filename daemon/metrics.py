@@ -147,6 +147,10 @@ class _StateCollector(Collector):
                                          labels=["model", "version"]),
             "state": GaugeMetricFamily("inferd_model_state", "1 for the model's current "
                                        "state", labels=["model", "version", "state"]),
+            "batch": GaugeMetricFamily("inferd_model_batch_limit", "Rows a batch of the "
+                                       "loaded model may hold now (adaptive batching's "
+                                       "choice, at most max_batch)",
+                                       labels=["model", "version"]),
         }
         for m in models:
             labels = [m["name"], str(m.get("version") or "-")]
@@ -158,6 +162,9 @@ class _StateCollector(Collector):
             families["memory"].add_metric(labels, m.get("memory_bytes") or 0)
             families["working"].add_metric(labels, m.get("memory_working_bytes") or 0)
             families["state"].add_metric(labels + [m["state"]], 1)
+            batching = m.get("batching") or {}
+            if "limit" in batching:  # loaded
+                families["batch"].add_metric(labels, batching["limit"])
         yield from families.values()
         backends = GaugeMetricFamily("inferd_backend_up", "1 if the backend is registered "
                                      "and usable, else 0", labels=["backend", "kind",

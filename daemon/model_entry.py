@@ -126,9 +126,7 @@ class ModelEntry:
             "keep_alive_s": None if math.isinf(self.keep_alive) else self.keep_alive,
             "threads": [t.name for t in self.workers.threads] if self.workers else [],
             "placement": self.workers.placement() if self.workers else [],
-            "batching": ({"max_batch": self.workers.max_batch,
-                          "max_delay_ms": self.workers.spec.max_delay_ms}
-                         if self.workers else None),
+            "batching": self.workers.batching() if self.workers else None,
             "plan": m.describe().get("plan") if m else None,
         }
 
@@ -158,7 +156,8 @@ def describe_cache(catalog: dict[str, Any], entries: dict[ModelKey, ModelEntry],
                 info["keep_alive_s"] = None if math.isinf(keep) else keep
             if spec and not spec.error and info["batching"] is None:  # as configured
                 info["batching"] = {"max_batch": spec.settings.max_batch,
-                                    "max_delay_ms": spec.settings.max_delay_ms}
+                                    "max_delay_ms": spec.settings.max_delay_ms,
+                                    "mode": spec.settings.batching}
             info["versions"] = list(spec.versions) if spec else []
             info["default"] = bool(spec and spec.default == e.version)
             out.append(info)

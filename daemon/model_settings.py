@@ -55,6 +55,12 @@ def _placement(v: Any) -> str:
     raise ValueError
 
 
+def _batching(v: Any) -> str:
+    if v in ("adaptive", "fixed"):
+        return str(v)
+    raise ValueError
+
+
 def _steps(v: Any) -> list[dict[str, Any]]:
     if isinstance(v, list) and all(isinstance(s, dict) for s in v):
         return [dict(s) for s in v]
@@ -88,6 +94,8 @@ SCHEMA: dict[str, Setting] = {
                             "may use"),
     "max_batch": Setting(1, positive_int, "a positive integer (1: no batching)"),
     "max_delay_ms": Setting(0.0, non_negative, "a number of milliseconds >= 0"),
+    "batching": Setting("adaptive", _batching, "\"adaptive\" (batches grow only while the "
+                        "measured cost per row falls) or \"fixed\" (always up to max_batch)"),
     "stage_queue_size": Setting(8, positive_int, "a positive integer"),
     "pre": Setting([], _steps, "a list of step tables ([[pre]] with op = processor)"),
     "post": Setting([], _steps, "a list of step tables ([[post]] with op = processor)"),
@@ -114,6 +122,7 @@ class ModelSettings:
     cpu_affinity: list[int] | None = None
     max_batch: int = 1
     max_delay_ms: float = 0.0
+    batching: str = "adaptive"
     stage_queue_size: int = 8
     pre: list[dict[str, Any]] = field(default_factory=list)
     post: list[dict[str, Any]] = field(default_factory=list)

@@ -6,6 +6,7 @@ The keys it uses::
     cpu_affinity = [0, 1]          # cores every thread of the model may run on
     max_batch = 8                  # dynamic batching: rows merged into one run (1 = off)
     max_delay_ms = 2.0             # how long the first request waits for company
+    batching = "adaptive"          # or "fixed" (daemon/batching.py)
     stage_queue_size = 8           # bounded queue between two stages
     pre = [{ op = "image.resize", height = 48, width = 192 }, ...]
     post = [{ op = "softmax", input = "prob" }, ...]
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inferd.daemon.batching import BatchMode
 from inferd.daemon.model_settings import ModelSettings
 from inferd.daemon.processors import Context, ProcessorRegistry, Step
 from inferd.daemon.units import PROCESS_CORES
@@ -41,6 +43,7 @@ class PipelineSpec:
     cpu_affinity: list[int] | None = None
     max_batch: int = 1
     max_delay_ms: float = 0.0
+    batching: BatchMode = BatchMode.ADAPTIVE
     stage_queue_size: int = 8
 
 
@@ -54,6 +57,7 @@ def parse_spec(name: str, settings: ModelSettings, registry: ProcessorRegistry |
     """
     spec = PipelineSpec(cpu_affinity=settings.cpu_affinity, max_batch=settings.max_batch,
                         max_delay_ms=settings.max_delay_ms,
+                        batching=BatchMode(settings.batching),
                         stage_queue_size=settings.stage_queue_size)
     for key in ("pre", "post"):
         steps = getattr(settings, key)

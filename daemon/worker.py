@@ -1,13 +1,15 @@
 """The per-model pipeline: pre-process -> infer -> post-process, each stage its own
-named thread, stages joined by bounded queues, so that while request N is
+named thread, stages joined by bounded fair queues, so that while request N is
 post-processed, N+1 is inferred and N+2 pre-processed.
 
-The inference stage has ``instances`` threads and batches dynamically: a thread that
-takes a request waits up to ``max_delay_ms`` for more, merges those whose tensors agree
-(names, dtypes, all dimensions but the first) into one run of at most ``max_batch`` rows
-and splits the outputs back, each reply to its own request. A request that the model
-refuses is answered alone; a failing batch is re-run request by request, so a failure
-reaches only the request that caused it.
+The inference stage has ``instances`` threads and batches dynamically: a thread takes a
+fair batch from its queue (:meth:`~inferd.daemon.fairqueue.FairQueue.get_batch`: requests
+round-robin across clients, each client's rows capped at its share, up to the limit
+that :class:`~inferd.daemon.batching.BatchSizer` measured to pay, waiting up to
+``max_delay_ms`` for company), merges those whose tensors agree (names, dtypes, all
+dimensions but the first) into one run and splits the outputs back, each reply to its
+own request. A request that the model refuses is answered alone; a failing batch is
+re-run request by request, so a failure reaches only the request that caused it.
 
 Replies go through the runtime's :class:`~inferd.ipc.replies.ReplySink` to a wire
 :class:`~inferd.ipc.replies.Ticket` or to a :class:`~inferd.ipc.replies.LocalTicket` (a
@@ -17,12 +19,18 @@ Shutdown follows one rule, :data:`STOP`'s (graphs keep it too): ``stop`` puts on
 the model's queue; a thread that takes it puts it back for the next thread of its stage
 and ends, and the last thread of a stage to end passes it on to the next stage instead.
 So every request queued before the STOP is served, and no STOP is left in a queue.
+
+A stage that never returns (a hung processor or driver) cannot hold the daemon: each
+thread notes when it began its current call (:meth:`Workers.stuck` names those past a
+time), :meth:`Workers.stop` gives up once one is stuck, and :meth:`Workers.abandon`
+leaves the stuck threads behind, answering what they held and withdrawing their STOP so
+that a new load's workers can serve the model's queue.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import numpy as np
-from inferd.daemon.fairqueue import FairQueue
+from inferd.daemon.batching import BatchSizer
+from inferd.daemon.fairqueue import FairQueue, QueueClosed
 from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
 from inferd.daemon.processors import run_steps
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
@@ -70,6 +79,38 @@ class Job:
     values: dict[str, Any]
     outputs: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def ticket(self) -> AnyTicket:
+        """The request's ticket (the stage queues take turns by its peer)."""
+        return self.item.ticket
+
+
+class Busy:
+    """What each thread of a group is doing now: the call it began and when; the one
+    record :meth:`Workers.stuck` and the graph executors read to name a stuck stage."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, tuple[str, float, str]] = {}  # thread -> (stage, since, what)
+
+    def begin(self, stage: str, what: str) -> None:
+        self._calls[threading.current_thread().name] = (stage, time.monotonic(), what)
+
+    def end(self) -> None:
+        self._calls.pop(threading.current_thread().name, None)
+
+    def oldest(self) -> float | None:
+        """When the longest call still running began (monotonic), or None."""
+        calls = list(self._calls.values())
+        return min((since for _, since, _ in calls), default=None)
+
+    def stuck(self, after_s: float = 0.0) -> list[str]:
+        """Each thread inside one call for longer than ``after_s`` seconds, longest first:
+        ``"inferd-m-infer-0 (infer: running request r7 for 12.3 s)"``."""
+        now = time.monotonic()
+        calls = sorted(self._calls.items(), key=lambda kv: kv[1][1])
+        return [f"{name} ({stage}: {what} for {now - since:.1f} s)"
+                for name, (stage, since, what) in calls if now - since > after_s]
+
 
 class Workers:
     """The pipeline threads of one loaded model.
@@ -77,7 +118,7 @@ class Workers:
     Args:
         name: model name, used in thread names and logs.
         model: the loaded model.
-        work: the model's bounded request queue (shared with the model entry).
+        work: the model's request queue (shared with the model entry).
         sink: where replies go (any thread); each thread releases it on exit.
         instances: number of inference threads.
         on_done: called after each request with whether it succeeded.
@@ -104,11 +145,13 @@ class Workers:
         if self.spec.max_batch > 1 and self.max_batch == 1:
             log.warning("model %s: max_batch = %d ignored: its inputs have a fixed first "
                         "dimension", name, self.spec.max_batch, extra={"MODEL": name})
+        self.sizer = BatchSizer(name, self.max_batch, self.spec.batching, model)
         size = self.spec.stage_queue_size
-        self._infer_q: queue.Queue[Job | WorkItem | _Stop] = (
-            queue.Queue(size) if self.spec.pre else work)  # type: ignore[assignment]
-        self._post_q: queue.Queue[Job | _Stop] | None = (
-            queue.Queue(size) if self.spec.post else None)
+        self._infer_q: FairQueue = FairQueue(size) if self.spec.pre else work
+        self._post_q: FairQueue | None = FairQueue(size) if self.spec.post else None
+        self.busy = Busy()
+        self._abandoned = False
+        self._waiting = False  # whether more was queued when the last batch formed
         self.placements: list[Placement] = []
         self._placed = threading.Semaphore(0)
         self.threads: list[threading.Thread] = []
@@ -139,6 +182,11 @@ class Workers:
         """Every thread's name, stage, native id, affinity and backend."""
         return [p.to_json() for p in self.placements]
 
+    def batching(self) -> dict[str, Any]:
+        """The ``batching`` field of the models listing: mode, bounds, the limit chosen
+        and why (see :class:`~inferd.daemon.batching.BatchSizer`)."""
+        return {**self.sizer.describe(), "max_delay_ms": self.spec.max_delay_ms}
+
     def start(self) -> None:
         """Start every thread and return once each has applied its placement."""
         for t in self.threads:
@@ -146,13 +194,49 @@ class Workers:
         for _ in self.threads:
             self._placed.acquire(timeout=10)
 
-    def stop(self, timeout: float | None = None) -> bool:
-        """Send :data:`STOP` through the stages and join; True if all ended in time."""
+    def stop(self, timeout: float | None = None, stuck_after: float | None = None) -> bool:
+        """Send :data:`STOP` through the stages (never blocking) and wait for the
+        threads to end: at most ``timeout`` seconds, and no longer than it takes one
+        stage to be inside one call for ``stuck_after`` seconds (it would not end in
+        time). True if every thread ended."""
         self._work.put(STOP)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         for t in self.threads:
-            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self.threads)
+            while t.is_alive():
+                now = time.monotonic()
+                until = deadline
+                if stuck_after is not None:
+                    oldest = self.busy.oldest()
+                    if oldest is not None and now - oldest > stuck_after:
+                        return False
+                    until = min(until, (oldest if oldest is not None else now)
+                                + stuck_after)
+                if now >= deadline:
+                    return False
+                t.join(None if math.isinf(until) else max(0.0, until - now) + 0.01)
+        return True
+
+    def stuck(self, after_s: float = 0.0) -> list[str]:
+        """Each thread inside one call (a step or a run) for longer than ``after_s``
+        seconds, named with its stage, request and time (see :meth:`Busy.stuck`)."""
+        return self.busy.stuck(after_s)
+
+    def abandon(self) -> None:
+        """Give up on threads that :meth:`stop` could not end: they end when their call
+        returns and take nothing more from the model's queue, whose STOP is withdrawn
+        (the next load's workers serve it). Requests held between the stages are
+        answered UNAVAILABLE naming the stuck stage."""
+        self._abandoned = True
+        self._work.withdraw()
+        why = "; ".join(self.stuck()) or "a stage did not end"
+        for q in (self._infer_q if self._infer_q is not self._work else None, self._post_q):
+            if q is None:
+                continue
+            for job in q.close():
+                self._finish(job.item, Reply(job.item.request.id, error=Failure(
+                    ErrorCode.UNAVAILABLE, f"model {self.name}: its workers were given up "
+                    f"while the request waited between stages: {why}")))
+            q.put(STOP)  # wakes its readers; they end by STOP's rule
 
     # ----------------------------------------------------------------- stages
 
@@ -184,21 +268,34 @@ class Workers:
             return True
         return False
 
+    def _pass(self, job: Job, outbox: FairQueue) -> None:
+        """Hand ``job`` to the next stage; a stage queue closed by :meth:`abandon`
+        answers it instead."""
+        try:
+            outbox.put(job)
+        except QueueClosed:
+            self._finish(job.item, Reply(job.item.request.id, error=Failure(
+                ErrorCode.UNAVAILABLE, f"model {self.name}: its workers were given up "
+                f"(a stage was stuck) while the request was in flight")))
+
     def _pre_loop(self, placement: Placement) -> None:
-        while True:
+        while not self._abandoned:
             item = self._work.get()
             if isinstance(item, _Stop):
                 self._stage_ended("pre", self._work, self._infer_q)
                 return
             if self._expired(item):
                 continue
+            self.busy.begin("pre", f"pre-processing request {item.request.id}")
             try:
                 values = run_steps(self.spec.pre, dict(item.request.inputs),
                                    f"model {self.name}")
             except Exception as e:
                 self._fail(item, e)
                 continue
-            self._infer_q.put(Job(item, values))
+            finally:
+                self.busy.end()
+            self._pass(Job(item, values), self._infer_q)
 
     def _post_loop(self, placement: Placement) -> None:
         assert self._post_q is not None
@@ -207,41 +304,33 @@ class Workers:
             if isinstance(job, _Stop):
                 self._stage_ended("post", self._post_q, None)
                 return
+            self.busy.begin("post", f"post-processing request {job.item.request.id}")
             try:
                 out = run_steps(self.spec.post, job.outputs, f"model {self.name}")
                 self._finish(job.item, Reply(job.item.request.id,
                                              outputs=self._select(job.item, out)))
             except Exception as e:
                 self._fail(job.item, e)
+            finally:
+                self.busy.end()
 
     def _infer_loop(self, placement: Placement) -> None:
         delay = self.spec.max_delay_ms / 1000
-        while True:
-            first = self._infer_q.get()
-            if isinstance(first, _Stop):
-                break
-            batch = [first if isinstance(first, Job) else Job(first, first.request.inputs)]
-            stop = False
-            if self.max_batch > 1:
-                rows = _rows(batch[0])
-                until = time.monotonic() + delay
-                while rows < self.max_batch:
-                    left = until - time.monotonic()
-                    try:
-                        nxt = self._infer_q.get(timeout=left) if left > 0 else \
-                            self._infer_q.get_nowait()
-                    except queue.Empty:
-                        break
-                    if isinstance(nxt, _Stop):
-                        stop = True
-                        break
-                    job = nxt if isinstance(nxt, Job) else Job(nxt, nxt.request.inputs)
-                    batch.append(job)
-                    rows += _rows(job)
-            self._run_batch(batch)
-            if stop:
-                break
-        self._stage_ended("infer", self._infer_q, self._post_q)
+        first_stage = self._infer_q is self._work
+        while not (first_stage and self._abandoned):
+            limit = self.sizer.limit() if self.max_batch > 1 else 1
+            batch = self._infer_q.get_batch(limit, _rows, delay, self.sizer.allowed)
+            if isinstance(batch[0], _Stop):
+                self._stage_ended("infer", self._infer_q, self._post_q)
+                return
+            self._waiting = not self._infer_q.empty()
+            self._run_batch([x if isinstance(x, Job) else Job(x, x.request.inputs)
+                             for x in batch], limit)
+        with self._left_lock:  # abandoned: the last one lets the post stage end
+            self._left["infer"] -= 1
+            last = self._left["infer"] == 0
+        if last and self._post_q is not None:
+            self._post_q.put(STOP)
 
     # ----------------------------------------------------------------- inference
 
@@ -258,10 +347,10 @@ class Workers:
             return False
         return True
 
-    def _run_batch(self, batch: list[Job]) -> None:
+    def _run_batch(self, batch: list[Job], limit: int) -> None:
         if len(batch) == 1:
             if self._check(batch[0]):
-                self._run_single(batch[0])
+                self._run_single(batch[0], limit)
             return
         ready = [j for j in batch if self._check(j)]
         groups: dict[tuple[Any, ...], list[Job]] = {}
@@ -271,24 +360,39 @@ class Workers:
             chunk: list[Job] = []
             rows = 0
             for job in jobs:
-                if chunk and rows + _rows(job) > self.max_batch:
-                    self._run_group(chunk)
+                if chunk and rows + _rows(job) > limit:
+                    self._run_group(chunk, limit)
                     chunk, rows = [], 0
                 chunk.append(job)
                 rows += _rows(job)
-            self._run_group(chunk)
+            self._run_group(chunk, limit)
 
-    def _run_group(self, jobs: list[Job]) -> None:
+    def _timed_run(self, jobs: list[Job], inputs: dict[str, Any], wanted: list[str] | None,
+                   limit: int) -> dict[str, Any]:
+        """One run of the model on ``inputs`` for ``jobs``: noted as busy, measured for
+        the batch sizer and the metrics."""
+        rows = sum(_rows(j) for j in jobs)
+        first = jobs[0].item.request.id
+        self.busy.begin("infer", f"running request {first}" if len(jobs) == 1 else
+                        f"running a batch of {len(jobs)} requests ({first}, ...)")
+        try:
+            started = time.monotonic()
+            outputs = self.model.run(inputs, wanted)
+            seconds = time.monotonic() - started
+        finally:
+            self.busy.end()
+        self.sizer.observe(rows, limit, seconds, self._waiting)
+        if self._observe is not None:
+            self._observe([j.item.ticket for j in jobs], started, seconds)
+        return outputs
+
+    def _run_group(self, jobs: list[Job], limit: int) -> None:
         if len(jobs) == 1:
-            self._run_single(jobs[0])
+            self._run_single(jobs[0], limit)
             return
         try:
             merged = {k: np.concatenate([j.values[k] for j in jobs]) for k in jobs[0].values}
-            started = time.monotonic()
-            outputs = self.model.run(merged, None)
-            if self._observe is not None:
-                self._observe([j.item.ticket for j in jobs], started,
-                              time.monotonic() - started)
+            outputs = self._timed_run(jobs, merged, None, limit)
             counts = [_rows(j) for j in jobs]
             total = sum(counts)
             if any(v.ndim == 0 or v.shape[0] != total for v in outputs.values()):
@@ -297,7 +401,7 @@ class Workers:
             log.info("model %s: batch of %d failed (%s); running its requests one by one",
                      self.name, len(jobs), e, extra={"MODEL": self.name})
             for job in jobs:
-                self._run_single(job)
+                self._run_single(job, limit)
             return
         self.batches += 1
         self.batched_requests += len(jobs)
@@ -307,13 +411,10 @@ class Workers:
             start += n
             self._hand_on(job)
 
-    def _run_single(self, job: Job) -> None:
+    def _run_single(self, job: Job, limit: int) -> None:
         wanted = None if self.spec.post else job.item.request.outputs
         try:
-            started = time.monotonic()
-            job.outputs = self.model.run(job.values, wanted)
-            if self._observe is not None:
-                self._observe([job.item.ticket], started, time.monotonic() - started)
+            job.outputs = self._timed_run([job], job.values, wanted, limit)
         except Exception as e:
             self._fail(job.item, e)
             return
@@ -321,7 +422,7 @@ class Workers:
 
     def _hand_on(self, job: Job) -> None:
         if self._post_q is not None:
-            self._post_q.put(job)
+            self._pass(job, self._post_q)
             return
         try:
             outputs = self._select(job.item, job.outputs)
@@ -341,8 +442,10 @@ class Workers:
         return {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in outputs.items()}
 
 
-def _rows(job: Job) -> int:
-    first = next(iter(job.values.values()), None)
+def _rows(job: Any) -> int:
+    """The rows of a job or a queued request: the first dimension of its first input."""
+    values = job.values if isinstance(job, Job) else job.request.inputs
+    first = next(iter(values.values()), None)
     return int(first.shape[0]) if isinstance(first, np.ndarray) and first.ndim else 1
 
 
@@ -354,3 +457,4 @@ def _batchable(model: LoadedModel) -> bool:
     """Whether every input's first dimension is free (a batch axis)."""
     return bool(model.inputs) and all(
         s.shape and not (isinstance(s.shape[0], int) and s.shape[0] >= 0) for s in model.inputs)
+

@@ -121,7 +121,15 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
 def _batching(b: dict[str, Any] | None) -> str:
     if not b or b.get("max_batch", 1) <= 1:
         return "off"
-    return f"on (max_batch {b['max_batch']}, max_delay_ms {b['max_delay_ms']:g})"
+    line = f"on (max_batch {b['max_batch']}, max_delay_ms {b['max_delay_ms']:g})"
+    if b.get("mode") == "adaptive" and "limit" in b:  # loaded: what it measured
+        costs = ", ".join(f"{ms:g} ms at {n}" for n, ms in b.get("cost_per_row_ms", {}).items())
+        line += (f"; adaptive: batches of up to {b['limit']} rows"
+                 + (f" (probing {b['probing'][0]} vs {b['probing'][1]})" if b.get("probing")
+                    else "") + f"; {b.get('why')}" + (f"; cost per row {costs}" if costs else ""))
+    elif b.get("mode"):
+        line += f"; {b['mode']}"
+    return line
 
 
 def show_reload(r: dict[str, Any]) -> str:

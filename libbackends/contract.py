@@ -100,6 +100,21 @@ class LoadOptions:
     threads: int | None = None
 
 
+@dataclass(frozen=True)
+class BatchSizes:
+    """The batch sizes (rows: lengths of the first dimension) a model runs without a
+    switch cost (see :meth:`LoadedModel.batch_sizes`).
+
+    Attributes:
+        free: sizes it has ready (compiled for).
+        more: how many other sizes it may still make ready (each once, at its first
+            run: a compile); 0 when every other size costs a switch at every change.
+    """
+
+    free: frozenset[int] = frozenset()
+    more: int = 0
+
+
 class LoadedModel(ABC):
     """A model loaded by a backend, ready to run."""
 
@@ -137,6 +152,14 @@ class LoadedModel(ABC):
         """Optional facts shown by ``inferctl models -v`` (a partitioned model's
         ``plan``); empty by default."""
         return {}
+
+    def batch_sizes(self) -> BatchSizes | None:
+        """The batch sizes this model runs without a switch cost, for adaptive batching
+        (daemon/batching.py); None, the default, when every size runs at its own cost
+        (onnxruntime plans each run anew). OpenVINO's dynamic compile re-plans at each
+        change of input shape (~2 ms on ocr-cls here): only its static compiles are
+        free."""
+        return None
 
 
 class Backend(ABC):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from inferd.daemon.fairqueue import FairQueue
+from inferd.daemon.fairqueue import FairQueue, QueueClosed
 from inferd.daemon.worker import STOP
 
 
@@ -128,3 +128,123 @@ def test_a_get_waiting_through_dropped_tokens_still_gets_the_next_item():
     q.put(_item(b"next", 1))
     t.join(5)
     assert [(i.ticket.peer, i.n) for i in got] == [(b"next", 1)]  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def _rows(item: _Item) -> int:
+    return getattr(item, "rows", 1)
+
+
+def _peers_of(batch: list[_Item]) -> list[tuple[bytes, int]]:
+    return [(i.ticket.peer, i.n) for i in batch]
+
+
+def test_a_batch_takes_turns_and_caps_each_clients_rows_at_its_share():
+    """Issue 20 item 1, on turns: a polite request queued behind a greedy client's 500
+    rides in the next batch, beside at most the greedy client's share of it (half of
+    the limit with two clients), not beside 31 of its rows."""
+    q = FairQueue()
+    for n in range(500):
+        q.put(_item(b"greedy", n))
+    q.put(_item(b"polite", 0))
+    batch = q.get_batch(32, _rows)
+    assert (b"polite", 0) in _peers_of(batch)
+    assert sum(1 for i in batch if i.ticket.peer == b"greedy") == 16
+    assert _peers_of(batch)[:3] == [(b"greedy", 0), (b"polite", 0), (b"greedy", 1)]
+    # alone, a client gets the whole batch, in order
+    batch = q.get_batch(32, _rows)
+    assert _peers_of(batch) == [(b"greedy", n) for n in range(16, 48)]
+    # four clients waiting: each at most a quarter
+    for peer in (b"a", b"b", b"c"):
+        for n in range(20):
+            q.put(_item(peer, n))
+    batch = q.get_batch(32, _rows)
+    counts = {p: sum(1 for i in batch if i.ticket.peer == p) for p in (b"greedy", b"a", b"b",
+                                                                      b"c")}
+    assert counts == {b"greedy": 8, b"a": 8, b"b": 8, b"c": 8}
+    assert q.qsize() == 500 - 48 - 8 + 3 * 12
+
+
+def test_a_batch_counts_rows_and_a_big_request_waits_for_the_next_batch():
+    q = FairQueue()
+    for n, rows in enumerate((3, 3, 6, 1)):
+        item = _item(b"a", n)
+        item.rows = rows  # type: ignore[attr-defined]
+        q.put(item)
+    assert [i.n for i in q.get_batch(8, _rows)] == [0, 1]  # 6 more rows would pass 8
+    assert [i.n for i in q.get_batch(8, _rows)] == [2, 3]
+    big = _item(b"a", 9)
+    big.rows = 20  # type: ignore[attr-defined]
+    q.put(big)
+    assert [i.n for i in q.get_batch(8, _rows)] == [9]  # first: runs alone
+
+
+def test_a_batch_ends_at_a_stop_that_comes_due_and_leaves_it_for_the_next_call():
+    q = FairQueue()
+    q.put(_item(b"a", 0))
+    q.put(STOP)
+    q.put(_item(b"a", 1))
+    assert _peers_of(q.get_batch(8, _rows)) == [(b"a", 0)]
+    assert q.get_batch(8, _rows) == [STOP]
+    assert _peers_of(q.get_batch(8, _rows)) == [(b"a", 1)]
+
+
+def test_a_batch_is_cut_to_an_allowed_size_and_the_rest_keeps_its_turn():
+    q = FairQueue()
+    for n in range(6):
+        q.put(_item(b"a", n))
+    q.put(_item(b"b", 0))
+    batch = q.get_batch(8, _rows, allowed=lambda rows: rows in (1, 2, 4))
+    assert len(batch) == 4 and q.qsize() == 3
+    rest = q.get_batch(8, _rows)
+    assert sorted(_peers_of(batch) + _peers_of(rest)) == sorted(
+        [(b"a", n) for n in range(6)] + [(b"b", 0)])
+    assert q.empty()
+
+
+def test_a_batch_waits_for_company_until_it_is_full():
+    q = FairQueue()
+    q.put(_item(b"a", 0))
+    late = threading.Timer(0.05, lambda: q.put(_item(b"b", 0)))
+    late.start()
+    batch = q.get_batch(2, _rows, delay=60.0)  # returns once full, not after 60 s
+    late.join()
+    assert _peers_of(batch) == [(b"a", 0), (b"b", 0)]
+    # with no delay it takes what is there and returns
+    q.put(_item(b"a", 1))
+    assert len(q.get_batch(8, _rows)) == 1
+
+
+def test_a_bounded_queue_blocks_a_put_until_room_and_close_answers_the_waiting():
+    q = FairQueue(maxsize=2)
+    q.put(_item(b"a", 0))
+    q.put(_item(b"a", 1))
+    with pytest.raises(queue.Full):
+        q.put(_item(b"a", 2), timeout=0.01)
+    q.put(STOP)  # a sentinel never waits for room
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            q.put(_item(b"a", 3))
+        except BaseException as e:  # noqa: BLE001  the test reads what it raised
+            errors.append(e)
+    t = threading.Thread(target=blocked)
+    t.start()
+    assert [i.n for i in q.close()] == [0, 1]
+    t.join(10)
+    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], QueueClosed)
+    assert q.get(timeout=1) is STOP
+    assert q.withdraw() == 0
+
+
+def test_withdraw_takes_out_the_sentinels_and_leaves_the_requests():
+    q = FairQueue()
+    q.put(_item(b"a", 0))
+    q.put(STOP)
+    assert q.withdraw() == 1
+    assert q.get(timeout=1).n == 0
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.01)

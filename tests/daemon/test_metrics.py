@@ -77,6 +77,7 @@ def _check_counts(s: dict[str, list]) -> None:
     assert value(s, "inferd_batch_size_sum", model="ocr-cls") == OK_REQUESTS
     assert value(s, "inferd_model_loads_total", model="ocr-cls", result="ok") == 1
     assert value(s, "inferd_model_state", model="ocr-cls", version="1", state="ready") == 1
+    assert value(s, "inferd_model_batch_limit", model="ocr-cls", version="1") >= 1
     assert value(s, "inferd_model_state", model="vad", state="unloaded") == 1
     assert value(s, "inferd_model_memory_bytes", model="ocr-cls") > 0
     assert value(s, "inferd_backend_up", backend="onnxruntime") == 1

@@ -6,7 +6,6 @@ shapes, failures reaching only their own request), and model.toml checks."""
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from pathlib import Path
@@ -15,14 +14,15 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from inferd.daemon.model_settings import check_settings
+from inferd.daemon.fairqueue import FairQueue
+from inferd.daemon.model_settings import check_settings, read_settings
 from inferd.daemon.pipeline import parse_spec
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.worker import Workers, WorkItem
 from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import LocalTicket, ReplySink
-from inferd.libbackends.contract import LoadOptions
+from inferd.libbackends.contract import LoadedModel, LoadOptions
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
 from onnx import TensorProto, helper
 
@@ -57,7 +57,7 @@ def start(name: str, model: Any, settings: dict[str, Any], items: list[tuple[str
           collector: Collector, instances: int = 1,
           registry: ProcessorRegistry | None = None) -> Workers:
     """Queue ``items`` first, then start the workers (so batching sees them together)."""
-    work: queue.Queue[Any] = queue.Queue(64)
+    work = FairQueue()
     for rid, inputs in items:
         work.put(WorkItem(Request(rid, Op.INFER, model=name, inputs=inputs),
                           collector.ticket(rid)))
@@ -157,7 +157,8 @@ def test_batching_merges_requests_and_splits_each_reply_back(cls_model: Any) -> 
     expected = {rid: cls_model.run({"x": x})["save_infer_model/scale_0.tmp_1"]
                 for rid, x in inputs.items()}
     collector = Collector()
-    workers = start("b", cls_model, {"max_batch": 16, "max_delay_ms": 200},
+    workers = start("b", cls_model,
+                    {"max_batch": 16, "max_delay_ms": 200, "batching": "fixed"},
                     [(rid, {"x": x}) for rid, x in inputs.items()], collector)
     try:
         replies = collector.wait(6)
@@ -178,7 +179,8 @@ def test_mixed_shapes_are_not_merged_and_bad_requests_are_refused_alone(
                                                                        np.int64)}),
              ("w192b", {"x": cls_input(4)})]
     collector = Collector()
-    workers = start("mixed", cls_model, {"max_batch": 8, "max_delay_ms": 200}, items,
+    workers = start("mixed", cls_model,
+                    {"max_batch": 8, "max_delay_ms": 200, "batching": "fixed"}, items,
                     collector)
     try:
         replies = collector.wait(5)
@@ -195,6 +197,82 @@ def test_mixed_shapes_are_not_merged_and_bad_requests_are_refused_alone(
     assert "rank" in replies["rank3"].error.message
     assert replies["int"].error.code is ErrorCode.INVALID_ARGUMENT
     assert workers.batched_requests == 2  # the two 192-wide ones, not the 160-wide one
+
+
+class Gated(LoadedModel):
+    """ocr-cls on onnxruntime behind a gate: a run waits until the test opens it, and
+    each run's rows are recorded by the value they carry (the test fills each client's
+    inputs with its own number). A wrapper, not a stand-in: the real model runs."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.inputs, self.outputs = inner.inputs, inner.outputs
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.runs: list[list[int]] = []
+
+    def run(self, inputs: dict[str, Any], outputs: list[str] | None = None) -> Any:
+        self.entered.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        self.runs.append([int(v) for v in inputs["x"][:, 0, 0, 0]])
+        return self.inner.run(inputs, outputs)
+
+    def unload(self) -> None:
+        pass
+
+
+def _fair_run(model: Any, settings: dict[str, Any]) -> tuple[Gated, Workers]:
+    """A greedy client (0) with 500 requests and a polite one (1) with one, queued while
+    the greedy client's first request is running."""
+    gated = Gated(model)
+    work = FairQueue()
+    collector = Collector()
+    spec = parse_spec("cls", check_settings("cls", settings), ProcessorRegistry())
+    workers = Workers("cls", gated, work, ReplySink(), spec=spec)
+    workers.start()
+
+    def put(peer: int, n: int) -> None:
+        ticket = collector.ticket(f"{peer}-{n}")
+        ticket.peer = bytes([peer])  # type: ignore[attr-defined]
+        work.put(WorkItem(Request(f"{peer}-{n}", Op.INFER, model="cls",
+                                  inputs={"x": np.full((1, 3, 48, 192), peer, np.float32)}),
+                          ticket))
+    put(0, 0)
+    assert gated.entered.wait(60)
+    for n in range(1, 500):
+        put(0, n)
+    put(1, 0)
+    gated.gate.set()
+    collector.wait(501)
+    assert workers.stop(30)
+    return gated, workers
+
+
+def test_a_polite_request_rides_in_the_next_batch_beside_a_share_of_a_greedy_clients(
+        cls_model: Any) -> None:
+    """Issue 20 item 1, on turns: fixed batches of 32 (the shipped ocr-cls max_batch);
+    the polite request runs in the batch after the one in progress, beside at most half
+    of it of the greedy client's rows (two clients waiting), not 31."""
+    gated, _ = _fair_run(cls_model, {"max_batch": 32, "batching": "fixed"})
+    assert gated.runs[0] == [0]  # in progress when the others were queued
+    second = gated.runs[1]
+    assert second.count(1) == 1 and second.count(0) <= 16, gated.runs[:3]
+    assert max(len(r) for r in gated.runs) == 32  # alone again, the greedy one batches
+
+
+def test_with_the_shipped_ocr_cls_settings_a_polite_request_waits_one_batch(
+        cls_model: Any, models_dir: Path) -> None:
+    """The same with the demo ocr-cls model.toml as shipped (max_batch 32, adaptive):
+    before the polite request runs, at most the batch in progress and one batch of the
+    greedy client's (each at most the adaptive limit) run."""
+    shipped = read_settings("ocr-cls", models_dir / "ocr-cls")
+    gated, workers = _fair_run(cls_model, {"max_batch": shipped.max_batch,
+                                           "max_delay_ms": shipped.max_delay_ms})
+    polite = next(i for i, r in enumerate(gated.runs) if 1 in r)
+    limit = workers.batching()["max_batch"]
+    assert polite <= 2, gated.runs[:4]
+    greedy_before = sum(len(r) for r in gated.runs[1:polite]) + gated.runs[polite].count(0)
+    assert greedy_before <= limit // 2 + 1, gated.runs[:4]
 
 
 def gather_model(path: Path) -> Path:
@@ -218,7 +296,8 @@ def test_a_failing_batch_fails_only_the_request_that_broke_it(tmp_path: Path) ->
              for i in range(3)]
     items.insert(1, ("bad", {"data": data[:1], "idx": np.array([[7]], np.int64)}))
     collector = Collector()
-    workers = start("g", model, {"max_batch": 8, "max_delay_ms": 200}, items, collector)
+    workers = start("g", model, {"max_batch": 8, "max_delay_ms": 200, "batching": "fixed"},
+                    items, collector)
     try:
         replies = collector.wait(4)
     finally:
@@ -270,7 +349,7 @@ def test_bad_model_toml_pipeline_settings_name_the_key(settings: dict[str, Any],
 
 def test_deadline_passed_in_queue_is_answered_not_run(cls_model: Any) -> None:
     collector = Collector()
-    work: queue.Queue[WorkItem | None] = queue.Queue()
+    work = FairQueue()
     ticket = collector.ticket("late")
     ticket.deadline = time.monotonic() - 1
     work.put(WorkItem(Request("late", Op.INFER, model="m", inputs={"x": cls_input(0)},

@@ -197,11 +197,11 @@ def test_a_greedy_client_does_not_starve_a_polite_one(start_daemon, models_dir, 
     a time. The polite one gets no error, and while one of its requests is in flight
     the greedy one is served a few times (taking turns), not 500 times (a FIFO).
 
-    ocr-cls without batching here: with max_batch = 32 (its model.toml) the polite
-    request rides in the next batch beside up to 31 of the greedy one's."""
+    ocr-cls with its shipped model.toml (max_batch 32, adaptive batching): the polite
+    request rides in the next batch beside a share of the greedy one's rows (issue 20)."""
     repo = short_tmp / "repo"
     link_tree(models_dir / "ocr-cls" / "1", repo / "cls" / "1")
-    (repo / "cls" / "model.toml").write_text("max_batch = 1\n")
+    (repo / "cls" / "model.toml").write_text((models_dir / "ocr-cls" / "model.toml").read_text())
     d = start_daemon("--models", str(repo), "--preload", "cls")
     with d.client(timeout=120) as polite:
         alone = []
