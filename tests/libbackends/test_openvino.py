@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from inferd.ipc.errors import ErrorCode, InferdError
-from inferd.libbackends.contract import DeviceKind, LoadOptions
+from inferd.libbackends.contract import BatchSizes, DeviceKind, LoadOptions
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
 
 ov = pytest.importorskip("openvino", reason="pip openvino is in the test extras")
@@ -95,6 +95,7 @@ def test_static_shapes_compile_one_copy_per_shape_up_to_the_limit(
     try:
         assert dynamic.describe() == {}
         assert model.describe() == {"static_shapes": [], "static_shapes_limit": 2}
+        assert model.batch_sizes() == BatchSizes(frozenset(), 2)
         for rows in (1, 3, 1, 5, 3):  # 1 and 3 get copies; 5 comes after the limit
             x = {"x": RNG.random((rows, 3, 48, 192), dtype=np.float32)}
             got = model.run(x)
@@ -102,6 +103,10 @@ def test_static_shapes_compile_one_copy_per_shape_up_to_the_limit(
                 np.testing.assert_allclose(got[key], want, atol=1e-4, rtol=0)
                 np.testing.assert_array_equal(got[key], dynamic.run(x)[key])
         assert model.describe()["static_shapes"] == ["x=1x3x48x192", "x=3x3x48x192"]
+        # for adaptive batching: the sizes compiled cost no switch; the dynamic compile
+        # re-plans at each change of size, so none is free there
+        assert model.batch_sizes() == BatchSizes(frozenset({1, 3}), 0)
+        assert dynamic.batch_sizes() == BatchSizes()
         copy = model._static[(("x", (1, 3, 48, 192)),)].compiled
         assert [d.get_length() for d in copy.inputs[0].get_partial_shape()] == [1, 3, 48, 192]
         assert copy.get_property("INFERENCE_NUM_THREADS") == \
