@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from inferd.daemon.config import find_config_file, load_config
@@ -45,6 +47,28 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in pairs.items() if v is not None}
 
 
+def raise_fd_limit() -> int:
+    """Raise the soft limit of open files to the hard one (systemd gives a service 1024
+    unless the unit sets ``LimitNOFILE``): each client connection holds a descriptor.
+    Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:  # no soft limit may be that: the kernel's cap
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError) as e:
+        log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, e)
+        return soft
+    log.info("open-files limit raised from %d to %d", soft, target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     path, overrides = find_config_file(args.config), _overrides(args)
@@ -55,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handler = setup_logging(config.logging.level, config.logging.modules)
     log.debug("logging to %s", type(handler).__name__)
+    raise_fd_limit()
     log.info("configuration: %s%s", path or "built-in defaults",
              f", then drop-ins {', '.join(str(p) for p in config.dropins)}"
              if config.dropins else "")

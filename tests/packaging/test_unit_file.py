@@ -97,3 +97,10 @@ def test_addons_keep_vendored_library_names():
     rules = (PACKAGING / "debian" / "rules").read_text()
     addon_line = [line for line in rules.splitlines() if "dh_python3 -p inferd-backend-" in line]
     assert addon_line and "--no-ext-rename" in addon_line[0]
+
+
+def test_unit_lets_the_daemon_hold_its_connections():
+    """Issue 18, defect 1: under systemd's soft default of 1024 descriptors libzmq aborts
+    the daemon at the 1,0xxth connection."""
+    (value,) = settings()["LimitNOFILE"]
+    assert int(value) >= 16384
