@@ -19,11 +19,16 @@ fresh look at the repository, applied without failing a request.
   then a request, or ``inferctl load``); its keep-alive changes at once.
 
 It works through the manager's public methods only (:class:`Cache` says which).
+
+:class:`ReloadRuns` coalesces the requests for a reload: those that arrive while one is
+waiting to run join it, so a burst of SIGHUPs and ``inferctl reload`` costs the run in
+progress and one more, and each request is answered with the run that covered it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
@@ -36,6 +41,57 @@ from inferd.daemon.repository import ModelSpec, same_contents
 from inferd.ipc.errors import ErrorCode, InferdError
 
 log = logging.getLogger(__name__)
+
+Answer = Callable[[Any, BaseException | None], None]
+"""Called with a run's result (or None) and what it raised (or None)."""
+
+
+class ReloadRuns:
+    """Reload requests, coalesced: at most one run in progress and one waiting; a
+    request that arrives while one waits joins it (it starts after the request came,
+    so it sees every change made before).
+
+    Args:
+        run: the reload itself (``Runtime.reload``).
+        submit: queues a call on the control thread.
+    """
+
+    def __init__(self, run: Callable[[], Any],
+                 submit: Callable[[Callable[[], None]], Any]) -> None:
+        self._run = run
+        self._submit = submit
+        self._lock = threading.Lock()
+        self._waiting: list[Answer | None] | None = None  # the next run's requests
+        self.runs = 0
+        self.requests = 0
+
+    def request(self, answer: Answer | None = None) -> None:
+        """Ask for a reload; ``answer`` gets the outcome of the run that covers it (a
+        SIGHUP has no one to tell: None)."""
+        with self._lock:
+            self.requests += 1
+            if self._waiting is not None:
+                self._waiting.append(answer)
+                return
+            self._waiting = [answer]
+        self._submit(self._one_run)
+
+    def _one_run(self) -> None:
+        with self._lock:
+            answers, self._waiting = self._waiting or [], None
+            self.runs += 1
+        if len(answers) > 1:
+            log.info("reload: %d requests for it arrived while the last one ran; one run "
+                     "serves them", len(answers))
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = self._run()
+        except Exception as e:  # the run logs its own failure; each request is told
+            error = e
+        for answer in answers:
+            if answer is not None:
+                answer(result, error)
 
 
 class Cache(Protocol):

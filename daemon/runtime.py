@@ -23,6 +23,7 @@ from inferd.daemon.metrics_http import MetricsEndpoint, parse_listen
 from inferd.daemon.models import ModelManager
 from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
+from inferd.daemon.reload import ReloadRuns
 from inferd.daemon.repository import Repository
 from inferd.daemon.systemd import Notifier, Watchdog, watchdog_interval
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure
@@ -96,6 +97,7 @@ class Runtime:
         self._endpoint: MetricsEndpoint | None = None
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-control",
                                            initializer=unpin_current_thread)
+        self.reloads = ReloadRuns(self.reload, self._control.submit)
         self._stopped = threading.Event()
         self._workers_done = True
         self._proc = psutil.Process()
@@ -262,14 +264,9 @@ class Runtime:
         return summary
 
     def request_reload(self) -> None:
-        """Schedule :meth:`reload` on the control thread; safe from a signal handler."""
-        self.server.call_soon(lambda: self._control.submit(self._reload_logged))
-
-    def _reload_logged(self) -> None:
-        try:
-            self.reload()
-        except InferdError:
-            return  # reload() logged it; a SIGHUP has no one else to tell
+        """Schedule :meth:`reload` on the control thread (coalesced with the requests
+        already waiting: :class:`ReloadRuns`); safe from a signal handler."""
+        self.server.call_soon(self.reloads.request)
 
     def _peer_gone(self, peer: bytes) -> None:
         """A client disconnected with requests in flight (I/O thread): those still
@@ -338,26 +335,31 @@ class Runtime:
             self._control.submit(self._control_op, request, ticket)
             return None
         if op is Op.RELOAD:
-            self._control.submit(self._control_op, request, ticket)
+            self.reloads.request(lambda result, error: self.server.send_reply(
+                ticket, self._control_reply(request, result, error)))
             return None
         raise InferdError(f"op {op} is not supported by this daemon", ErrorCode.UNSUPPORTED)
 
     def _control_op(self, request: Request, ticket: Ticket) -> None:
-        """Run a load, unload (of a model or a graph) or reload on the control thread
-        and answer it; whatever it raises becomes the request's coded reply."""
+        """Run a load or unload (of a model or a graph) on the control thread and
+        answer it; whatever it raises becomes the request's coded reply."""
         try:
-            reply = Reply(request.id, result=self._run_control_op(request))
+            reply = self._control_reply(request, self._run_control_op(request), None)
         except Exception as e:
-            where = f"{request.op} of {request.model}" if request.model else str(request.op)
-            reply = Reply(request.id, error=failure(e, where, log, named=False,
-                                                    model=request.model or "",
-                                                    request_id=request.id))
+            reply = self._control_reply(request, None, e)
         self.server.send_reply(ticket, reply)
+
+    def _control_reply(self, request: Request, result: Any,
+                       error: BaseException | None) -> Reply:
+        if error is None:
+            return Reply(request.id, result=result)
+        where = f"{request.op} of {request.model}" if request.model else str(request.op)
+        return Reply(request.id, error=failure(error, where, log, named=False,
+                                               model=request.model or "",
+                                               request_id=request.id))
 
     def _run_control_op(self, request: Request) -> Any:
         name = request.model or ""
-        if request.op is Op.RELOAD:
-            return self.reload()
         if self.graphs.is_graph(name):
             if request.op is Op.LOAD:
                 self.graphs.executor(name)
