@@ -43,6 +43,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from inferd.daemon.units import parse_affinity
 from inferd.daemon.processors import Context, ProcessorRegistry, Step
 from inferd.daemon.repository import Repository, check_name
@@ -272,8 +274,11 @@ def run_node(spec: GraphSpec, node: Node, values: dict[str, Any], call: ModelCal
             return out
         assert node.model is not None
         if node.foreach:
-            lists = {k: list(v) for k, v in values.items()}
+            lists = {k: _elements(k, v) for k, v in values.items()}
             n = len(next(iter(lists.values())))
+            if any(len(v) != n for v in lists.values()):
+                raise ModelError("foreach inputs of different lengths: " + ", ".join(
+                    f"{k}: {len(v)}" for k, v in lists.items()))
             results = call_many(call, node.model,
                                 [{k: v[i] for k, v in lists.items()} for i in range(n)],
                                 deadline)
@@ -290,6 +295,20 @@ def run_node(spec: GraphSpec, node: Node, values: dict[str, Any], call: ModelCal
         if isinstance(e, InferdError):
             message = f"graph {spec.name}: node {node.name}: {message}"
         raise InferdError(message, code) from e
+
+
+def _elements(name: str, value: Any) -> list[Any]:
+    """The elements a foreach node calls its model on: a list's items, or an array's
+    rows (numpy scalars of a 1-D array become 0-d arrays, which the model takes)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        raise ModelError(f"foreach input {name!r} is a scalar, not a list or an array "
+                         f"with a first dimension to iterate over")
+    try:
+        items = list(value)
+    except TypeError:
+        raise ModelError(f"foreach input {name!r} is a {type(value).__name__}, not a "
+                         f"list or an array") from None
+    return [np.asarray(x) if isinstance(x, np.generic) else x for x in items]
 
 
 class EmptyLists(dict[str, Any]):

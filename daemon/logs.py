@@ -9,17 +9,27 @@ Otherwise records are plain lines on stderr, the fields appended as ``KEY=value`
 Journal messages go through systemd-python's ``sendv`` when it is importable, else as
 one datagram of the native journal protocol on ``/run/systemd/journal/socket``. Only
 uppercase field names are ever sent: journald drops a message with any other name.
+
+Repeated lines are rate-limited per cause (:class:`RepeatFilter`): a client sending the
+same bad request at full speed must not write thousands of lines a second. The first
+:data:`BURST` records of a cause in :data:`WINDOW_S` go out in full; the rest are counted
+and summed up in one line when the window ends ("… 4,213 more like this in the last
+10 s: <the last one>"); while a flood lasts, only those summaries. DEBUG records, asked
+for on purpose, are never held back.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
 import struct
 import sys
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TextIO
 
 try:  # Debian: python3-systemd
@@ -38,6 +48,13 @@ _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.
              logging.DEBUG: 7}
 
 log = logging.getLogger(__name__)
+
+WINDOW_S = 10.0
+"""The interval over which repeated records of one cause are counted."""
+BURST = 5
+"""Records of one cause written in full per interval (none while a flood lasts)."""
+MAX_CAUSES = 1024
+"""Causes tracked at once; past it, causes whose interval has ended are forgotten."""
 
 
 def journal_stream_matches(stream: TextIO | None = None) -> bool:
@@ -152,6 +169,127 @@ class JournalHandler(logging.Handler):
         super().close()
 
 
+@dataclass
+class _Cause:
+    start: float  # when its interval began
+    written: int = 0  # records let through in this interval
+    held: int = 0  # records held back in this interval
+    flooding: bool = False  # the last interval held some back: write only summaries
+    last: logging.LogRecord | None = None  # the last one held back
+
+
+class RepeatFilter(logging.Filter):
+    """Rate-limits repeated records per cause: the logger, the level, the message's
+    format string (not its arguments) and the MODEL and CODE fields.
+
+    Args:
+        handler: the handler this filter is on; the summaries go out through it.
+        window: seconds per interval; burst: records of a cause written in full per
+            interval.
+        clock: the time source (tests pass their own).
+        background: run the ``inferd-log-summary`` thread that writes each summary
+            when its interval ends (tests call :meth:`flush_due` instead).
+    """
+
+    def __init__(self, handler: logging.Handler, window: float = WINDOW_S,
+                 burst: int = BURST, clock: Callable[[], float] = time.monotonic,
+                 background: bool = True) -> None:
+        super().__init__()
+        self._handler = handler
+        self.window = window
+        self.burst = burst
+        self._clock = clock
+        self._background = background
+        self._causes: dict[tuple[object, ...], _Cause] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @staticmethod
+    def cause(record: logging.LogRecord) -> tuple[object, ...]:
+        return (record.name, record.levelno, record.msg, getattr(record, "MODEL", None),
+                getattr(record, "CODE", None))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.INFO or getattr(record, "inferd_summary", False):
+            return True
+        key, now = self.cause(record), self._clock()
+        summary = None
+        with self._lock:
+            cause = self._causes.get(key)
+            if cause is None:
+                if len(self._causes) >= MAX_CAUSES:
+                    self._forget_ended(now)
+                cause = self._causes[key] = _Cause(now)
+            elif now - cause.start >= self.window:
+                summary = self._roll(cause, now)
+            passed = not cause.flooding and cause.written < self.burst
+            if passed:
+                cause.written += 1
+            else:
+                cause.held += 1
+                cause.last = record
+                if self._background and self._thread is None and not self._closed:
+                    self._thread = threading.Thread(target=self._summaries, daemon=True,
+                                                    name="inferd-log-summary")
+                    self._thread.start()
+                self._wake.notify()
+        if summary is not None:  # the interval that ended, before this record
+            self._handler.handle(summary)
+        return passed
+
+    def _roll(self, cause: _Cause, now: float) -> logging.LogRecord | None:
+        """End ``cause``'s interval (lock held): its summary record, if any held."""
+        summary = None
+        if cause.held and cause.last is not None:
+            last = cause.last
+            summary = logging.makeLogRecord({**last.__dict__, "exc_info": None,
+                                             "exc_text": None, "stack_info": None,
+                                             "args": None, "inferd_summary": True})
+            summary.msg = (f"… {cause.held:,} more like this in the last "
+                           f"{now - cause.start:.0f} s: {last.getMessage()}")
+        cause.flooding = cause.held > 0
+        cause.start, cause.written, cause.held, cause.last = now, 0, 0, None
+        return summary
+
+    def flush_due(self, now: float | None = None, everything: bool = False) -> None:
+        """Write the summary of each interval that has ended (all, if ``everything``)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            due = [c for c in self._causes.values()
+                   if c.held and (everything or now - c.start >= self.window)]
+            out = [r for c in due if (r := self._roll(c, now)) is not None]
+        for record in out:
+            self._handler.handle(record)
+
+    def _forget_ended(self, now: float) -> None:
+        for key in [k for k, c in self._causes.items()
+                    if now - c.start >= self.window and not c.held]:
+            del self._causes[key]
+
+    def _summaries(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                starts = [c.start for c in self._causes.values() if c.held]
+                wait = (min(starts) + self.window - self._clock()) if starts else None
+                if wait is None or wait > 0:
+                    self._wake.wait(wait)
+                    continue
+            self.flush_due()
+
+    def close(self) -> None:
+        """Write every pending summary and stop the thread."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+        self.flush_due(everything=True)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+
 class PlainFormatter(logging.Formatter):
     """``time LEVEL logger: message [KEY=value ...]`` for a terminal or a file."""
 
@@ -172,7 +310,8 @@ _module_levels: set[str] = set()
 
 def setup_logging(level: str = "info", modules: Mapping[str, str] | None = None, *,
                   stream: TextIO | None = None, journal: bool | None = None) -> logging.Handler:
-    """Install the daemon's one log handler on the root logger and set the levels.
+    """Install the daemon's one log handler on the root logger (repeated records
+    rate-limited: :class:`RepeatFilter`) and set the levels.
 
     Calling it again (on reload) replaces the handler and re-applies the levels; a
     module left out of ``modules`` goes back to inheriting ``level``.
@@ -196,14 +335,30 @@ def setup_logging(level: str = "info", modules: Mapping[str, str] | None = None,
     else:
         handler = logging.StreamHandler(stream)
         handler.setFormatter(PlainFormatter())
+    repeats = RepeatFilter(handler)
+    handler.addFilter(repeats)
+    atexit.register(repeats.close)  # before logging's own (atexit runs last-in first)
     root = logging.getLogger()
     if _installed is not None:
         root.removeHandler(_installed)
+        for f in _installed.filters:
+            if isinstance(f, RepeatFilter):
+                f.close()
         _installed.close()
     root.addHandler(handler)
     _installed = handler
     set_levels(level, modules)
     return handler
+
+
+def shutdown() -> None:
+    """Write the pending summaries of held-back records, then ``logging.shutdown()``
+    (at exit; atexit does the same on a normal exit)."""
+    if _installed is not None:
+        for f in _installed.filters:
+            if isinstance(f, RepeatFilter):
+                f.close()
+    logging.shutdown()
 
 
 def set_levels(level: str, modules: Mapping[str, str] | None = None) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from inferd.daemon.config import find_config_file, load_config
+from inferd.daemon import logs
 from inferd.daemon.logs import setup_logging
 from inferd.daemon.runtime import VERSION, Runtime
 from inferd.ipc import defs
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exit_now(status: int) -> None:
     """Flush the logs and standard streams, then ``os._exit``."""
-    logging.shutdown()
+    logs.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

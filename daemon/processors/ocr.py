@@ -59,6 +59,9 @@ def det_pre(ctx: Context, limit_side_len: int = 736, max_side_len: int = 2000,
                                                                 and img.shape[2] not in (3, 4)):
             raise ModelError(f"'image' must be uint8 HxWx3 BGR, got {img.dtype} "
                              f"{list(img.shape)}", ErrorCode.INVALID_ARGUMENT)
+        if min(img.shape[:2]) < 1:
+            raise ModelError(f"'image' is empty ({img.shape[1]}x{img.shape[0]} pixels)",
+                             ErrorCode.INVALID_ARGUMENT)
         if img.ndim == 2:
             img = cv2.cvtColor(img, cv2.COLOR_GRAY2BGR)
         elif img.shape[2] == 4:

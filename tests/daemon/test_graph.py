@@ -317,3 +317,26 @@ def test_user_processor_files_are_logged_and_skipped_when_broken(
         "inferd.daemon.processors", fromlist=["Context"]).Context(), "test")
     assert step({"x": np.ones(2)})["x"].tolist() == [2, 2]
     assert "double" in registry.names() and "ocr.det_post" in registry.names()
+
+
+def test_foreach_over_a_1d_int64_input_calls_the_model_per_element(harness: Harness) -> None:
+    """Issue 18, defect 10: 'Unable to handle object of type numpy.int64'."""
+    from onnx import TensorProto, helper, save
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"])], "double",
+        [helper.make_tensor_value_info("x", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    (harness.root / "double" / "1").mkdir(parents=True)
+    save(model, str(harness.root / "double" / "1" / "model.onnx"))
+    harness.write("each", 'inputs = ["ids"]\n[outputs]\ny = "dbl.y"\n[[nodes]]\n'
+                          'name = "dbl"\nmodel = "double"\nforeach = true\n'
+                          'inputs = { x = "input.ids" }\n')
+    reply = harness.call("each", {"ids": np.array([3, 5, 7], np.int64)})
+    assert reply.error is None, reply.error
+    assert [int(v) for v in np.asarray(reply.outputs["y"]).ravel()] == [6, 10, 14]
+    reply = harness.call("each", {"ids": np.array(4, np.int64)})  # nothing to iterate
+    assert reply.error is not None and reply.error.code is ErrorCode.INVALID_ARGUMENT
+    assert "foreach input 'x' is a scalar" in reply.error.message

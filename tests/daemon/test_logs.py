@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,3 +162,96 @@ def test_a_missing_journald_does_not_raise(short_tmp, logger, capsys):
     logger.addHandler(handler)
     logger.error("still fine")  # logging's handleError reports on stderr, no exception
     assert "still fine" in capsys.readouterr().err
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _limited(logger: logging.Logger) -> tuple[io.StringIO, logs.RepeatFilter, _Clock]:
+    out, clock = io.StringIO(), _Clock()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    repeats = logs.RepeatFilter(handler, window=10.0, burst=5, clock=clock,
+                                background=False)
+    handler.addFilter(repeats)
+    logger.addHandler(handler)
+    return out, repeats, clock
+
+
+def test_a_flood_of_one_cause_is_five_lines_then_one_summary_per_interval(logger):
+    """Issue 18, defect 6: the first records of a cause in full, then a count."""
+    out, repeats, clock = _limited(logger)
+    for i in range(4218):
+        logger.error("graph %s failed to load: cycle %d", "g", i, extra={"MODEL": "g"})
+    logger.warning("another cause")  # not held back by the first one's flood
+    assert out.getvalue().splitlines() == [
+        *(f"ERROR graph g failed to load: cycle {i}" for i in range(5)),
+        "WARNING another cause"]
+    clock.now += 10
+    repeats.flush_due()
+    assert out.getvalue().splitlines()[-1] == (
+        "ERROR … 4,213 more like this in the last 10 s: graph g failed to load: cycle 4217")
+    # The flood goes on: only a summary per interval, no line in full.
+    for _ in range(3):
+        for i in range(100):
+            logger.error("graph %s failed to load: cycle %d", "g", i, extra={"MODEL": "g"})
+        clock.now += 10
+        repeats.flush_due()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 6 + 1 + 3
+    assert all(line.startswith("ERROR … 100 more like this in the last 10 s")
+               for line in lines[-3:])
+    # Quiet for an interval: the next one is written in full again.
+    clock.now += 10
+    repeats.flush_due()
+    clock.now += 10
+    logger.error("graph %s failed to load: cycle %d", "g", 1, extra={"MODEL": "g"})
+    assert out.getvalue().splitlines()[-1] == "ERROR graph g failed to load: cycle 1"
+
+
+def test_causes_are_told_apart_by_format_level_model_and_code(logger):
+    out, _, _ = _limited(logger)
+    for _ in range(10):
+        for model in ("a", "b"):
+            logger.error("model %s failed", model, extra={"MODEL": model})
+        logger.warning("model %s failed", "a", extra={"MODEL": "a"})
+        logger.info("refused %s", "x", extra={"CODE": "PERMISSION_DENIED"})
+        logger.debug("new client %s", "x")  # asked for on purpose: never held back
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 5 * 4 + 10
+
+
+def test_a_held_back_traceback_is_summed_up_without_it(logger):
+    out, repeats, clock = _limited(logger)
+    for _ in range(7):
+        try:
+            raise ZeroDivisionError("division by zero")
+        except ZeroDivisionError:
+            logger.exception("graph ocr: node det_pre failed")
+    assert out.getvalue().count("Traceback") == 5
+    clock.now += 10
+    logger.error("graph ocr: node det_pre failed")  # the flood goes on: held back too
+    lines = out.getvalue().splitlines()
+    assert lines[-1] == ("ERROR … 2 more like this in the last 10 s: graph ocr: node "
+                         "det_pre failed")
+    assert lines[-2] == "ZeroDivisionError: division by zero"  # the fifth, in full
+
+
+def test_the_summary_thread_writes_when_the_interval_ends(logger):
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    repeats = logs.RepeatFilter(handler, window=0.2, burst=1)
+    handler.addFilter(repeats)
+    logger.addHandler(handler)
+    for _ in range(3):
+        logger.error("same")
+    deadline = time.monotonic() + 30
+    while "2 more like this" not in out.getvalue():
+        assert time.monotonic() < deadline, out.getvalue()
+        time.sleep(0.02)
+    repeats.close()

@@ -97,3 +97,14 @@ def test_numpy_unclip_is_within_a_pixel_of_pyclipper() -> None:
         finally:
             O.pyclipper = saved
         assert np.abs(exact - approx).max() <= 1.5, (exact, approx)
+
+
+@pytest.mark.parametrize("shape", [(0, 0, 3), (0, 5, 3), (5, 0, 3), (0, 0), (0, 7)])
+def test_an_empty_image_to_ocr_is_a_client_error(registry: ProcessorRegistry,
+                                                 shape: tuple[int, ...]) -> None:
+    """Issue 18, defect 6: a 0x0x3 image was INTERNAL ZeroDivisionError with a traceback."""
+    if not O.cv2.available:
+        pytest.skip("needs OpenCV")
+    with pytest.raises(ModelError, match="'image' is empty") as e:
+        build(registry, "ocr.det_pre")({"image": np.zeros(shape, np.uint8)})
+    assert e.value.code == "INVALID_ARGUMENT"
