@@ -1,28 +1,38 @@
-"""The memory budget of the model cache (``[cache] max_memory``): what each loaded model
-costs (measured), what a model not yet loaded will need (estimated, then measured at its
-first load), which idle models to evict to make room, and which must not be (pinned,
-busy, held during a swap).
+"""The memory budget of the model cache (``[cache] max_memory``): what each model counts
+against it, what is admitted, and which idle models are evicted to make room.
 
-A model's cost is measured, not guessed: the daemon's resident-memory delta across the
-load and its warm-up (freed heap is handed back to the system first, so a delta is not
-hidden by memory an earlier model left in malloc's free lists), plus what a GPU or NPU
-backend reports (device memory that RSS does not show). A CPU backend's report counts
-the same bytes as the RSS delta, so for it the larger of the two is taken instead.
+Accounting: a loading model counts what its load reserved (its figure from its last
+load, else a guess from its file size, then its measured cost); a ready or draining one
+its measured load cost plus the largest working memory it has needed
+(:class:`~inferd.daemon.memory.ModelMemory`, measured by :mod:`inferd.daemon.memory`);
+a reservation (:meth:`MemoryBudget.reserve`) what it holds. Admission: before a load
+(:meth:`MemoryBudget.make_room`) and before a run that may need more working memory than
+its model counts (:class:`AdmittedModel`), idle unpinned models are evicted, least
+recently used first; what cannot fit is refused with RESOURCE_EXHAUSTED and the
+figures. Pinned models, busy ones and the old version during a swap are never evicted.
+
+The budget evicts through the cache (:class:`Cache`), which drains the victims on its
+own thread: never on the thread of a model's worker that asked for room.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-import psutil
+from numpy.typing import NDArray
 
+from inferd.daemon.memory import LoadFigures, WorkingMemory
 from inferd.daemon.model_entry import ModelEntry, ModelKey, State
 from inferd.ipc.errors import ErrorCode, InferdError
-from inferd.ipc.libc import malloc_trim
+from inferd.libbackends.contract import LoadedModel
+
+log = logging.getLogger(__name__)
 
 # Before a model's first load its cost is unknown; the demo models cost 2-5x their file
 # size in onnxruntime (measured, see bench/bench_cache.py). The estimate only decides
@@ -40,36 +50,6 @@ def format_bytes(n: int | None) -> str:
 def estimate_cost(file_bytes: int) -> int:
     """A first guess of what a model file costs once loaded."""
     return ESTIMATE_FACTOR * file_bytes + ESTIMATE_OVERHEAD
-
-
-class MemoryMeter:
-    """Resident memory of this process, with freed heap handed back first."""
-
-    def __init__(self) -> None:
-        self._proc = psutil.Process()
-
-    def trim(self) -> None:
-        """Return free heap pages to the system (glibc ``malloc_trim``), so that the next
-        RSS delta counts new memory rather than reused free lists."""
-        malloc_trim()
-
-    def rss(self) -> int:
-        return int(self._proc.memory_info().rss)
-
-
-def model_cost(rss_delta: int, reported: int | None, device_memory: bool) -> int:
-    """What a loaded model counts against the budget (see the module docstring).
-
-    Args:
-        rss_delta: resident-memory growth of the daemon across load and warm-up.
-        reported: what the backend says the model uses, if it can tell.
-        device_memory: True when the backend's report is memory outside the process
-            (a GPU or NPU backend), False when it is host memory (a CPU backend).
-    """
-    rss_delta = max(rss_delta, 0)
-    if device_memory:
-        return rss_delta + (reported or 0)
-    return max(rss_delta, reported or 0)
 
 
 @dataclass(frozen=True)
@@ -95,44 +75,76 @@ def choose_victims(candidates: Sequence[Evictable], need: int) -> list[Evictable
     return None
 
 
-NOBODY = ModelEntry("-", 0, 1)
-"""Stands for "no model" when only the budget itself is checked."""
+class Cache(Protocol):
+    """What the budget needs of the model cache
+    (:class:`~inferd.daemon.models.ModelManager`)."""
+
+    @property
+    def max_memory(self) -> int | None:
+        """The budget in bytes now, or None for none (a reload may change it)."""
+
+    def entries(self) -> list[ModelEntry]:
+        """Every entry of the cache."""
+
+    def pinned(self, entry: ModelEntry) -> bool:
+        """Whether ``entry`` is pinned (never evicted)."""
+
+    def evict(self, entry: ModelEntry, reason: str) -> bool:
+        """Drain and unload ``entry`` if it is still evictable, on the cache's own
+        thread; returns once done. False if it no longer was."""
+
+    def enforce_soon(self) -> None:
+        """Have :meth:`MemoryBudget.enforce` run on the cache's own thread; returns at
+        once."""
 
 
 class MemoryBudget:
-    """Keeps the loaded models inside ``[cache] max_memory``.
+    """Keeps the models of one cache inside ``[cache] max_memory``.
 
     Args:
-        limit: the budget in bytes now, or None for none (the config may change).
-        entries: every model entry of the cache.
-        pinned: whether an entry is pinned (never evicted).
-        evict: unloads an entry if it is still idle; False if it was not.
+        cache: the model cache it accounts for.
     """
 
-    def __init__(self, limit: Callable[[], int | None],
-                 entries: Callable[[], list[ModelEntry]],
-                 pinned: Callable[[ModelEntry], bool],
-                 evict: Callable[[ModelEntry, str], bool]) -> None:
-        self._limit = limit
-        self._entries = entries
-        self._pinned = pinned
-        self._evict = evict
-        self.meter = MemoryMeter()
-        self._measured: dict[ModelKey, int] = {}
+    def __init__(self, cache: Cache) -> None:
+        self._cache = cache
+        self._reserved: dict[ModelKey, int] = {}  # loads in progress
+        self._holding: dict[int, int] = {}  # reservations (reserve) by token
+        self._tokens = itertools.count()
         self._held: set[ModelKey] = set()
         self._lock = threading.Lock()
 
-    def measured(self, key: ModelKey) -> int | None:
-        """The cost measured at ``key``'s last load, if any."""
-        return self._measured.get(key)
+    # ----------------------------------------------------------------- accounting
 
-    def record(self, key: ModelKey, cost: int) -> None:
-        self._measured[key] = cost
+    def cost(self, entry: ModelEntry) -> int:
+        """Bytes ``entry`` counts against the budget now."""
+        state = entry.state
+        if state is State.LOADING:
+            return self._reserved.get((entry.name, entry.version), 0)
+        if state in (State.READY, State.DRAINING):
+            return entry.memory.total() or 0
+        return 0
+
+    def used(self) -> int:
+        """What the cache's models and the reservations count now."""
+        with self._lock:
+            held = sum(self._holding.values())
+        return held + sum(self.cost(e) for e in self._cache.entries())
+
+    def measured(self, key: ModelKey) -> int | None:
+        """What the model version ``key`` cost at its last load (its working memory
+        included), if it was loaded before."""
+        entry = next((e for e in self._cache.entries() if (e.name, e.version) == key), None)
+        return entry.memory.total() if entry is not None else None
+
+    def reserve_load(self, entry: ModelEntry, need: int) -> None:
+        """Count ``need`` bytes for ``entry`` while it loads (it is LOADING)."""
+        self._reserved[(entry.name, entry.version)] = need
 
     def evictable(self, entry: ModelEntry) -> bool:
         """Ready, idle, unpinned and not held (caller may hold ``entry.lock``)."""
         return (entry.state is State.READY and not entry.in_flight
-                and not self._pinned(entry) and (entry.name, entry.version) not in self._held)
+                and not self._cache.pinned(entry)
+                and (entry.name, entry.version) not in self._held)
 
     @contextmanager
     def hold(self, name: str, version: int) -> Iterator[None]:
@@ -146,10 +158,42 @@ class MemoryBudget:
             with self._lock:
                 self._held.discard((name, version))
 
-    def make_room(self, entry: ModelEntry, need: int, how: str,
+    @contextmanager
+    def reserve(self, label: str, need: int) -> Iterator[None]:
+        """Count ``need`` bytes as used while the block runs (a candidate engine being
+        measured beside the model it may replace). Evicts nothing.
+
+        Raises:
+            InferdError (RESOURCE_EXHAUSTED): ``need`` does not fit beside what is in
+                use now.
+        """
+        budget = self._cache.max_memory
+        used = self.used()
+        if budget is not None and used + need > budget:
+            raise InferdError(f"{label} needs {format_bytes(need)} but the cache budget is "
+                              f"{format_bytes(budget)} with {format_bytes(used)} in use",
+                              ErrorCode.RESOURCE_EXHAUSTED)
+        token = next(self._tokens)
+        with self._lock:
+            self._holding[token] = need
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._holding[token]
+
+    # ----------------------------------------------------------------- admission
+
+    def make_room(self, entry: ModelEntry | None, need: int, how: str,
                   floor: int | None = None) -> int:
         """Evict idle unpinned models, least recently used first, until ``need`` more
         bytes fit in the budget beside every other entry (or, failing that, ``floor``).
+
+        Args:
+            entry: the model the room is for (None: only the budget itself is checked).
+            need: bytes it needs in all (what it counts now included).
+            how: how ``need`` was found, for the message.
+            floor: bytes that would do if ``need`` cannot be had.
 
         Returns:
             The bytes made room for: ``need``, or ``floor``.
@@ -159,14 +203,16 @@ class MemoryBudget:
         """
         wanted = need
         while True:
-            budget = self._limit()
+            budget = self._cache.max_memory
             if budget is None:
                 return need
-            others = [e for e in self._entries() if e is not entry]
-            used = sum(e.cost() for e in others)
+            others = [e for e in self._cache.entries() if e is not entry]
+            with self._lock:
+                held = sum(self._holding.values())
+            used = held + sum(self.cost(e) for e in others)
             if used + need <= budget:
                 return need
-            candidates = [Evictable(e, e.cost(), e.used_at) for e in others
+            candidates = [Evictable(e, self.cost(e), e.used_at) for e in others
                           if self.evictable(e)]
             victims = choose_victims(candidates, used + need - budget)
             if victims is None and floor is not None and floor < need:
@@ -175,24 +221,126 @@ class MemoryBudget:
             if victims is None:
                 raise InferdError(self._no_room(entry, wanted, how, budget, used, others),
                                   ErrorCode.RESOURCE_EXHAUSTED)
+            label = entry.label if entry is not None else "the models loaded"
             for v in victims:
-                self._evict(v.key, f"evicted to make room for {entry.label} within the "
-                                   f"cache budget ({format_bytes(budget)})")
+                self._cache.evict(v.key, f"evicted to make room for {label} within the "
+                                         f"cache budget ({format_bytes(budget)})")
 
     def enforce(self) -> None:
-        """Evict idle unpinned models until the loaded ones fit (after the budget
-        shrank); raises RESOURCE_EXHAUSTED naming what does not fit."""
-        self.make_room(NOBODY, 0, "")
+        """Evict idle unpinned models until the loaded ones fit (after the budget shrank,
+        or a model's working memory grew); raises RESOURCE_EXHAUSTED naming what does
+        not fit."""
+        self.make_room(None, 0, "")
 
-    def _no_room(self, entry: ModelEntry, need: int, how: str, budget: int, used: int,
-                 others: list[ModelEntry]) -> str:
+    def _no_room(self, entry: ModelEntry | None, need: int, how: str, budget: int,
+                 used: int, others: list[ModelEntry]) -> str:
         def names(entries: list[ModelEntry]) -> str:
-            return ", ".join(f"{e.label} ({format_bytes(e.cost())})" for e in entries) \
-                or "none"
-        holding = [e for e in others if e.cost()]
-        pinned = [e for e in holding if self._pinned(e)]
+            return ", ".join(f"{e.label} ({format_bytes(self.cost(e))})"
+                             for e in entries) or "none"
+        holding = [e for e in others if self.cost(e)]
+        pinned = [e for e in holding if self._cache.pinned(e)]
         busy = [e for e in holding if e not in pinned and not self.evictable(e)]
-        return (f"model {entry.label} needs {format_bytes(need)} ({how}) but the cache "
+        what = f"model {entry.label}" if entry is not None else "the models loaded"
+        return (f"{what} needs {format_bytes(need)} ({how}) but the cache "
                 f"budget is {format_bytes(budget)} with {format_bytes(used)} in use; "
                 f"pinned: {names(pinned)}; busy, loading or being replaced: "
                 f"{names(busy)}")
+
+    def admit_run(self, entry: ModelEntry, need: int, new: bool, reliable: bool) -> None:
+        """Before a run of ``entry`` that needs ``need`` bytes of working memory: a need
+        that cannot fit beside the model's load cost is refused if it is measured, or
+        estimated reliably; before a class's first run, room is made for the estimate
+        (every idle model if it does not fit).
+
+        Raises:
+            InferdError (RESOURCE_EXHAUSTED): the run cannot fit, with the figures.
+        """
+        budget = self._cache.max_memory
+        load = entry.memory.load
+        if budget is None or load is None or need <= 0:
+            return
+        if reliable and load.cost + need > budget:
+            how = "measured" if not new else "estimated from a measured run"
+            raise InferdError(f"model {entry.label}: inputs of this size need "
+                              f"{format_bytes(need)} of working memory ({how}) beside its "
+                              f"{format_bytes(load.cost)}, over the cache budget of "
+                              f"{format_bytes(budget)}", ErrorCode.RESOURCE_EXHAUSTED)
+        if not new:
+            return  # a measured need is in the model's cost already
+        for wanted in (load.cost + need, budget):  # the estimate, else all the room there is
+            try:
+                self.make_room(entry, min(wanted, budget), "working memory")
+                return
+            except InferdError as e:  # busy or pinned models: run anyway, measured after
+                log.debug("model %s: no room made for its working memory: %s",
+                          entry.label, e.message, extra={"MODEL": entry.name})
+
+    def grew(self, entry: ModelEntry) -> None:
+        """A run of ``entry`` needed more working memory than any before: it counts now;
+        evict idle models if the loaded ones no longer fit (logged if they cannot)."""
+        memory = entry.memory
+        log.info("model %s: working memory %s; counts %s against the budget", entry.label,
+                 format_bytes(memory.working.peak), format_bytes(memory.total()),
+                 extra={"MODEL": entry.name})
+        self._evict_if_over()
+
+    def _evict_if_over(self) -> None:
+        budget = self._cache.max_memory
+        if budget is not None and self.used() > budget:
+            self._cache.enforce_soon()
+
+    def recost(self, entry: ModelEntry, figures: LoadFigures) -> None:
+        """``entry``'s load was measured again (its engine changed under it): it counts
+        ``figures.cost`` plus its working memory from now on; idle models are evicted
+        (on the cache's thread) if the loaded ones no longer fit."""
+        entry.memory.loaded(figures)
+        self._evict_if_over()
+
+    def describe(self, entry: ModelEntry) -> dict[str, Any]:
+        """The memory fields of ``entry``'s ``models`` row."""
+        load, working = entry.memory.load, entry.memory.working
+        loaded = entry.state in (State.READY, State.DRAINING) and load is not None
+        return {"memory_bytes": self.cost(entry) if loaded else None,
+                "memory_rss_bytes": load.rss if loaded and load else None,
+                "memory_reported_bytes": load.reported if loaded and load else None,
+                "memory_working_bytes": working.peak if working.classes else None,
+                "working_memory": working.describe()}
+
+
+class AdmittedModel(LoadedModel):
+    """A loaded model whose runs are admitted by the budget first (their working memory
+    estimated, room made or the run refused) and measured when their shape class asks
+    for it (:class:`~inferd.daemon.memory.WorkingMemory`)."""
+
+    def __init__(self, model: LoadedModel, entry: ModelEntry, budget: MemoryBudget) -> None:
+        self.inner = model
+        self._entry = entry
+        self._working: WorkingMemory = entry.memory.working
+        self._budget = budget
+        self.inputs = model.inputs
+        self.outputs = model.outputs
+
+    def run(self, inputs: dict[str, NDArray[Any]],
+            outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
+        working = self._working
+        key = working.needs_measuring(inputs)  # None: a known class
+        need, reliable = working.estimate(inputs)
+        self._budget.admit_run(self._entry, need, key is not None, reliable)
+        if key is None:
+            return self.inner.run(inputs, outputs)
+        result, grew = working.measure(key, inputs, lambda: self.inner.run(inputs, outputs))
+        if grew:
+            self._budget.grew(self._entry)
+        return result  # type: ignore[no-any-return]
+
+    def unload(self) -> None:
+        self.inner.unload()
+
+    def memory_bytes(self) -> int | None:
+        return self.inner.memory_bytes()
+
+    def describe(self) -> dict[str, Any]:
+        return self.inner.describe()
+
+    def __getattr__(self, name: str) -> Any:  # backend extras (metadata...) pass through
+        return getattr(self.inner, name)

@@ -1,5 +1,5 @@
-"""One cache entry: the state of one version of one model, its queue, its counters; and
-the ``models`` listing built from the entries (:func:`describe_cache`)."""
+"""One cache entry: the state of one version of one model and its transitions, its
+queue, its counters and its measured memory."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from enum import StrEnum
 from typing import Any
 
+from inferd.daemon.memory import ModelMemory
 from inferd.daemon.placement import ModelPlacement
 from inferd.daemon.worker import WorkItem, Workers, WorkQueue
 from inferd.ipc.errors import ErrorCode
@@ -30,7 +30,13 @@ class State(StrEnum):
 
 
 class ModelEntry:
-    """One version of one model. Guarded by ``lock``; the queue is thread-safe.
+    """One version of one model: its state, its queue, its counters.
+
+    The entry is the only code that changes its state: each transition is a method
+    (:meth:`begin_load`, :meth:`ready`, :meth:`fail`, :meth:`drain`, :meth:`unloaded`,
+    :meth:`retry`), checks the state it starts from and wakes whoever waits on
+    ``changed``. Each takes ``lock`` itself; it is reentrant, so a caller that must
+    decide and act in one step (the manager's queueing) holds it around both.
 
     ``in_flight`` counts the requests queued or running: a model with any is busy and
     is not evicted or unloaded for idleness.
@@ -40,24 +46,20 @@ class ModelEntry:
         self.name = name
         self.version = version
         self.label = f"{name} version {version}"
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
-        self.state = State.UNLOADED
+        self._state = State.UNLOADED
         # Takes turns between clients; the bound is kept by ModelManager._enqueue under
         # ``lock``.
         self.queue: WorkQueue = WorkQueue()
         self.queue_size = queue_size
-        self.backend: str | None = None
         self.placement: ModelPlacement | None = None  # backend, device and why
         self.model: LoadedModel | None = None
         self.workers: Workers | None = None
         self.error: str | None = None
         self.error_code: ErrorCode = ErrorCode.INTERNAL
         self.failed_at = 0.0
-        self.memory_bytes: int | None = None
-        self.memory_rss_bytes: int | None = None
-        self.memory_reported_bytes: int | None = None
-        self.reserved = 0
+        self.memory = ModelMemory(self.label)  # measured; counted by daemon/budget.py
         self.load_future: Future[ModelEntry] | None = None
         self.loads = 0
         self.served = 0
@@ -68,42 +70,125 @@ class ModelEntry:
         self.keep_until = 0.0
         self.keep_alive = math.inf
 
-    def set_state(self, state: State) -> None:
-        """Change state (caller holds ``lock``) and wake whoever waits on a change."""
-        self.state = state
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def backend(self) -> str | None:
+        """The backend the loaded model runs on (from its placement)."""
+        return self.placement.backend if self.placement is not None else None
+
+    def _become(self, state: State, *expected: State) -> None:
+        if self._state not in expected:
+            raise RuntimeError(f"model {self.label}: {self._state} -> {state}; expected "
+                               f"from {', '.join(map(str, expected))}")
+        self._state = state
         self.changed.notify_all()
 
+    # ----------------------------------------------------------------- transitions
+
+    def begin_load(self, future: Future[ModelEntry]) -> None:
+        """UNLOADED -> LOADING: ``future`` gets the load's outcome."""
+        with self.lock:
+            self._become(State.LOADING, State.UNLOADED)
+            self.error = None
+            self.load_future = future
+            self.loads += 1
+
+    def ready(self, model: LoadedModel, workers: Workers, placement: ModelPlacement,
+              keep_alive: float) -> None:
+        """LOADING -> READY with the loaded model and its (not yet started) workers."""
+        with self.lock:
+            self._become(State.READY, State.LOADING)
+            self.model, self.workers, self.placement = model, workers, placement
+            self.keep_alive = keep_alive
+            self.touch(request=False)
+
+    def fail(self, code: ErrorCode, message: str) -> list[WorkItem]:
+        """LOADING -> FAILED, remembering why and when; returns the requests that
+        waited in the queue, which the caller must answer."""
+        with self.lock:
+            self._become(State.FAILED, State.LOADING)
+            self.error, self.error_code = message, code
+            self.failed_at = time.monotonic()
+            return self.take_queued()
+
+    def retry(self) -> None:
+        """FAILED -> UNLOADED: the next request or load tries again."""
+        with self.lock:
+            self._become(State.UNLOADED, State.FAILED)
+
+    def drain(self) -> tuple[Workers, LoadedModel]:
+        """READY -> DRAINING: returns the workers to stop and the model to unload.
+        Requests that arrive meanwhile wait in the queue."""
+        with self.lock:
+            self._become(State.DRAINING, State.READY)
+            assert self.workers is not None and self.model is not None
+            return self.workers, self.model
+
+    def unloaded(self) -> None:
+        """DRAINING -> UNLOADED: the model and its workers are gone."""
+        with self.lock:
+            self._become(State.UNLOADED, State.DRAINING)
+            self.model = self.workers = self.placement = None
+
+    # ----------------------------------------------------------------- requests
+
+    def enqueue(self, item: WorkItem, keep_alive: float | None) -> None:
+        """Count ``item`` in flight and queue it (the caller checked the bound)."""
+        with self.lock:
+            self.in_flight += 1
+            self.touch(keep_alive)
+            # Last: the put wakes a worker, which then waits for this thread's GIL.
+            self.queue.put(item)
+
+    def done(self, ok: bool) -> None:
+        """A request left the model, answered (the workers call it)."""
+        with self.lock:
+            self.in_flight -= 1
+            if ok:
+                self.served += 1
+            else:
+                self.failed_requests += 1
+            self.touch()
+
+    def dropped(self, items: list[WorkItem]) -> None:
+        """``items`` were taken out of the queue unanswered by the model."""
+        with self.lock:
+            self.in_flight -= len(items)
+
     def touch(self, keep_alive: float | None = None, request: bool = True) -> None:
-        """Restart the idle clock (caller holds ``lock``); ``request``: a request used
-        it (shown as last used); a request's keep-alive extends how long it stays."""
-        now = time.monotonic()
-        self.used_at = now
-        if request:
-            self.last_used = time.time()
-        if keep_alive is not None:
-            self.keep_until = max(self.keep_until, now + keep_alive)
+        """Restart the idle clock; ``request``: a request used it (shown as last used);
+        a request's keep-alive extends how long it stays."""
+        with self.lock:
+            now = time.monotonic()
+            self.used_at = now
+            if request:
+                self.last_used = time.time()
+            if keep_alive is not None:
+                self.keep_until = max(self.keep_until, now + keep_alive)
+
+    def refresh_keep_alive(self, keep_alive: float) -> None:
+        """A loaded model takes the keep-alive now in force (after a reload)."""
+        with self.lock:
+            if self._state is State.READY:
+                self.keep_alive = keep_alive
 
     def take_queued(self) -> list[WorkItem]:
-        """Empty the queue (caller holds ``lock``): the requests in it, which the caller
-        must answer or pass on; sentinels are dropped."""
-        items = []
-        while True:
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, WorkItem):
-                items.append(item)
-        self.in_flight -= len(items)
-        return items
-
-    def cost(self) -> int:
-        """Bytes this entry holds against the budget now."""
-        if self.state is State.LOADING:
-            return self.reserved
-        if self.state in (State.READY, State.DRAINING):
-            return self.memory_bytes or 0
-        return 0
+        """Empty the queue: the requests in it, which the caller must answer or pass
+        on; sentinels are dropped."""
+        with self.lock:
+            items = []
+            while True:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, WorkItem):
+                    items.append(item)
+            self.in_flight -= len(items)
+            return items
 
     def describe(self) -> dict[str, Any]:
         m = self.model
@@ -115,9 +200,6 @@ class ModelEntry:
             "chosen": self.placement.why if self.placement else None,
             "inputs": [s.to_json() for s in m.inputs] if m else [],
             "outputs": [s.to_json() for s in m.outputs] if m else [],
-            "memory_bytes": self.memory_bytes,
-            "memory_rss_bytes": self.memory_rss_bytes,
-            "memory_reported_bytes": self.memory_reported_bytes,
             "requests": self.served, "failed_requests": self.failed_requests,
             "loads": self.loads, "in_flight": self.in_flight,
             "queued": self.queue.qsize(), "last_used": self.last_used,
@@ -129,36 +211,3 @@ class ModelEntry:
             "batching": self.workers.batching() if self.workers else None,
             "plan": m.describe().get("plan") if m else None,
         }
-
-
-def describe_cache(catalog: dict[str, Any], entries: dict[ModelKey, ModelEntry],
-                   pinned: Callable[[ModelEntry], bool],
-                   settings: Callable[[Any], Any]) -> list[dict[str, Any]]:
-    """The ``models`` listing: every model the catalog offers (its default version,
-    loaded or not) and every version in memory, with state, pins and settings."""
-    out = []
-    for name in sorted(set(catalog) | {n for n, _ in entries}):
-        spec = catalog.get(name)
-        rows = [e for (n, _), e in sorted(entries.items()) if n == name
-                and (e.state is not State.UNLOADED or (spec and e.version == spec.default))]
-        if spec and (name, spec.default) not in entries:
-            rows.append(ModelEntry(name, spec.default, 1))
-        for e in rows:
-            with e.lock:
-                info = e.describe()
-                info["pinned"] = pinned(e)
-            if spec is None:
-                info["error"] = info["error"] or "removed from the repository"
-            elif spec.error:
-                info.update(state=str(State.FAILED), error=spec.error)
-            if e.state is State.UNLOADED and spec and not spec.error:
-                keep = settings(spec).keep_alive
-                info["keep_alive_s"] = None if math.isinf(keep) else keep
-            if spec and not spec.error and info["batching"] is None:  # as configured
-                info["batching"] = {"max_batch": spec.settings.max_batch,
-                                    "max_delay_ms": spec.settings.max_delay_ms,
-                                    "mode": spec.settings.batching}
-            info["versions"] = list(spec.versions) if spec else []
-            info["default"] = bool(spec and spec.default == e.version)
-            out.append(info)
-    return out

@@ -1,15 +1,18 @@
-"""The model manager: the warm model cache's entries and their state machine.
+"""The model manager: the warm model cache's entries, their queues and their workers.
 
 One :class:`~inferd.daemon.model_entry.ModelEntry` per (model, version): its state
-(unloaded -> loading -> ready -> draining -> unloaded, or failed), its bounded queue and
-its workers. The manager submits and queues requests, starts loads, answers what a
-failed load leaves queued, drains and unloads, unloads idle models, stops, and describes
-the cache. What it delegates, one module each:
+(unloaded -> loading -> ready -> draining -> unloaded, or failed; the entry's own
+transitions), its bounded queue and its workers. The manager submits and queues
+requests, starts loads and makes the entry READY (building its workers) or FAILED
+(answering what waited), drains and unloads (on request, when idle past the keep-alive,
+when the budget evicts, when a reload retires a version, at stop), and describes the
+cache. What it delegates, one module each:
 
 - :mod:`inferd.daemon.catalog`: what the repository offers (scan, pins, settings);
-- :mod:`inferd.daemon.budget`: the memory budget (make room, evict, measured costs);
-- :mod:`inferd.daemon.loading`: loading one version (backend, warm-up, measure, workers);
-- :mod:`inferd.daemon.draining`: draining and unloading (explicit, idle, evicted, stop);
+- :mod:`inferd.daemon.loading`: loading one version (backend, warm-up, measure): a
+  result or an error, nothing else;
+- :mod:`inferd.daemon.budget`: what each model counts, admission, the choice of victims;
+- :mod:`inferd.daemon.memory`: measuring;
 - :mod:`inferd.daemon.reload`: applying a reload through the public methods here.
 
 Rules: a request for a model that is not loaded starts the load once (single flight)
@@ -17,66 +20,80 @@ and waits in the model's queue; a model with requests queued or running is never
 from under them; a failed load is remembered for ``cache.failed_load_hold_s`` (requests
 meanwhile get its reason at once); idle unpinned models are unloaded after their
 keep-alive; requests that reach a retired version go to the version that replaced it.
+Evictions run on one thread of their own (``inferd-cache-evict``), never on the worker
+thread of the model that needs the room.
+
+Threads: loads on ``inferd-loader`` (2; loads themselves one at a time), evictions on
+``inferd-cache-evict``, the idle check on ``inferd-cache-idle``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
-from inferd.daemon.budget import MemoryBudget
+from inferd.daemon.budget import MemoryBudget, format_bytes
 from inferd.daemon.catalog import Catalog
-from inferd.daemon.draining import Draining
 from inferd.daemon.loading import ModelLoader
-from inferd.daemon.memory import WorkingLedger
-from inferd.daemon.model_entry import ModelEntry, ModelKey, State, describe_cache
+from inferd.daemon.memory import METER
+from inferd.daemon.model_entry import ModelEntry, ModelKey, State
+from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.reload import reload_catalog
-from inferd.daemon.repository import Repository
+from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.units import request_keep_alive
 from inferd.daemon.worker import WorkItem, Workers
-from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError
+from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
 from inferd.ipc.protocol import Reply, Request
 from inferd.ipc.replies import AnyTicket, ReplySink
 from inferd.libbackends.customops.contract import OpRegistry
+from inferd.libbackends.customops.plan import plan_note
 from inferd.libbackends.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
-class ModelManager(Draining):
+class ModelManager:
     """The model cache of one runtime.
 
     Args:
         repo: the model repository.
         registry: backends to choose from.
-        config: the daemon configuration (replaced on reload: :meth:`use_config`).
+        config: the daemon configuration (replaced on reload: :meth:`reload`).
         sink: where the workers' replies go (any thread).
+        observer: metrics hooks (:class:`~inferd.daemon.metrics.Metrics`: ``loaded``,
+            ``unloaded``, ``for_model``), or None.
+        processors: the steps model.toml may name (filled by the runtime at start).
+        customops: the daemon's custom ops (filled by the runtime at start), or None.
     """
 
     def __init__(self, repo: Repository, registry: Registry, config: Any,
-                 sink: ReplySink) -> None:
+                 sink: ReplySink, *, observer: Any = None,
+                 processors: ProcessorRegistry | None = None,
+                 customops: OpRegistry | None = None) -> None:
         self.registry = registry
         self.catalog = Catalog(repo, config)
-        self.budget = MemoryBudget(lambda: self.config.cache.max_memory, self._all_entries,
-                                   self._pinned, self._evict)
-        self._loader = ModelLoader(self.catalog, registry, self.budget, lambda: self.config,
-                                   sink, self._done)
-        self.ledger = WorkingLedger(
-            self.budget, lambda: self.config.cache.max_memory,
-            lambda key: self._entries.get(key), lambda: self.cache_status()["used_bytes"],
-            lambda: self._loader.pool.submit(self._enforce_budget))
-        self._loader.ledger = self.ledger
+        self.budget = MemoryBudget(self)
+        self._loader = ModelLoader(self.catalog, registry, self.budget, processors,
+                                   customops)
         self._sink = sink
+        self._observer = observer
         self._entries: dict[ModelKey, ModelEntry] = {}
         self._lock = threading.Lock()  # the entries dict
         self._reload_lock = threading.Lock()
         self._stopping = threading.Event()
         self.left_running: list[Workers] = []  # workers a drain gave up on (still alive)
+        self._loads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inferd-loader",
+                                         initializer=unpin_current_thread)
+        self._evictor = ThreadPoolExecutor(max_workers=1,
+                                           thread_name_prefix="inferd-cache-evict",
+                                           initializer=unpin_current_thread)
+        self._evicting = threading.local()  # set on the evictor thread while it drains
         self._idle_thread: threading.Thread | None = None
 
     @property
@@ -87,35 +104,52 @@ class ModelManager(Draining):
     def repo(self) -> Repository:
         return self.catalog.repo
 
-    @property
-    def processors(self) -> ProcessorRegistry | None:
-        return self._loader.processors
-
-    @processors.setter
-    def processors(self, registry: ProcessorRegistry | None) -> None:
-        self._loader.processors = registry  # set by the runtime
-
-    @property
-    def observer(self) -> Any:
-        return self._loader.observer
-
-    @observer.setter
-    def observer(self, observer: Any) -> None:
-        self._loader.observer = observer  # metrics hooks, set by the runtime
-
-    @property
-    def customops(self) -> OpRegistry | None:
-        return self._loader.customops
-
-    @customops.setter
-    def customops(self, ops: OpRegistry | None) -> None:
-        self._loader.customops = ops  # set by the runtime
-
     def start(self) -> None:
         """Start the idle-unload thread (``inferd-cache-idle``)."""
         self._idle_thread = threading.Thread(target=self._idle_loop, name="inferd-cache-idle",
                                              daemon=True)
         self._idle_thread.start()
+
+    # ----------------------------------------------------------------- the budget's view
+
+    @property
+    def max_memory(self) -> int | None:
+        return self.config.cache.max_memory  # type: ignore[no-any-return]
+
+    def entries(self) -> list[ModelEntry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def pinned(self, entry: ModelEntry) -> bool:
+        return self.catalog.pinned(entry.name, entry.version)
+
+    def evict(self, entry: ModelEntry, reason: str) -> bool:
+        """Drain and unload ``entry`` if it is still idle, on ``inferd-cache-evict``;
+        the calling thread (a loader, or a worker whose run needs room) waits."""
+        if getattr(self._evicting, "active", False):  # make_room from enforce, below
+            return self._drain(entry, reason, only_if_idle=True)
+        return self._evictor.submit(self._evict, entry, reason).result()
+
+    def _evict(self, entry: ModelEntry, reason: str) -> bool:
+        self._evicting.active = True
+        try:
+            return self._drain(entry, reason, only_if_idle=True)
+        finally:
+            self._evicting.active = False
+
+    def enforce_soon(self) -> None:
+        """Evict idle models until the loaded ones fit, on ``inferd-cache-evict``
+        (a model's working memory grew on its worker thread)."""
+        self._evictor.submit(self._enforce)
+
+    def _enforce(self) -> None:
+        self._evicting.active = True
+        try:
+            self.budget.enforce()
+        except InferdError as e:
+            log.warning("cache is over its budget and cannot evict more: %s", e.message)
+        finally:
+            self._evicting.active = False
 
     # ----------------------------------------------------------------- entries
 
@@ -140,13 +174,6 @@ class ModelManager(Draining):
                 self._entries[(name, version)] = entry
         return entry
 
-    def _all_entries(self) -> list[ModelEntry]:
-        with self._lock:
-            return list(self._entries.values())
-
-    def _pinned(self, entry: ModelEntry) -> bool:
-        return self.catalog.pinned(entry.name, entry.version)
-
     # ----------------------------------------------------------------- requests
 
     def submit(self, request: Request, ticket: AnyTicket) -> None:
@@ -168,32 +195,26 @@ class ModelManager(Draining):
                     raise InferdError(f"model {entry.label} failed to load {ago:.1f} s ago "
                                       f"(next try after {held:g} s): {entry.error}",
                                       entry.error_code)
-                entry.set_state(State.UNLOADED)
+                entry.retry()
             if entry.queue.qsize() >= entry.queue_size and not entry.queue.below_share(
                     getattr(item.ticket, "peer", b"")):
                 raise InferdError(f"model {entry.label}: queue is full "
                                   f"({entry.queue_size} requests waiting)",
                                   ErrorCode.RESOURCE_EXHAUSTED)
-            entry.in_flight += 1
-            entry.touch(keep_alive)
             if entry.state is State.UNLOADED:
-                self._loader.start(entry)
+                self._start_load(entry)
             # DRAINING: the request waits in the queue; the drain restarts the load.
-            # Last: the put wakes a worker, which then waits for this thread's GIL.
-            entry.queue.put(item)
+            entry.enqueue(item, keep_alive)
 
     def cancel_peer(self, peer: bytes) -> int:
         """Answer CANCELLED every request of a client that has disconnected and is still
         queued for a model, instead of running it for nobody (I/O thread); how many."""
-        with self._lock:
-            entries = list(self._entries.values())
         dropped = 0
-        for entry in entries:
+        for entry in self.entries():
             items = entry.queue.drop(peer)
             if not items:
                 continue
-            with entry.lock:
-                entry.in_flight -= len(items)
+            entry.dropped(items)
             for item in items:
                 self._sink.send(item.ticket, Reply(item.request.id, error=Failure(
                     ErrorCode.CANCELLED, f"model {entry.label}: the client disconnected "
@@ -201,19 +222,55 @@ class ModelManager(Draining):
             dropped += len(items)
         return dropped
 
-    def _done(self, entry: ModelEntry, ok: bool) -> None:
-        with entry.lock:
-            entry.in_flight -= 1
-            if ok:
-                entry.served += 1
-            else:
-                entry.failed_requests += 1
-            entry.touch()
+    # ----------------------------------------------------------------- loading
 
-    def _evict(self, entry: ModelEntry, reason: str) -> bool:
-        return self._unload_entry(entry, reason, only_if_idle=True)
+    def _start_load(self, entry: ModelEntry) -> Future[ModelEntry]:
+        """Begin loading on a loader thread (``entry`` is UNLOADED)."""
+        with entry.lock:  # the loader thread's first step on it waits for the state
+            future = self._loads.submit(self._load, entry)
+            entry.begin_load(future)
+        return future
 
-    # ----------------------------------------------------------------- control
+    def _load(self, entry: ModelEntry) -> ModelEntry:
+        """Load ``entry`` (LOADING) and make it READY with its workers running.
+
+        Raises:
+            InferdError: the load failed; the entry is FAILED and what waited in its
+                queue got the reason.
+        """
+        started = time.monotonic()
+        try:
+            loaded = self._loader.load(entry)
+        except Exception as e:
+            code, message = failure(e, f"model {entry.label}: unexpected error while "
+                                    f"loading", log, named=False, model=entry.name)
+            log.error("model %s failed to load: %s", entry.label, message,
+                      extra={"MODEL": entry.name, "CODE": str(code)})
+            for item in entry.fail(code, message):
+                self._sink.send(item.ticket, Reply(item.request.id, error=Failure(
+                    code, f"model {entry.label} failed to load: {message}")))
+            if self._observer is not None:
+                self._observer.loaded(entry.name, time.monotonic() - started, False)
+            raise InferdError(message, code) from e
+        # The one place a model's worker threads are built (daemon/worker.py).
+        workers = Workers(entry.name, loaded.model, entry.queue, self._sink,
+                          loaded.settings.instances, on_done=entry.done,
+                          spec=loaded.pipeline, backend=loaded.placement.backend,
+                          observe=self._observer.for_model(entry.name)
+                          if self._observer is not None else None)
+        entry.memory.loaded(loaded.figures)
+        entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive)
+        workers.start()
+        if self._observer is not None:
+            self._observer.loaded(entry.name, time.monotonic() - started, True)
+        where = loaded.placement
+        log.info("model %s loaded on %s, device %s, in %.0f ms, %s%s; chosen: %s",
+                 entry.label, where.backend, where.device,
+                 (time.monotonic() - started) * 1000,
+                 format_bytes(self.budget.cost(entry)), plan_note(loaded.model), where.why,
+                 extra={"MODEL": entry.name, "BACKEND": where.backend,
+                        "DEVICE": where.device})
+        return entry
 
     def load(self, name: str, version: int | None = None) -> ModelEntry:
         """Load ``name`` (or wait for the load in progress); blocking. An explicit load
@@ -227,9 +284,9 @@ class ModelManager(Draining):
             entry.changed.wait_for(lambda: entry.state is not State.DRAINING)
             entry.touch(request=False)
             if entry.state is State.FAILED:
-                entry.set_state(State.UNLOADED)
+                entry.retry()
             if entry.state is State.UNLOADED:
-                future = self._loader.start(entry)
+                future = self._start_load(entry)
             elif entry.state is State.LOADING:
                 future = entry.load_future
             else:
@@ -259,6 +316,8 @@ class ModelManager(Draining):
                 failed.append(name)
         return failed
 
+    # ----------------------------------------------------------------- reload
+
     def reload(self, config: Any) -> dict[str, list[str]]:
         """Take a new configuration and re-read the repository, failing no request
         (see :func:`inferd.daemon.reload.reload_catalog`). Returns what changed."""
@@ -269,13 +328,10 @@ class ModelManager(Draining):
 
     def refresh_keep_alives(self) -> None:
         """Give loaded models the keep-alive now in force (config or model.toml)."""
-        for e in self._all_entries():  # keep_alive may have changed in config or model.toml
+        for e in self.entries():
             spec = self.catalog.get(e.name)
-            keep_alive = self.catalog.settings(spec).keep_alive if spec and not spec.error \
-                else None
-            with e.lock:
-                if keep_alive is not None and e.state is State.READY:
-                    e.keep_alive = keep_alive
+            if spec and not spec.error:
+                e.refresh_keep_alive(self.catalog.settings(spec).keep_alive)
 
     def version_state(self, name: str, version: int) -> State:
         e = self._entries.get((name, version))
@@ -299,27 +355,139 @@ class ModelManager(Draining):
         entry = self.entry(name, version)
         future: Future[ModelEntry] = Future()
         with entry.lock:
-            entry.load_future = future
-            entry.set_state(State.LOADING)
+            if entry.state is State.FAILED:  # the try beside the old version just failed
+                entry.retry()
+            entry.begin_load(future)
         first()
         try:
-            future.set_result(self._loader.run(entry))
+            future.set_result(self._load(entry))
         except InferdError as e:
             future.set_exception(e)
             raise
         return entry
 
+    # ----------------------------------------------------------------- draining
+
+    def _drain(self, entry: ModelEntry, reason: str, only_if_idle: bool = False,
+               timeout: float | None = None) -> bool:
+        """Drain and unload a READY entry; False if it was not (or no longer) eligible.
+
+        Requests that arrive during the drain wait in the queue; afterwards they start
+        a new load, go to the version that replaced this one, or get NOT_FOUND if the
+        model is gone.
+        """
+        with entry.lock:
+            if entry.state is not State.READY:
+                return False
+            if only_if_idle and not self.budget.evictable(entry):
+                return False
+            workers, model = entry.drain()
+        finished = workers.stop(timeout)
+        if finished:
+            model.unload()
+            METER.trim()
+        else:
+            log.error("model %s: workers did not finish within %.3g s; left running",
+                      entry.label, timeout, extra={"MODEL": entry.name})
+            self.left_running.append(workers)
+        leftovers: list[WorkItem] = []
+        with entry.lock:
+            entry.unloaded()
+            if finished and not entry.queue.empty():
+                if (self.catalog.servable(entry.name, entry.version)
+                        and not self._stopping.is_set()):
+                    self._start_load(entry)
+                else:
+                    leftovers = entry.take_queued()
+        log.info("model %s unloaded: %s", entry.label, reason, extra={"MODEL": entry.name})
+        if self._observer is not None:
+            self._observer.unloaded(entry.name, reason.startswith("evicted"))
+        for item in leftovers:
+            self._reroute(entry, item)
+        return True
+
+    def _reroute(self, retired: ModelEntry, item: WorkItem) -> None:
+        """A request that reached a version just retired: hand it to the model's current
+        default version if it named none, else answer NOT_FOUND."""
+        try:
+            if item.request.version is not None:
+                raise ModelError(f"model {retired.label} was removed from the repository",
+                                 ErrorCode.NOT_FOUND)
+            self._enqueue(self.entry(retired.name), item, None)
+        except Exception as e:
+            self._sink.send(item.ticket, Reply(item.request.id, error=failure(
+                e, f"model {retired.label}", log, model=retired.name)))
+
+    def unload_idle(self) -> list[str]:
+        """Unload every unpinned model idle longer than its keep-alive; their labels."""
+        now = time.monotonic()
+        done = []
+        for e in self.entries():
+            with e.lock:
+                if e.state is not State.READY or e.in_flight or now < e.keep_until:
+                    continue
+                idle = now - e.used_at
+                if idle < e.keep_alive:
+                    continue
+            if self._drain(e, f"idle for {idle:.1f} s (keep_alive {e.keep_alive:g} s)",
+                           only_if_idle=True):
+                done.append(e.label)
+        return done
+
+    def _idle_loop(self) -> None:
+        while not self._stopping.wait(self.config.cache.idle_check_s):
+            try:
+                self.unload_idle()
+            except Exception:  # the idle check must outlive one bad unload
+                log.exception("idle check failed")
+
+    def unload(self, name: str, version: int | None = None, timeout: float | None = None,
+               reason: str = "unload requested") -> ModelEntry:
+        """Drain and unload ``name`` (every loaded version, or just ``version``): queued
+        requests finish first; blocking. Entries the catalog no longer offers are
+        dropped (a version retired by a reload). Returns the default version's entry."""
+        check_name(name)
+        with self._lock:
+            entries = [e for (n, v), e in self._entries.items()
+                       if n == name and (version is None or v == version)]
+        if not entries:
+            spec = self.catalog.get(name)
+            if spec is not None and spec.error:  # nothing loaded, nothing to do
+                return ModelEntry(name, version or spec.default, 1)
+            return self.entry(name, version)  # NOT_FOUND if unknown, else unloaded
+        for entry in entries:
+            self._unload_wait(entry, reason, timeout)
+            with self._lock:
+                if (not self.catalog.servable(entry.name, entry.version)
+                        and entry.state is State.UNLOADED):
+                    self._entries.pop((entry.name, entry.version), None)
+        spec = self.catalog.get(name)
+        return next((e for e in entries if spec and e.version == spec.default), entries[0])
+
+    def _unload_wait(self, entry: ModelEntry, reason: str, timeout: float | None) -> None:
+        with entry.lock:
+            future = entry.load_future if entry.state is State.LOADING else None
+        if future is not None:
+            try:
+                future.result()
+            except (InferdError, CancelledError):
+                pass  # a failed load answered its requests; a cancelled one, the server
+        with entry.lock:
+            entry.changed.wait_for(lambda: entry.state is not State.DRAINING, timeout)
+            if entry.state is State.FAILED:
+                entry.retry()
+        self._drain(entry, reason, timeout=timeout)
+
     def stop(self, timeout: float) -> bool:
         """Finish queued work and unload every model; True if all threads ended."""
         self._stopping.set()
         deadline = time.monotonic() + timeout
-        with self._lock:
-            entries = list(self._entries.values())
-        for entry in entries:
+        for entry in self.entries():
             left = max(0.1, deadline - time.monotonic())
             self._unload_wait(entry, "daemon stopping", left)
         ok = not any(t.is_alive() for w in self.left_running for t in w.threads)
-        self._loader.pool.shutdown(wait=False, cancel_futures=True)
+        self._loads.shutdown(wait=False, cancel_futures=True)
+        self._evictor.shutdown(wait=False, cancel_futures=True)
         if self._idle_thread is not None:
             self._idle_thread.join(max(0.1, deadline - time.monotonic()))
         return ok
@@ -327,28 +495,46 @@ class ModelManager(Draining):
     # ----------------------------------------------------------------- state
 
     def describe(self) -> list[dict[str, Any]]:
-        """Every model the repository offers, and every version in memory, with state."""
+        """The ``models`` listing: every model the catalog offers (its default version,
+        loaded or not) and every version in memory, with state, pins, settings and
+        memory."""
+        catalog = self.catalog.snapshot()
         with self._lock:
             entries = dict(self._entries)
-        rows = describe_cache(self.catalog.snapshot(), entries, self._pinned,
-                              self.catalog.settings)
-        for info in rows:
-            self.ledger.describe(info)
-        return rows
-
-    def _enforce_budget(self) -> None:
-        """Evict idle models after a model's working memory grew (loader thread)."""
-        try:
-            self.budget.enforce()
-        except InferdError as e:
-            log.warning("cache is over its budget and cannot evict more: %s", e.message)
+        out = []
+        for name in sorted(set(catalog) | {n for n, _ in entries}):
+            spec = catalog.get(name)
+            rows = [e for (n, _), e in sorted(entries.items()) if n == name
+                    and (e.state is not State.UNLOADED
+                         or (spec and e.version == spec.default))]
+            if spec and (name, spec.default) not in entries:
+                rows.append(ModelEntry(name, spec.default, 1))
+            for e in rows:
+                with e.lock:
+                    info = e.describe()
+                    info["pinned"] = self.pinned(e)
+                    info.update(self.budget.describe(e))
+                if spec is None:
+                    info["error"] = info["error"] or "removed from the repository"
+                elif spec.error:
+                    info.update(state=str(State.FAILED), error=spec.error)
+                if e.state is State.UNLOADED and spec and not spec.error:
+                    keep = self.catalog.settings(spec).keep_alive
+                    info["keep_alive_s"] = None if math.isinf(keep) else keep
+                if spec and not spec.error and info["batching"] is None:  # as configured
+                    info["batching"] = {"max_batch": spec.settings.max_batch,
+                                        "max_delay_ms": spec.settings.max_delay_ms,
+                                        "mode": spec.settings.batching}
+                info["versions"] = list(spec.versions) if spec else []
+                info["default"] = bool(spec and spec.default == e.version)
+                out.append(info)
+        return out
 
     def cache_status(self) -> dict[str, Any]:
         """Budget and use, for the status op."""
-        with self._lock:
-            entries = list(self._entries.values())
+        entries = self.entries()
         return {"max_memory_bytes": self.config.cache.max_memory,
-                "used_bytes": sum(e.cost() for e in entries),
+                "used_bytes": self.budget.used(),
                 "loads": sum(e.loads for e in entries)}
 
     def loaded(self) -> list[str]:
@@ -359,7 +545,5 @@ class ModelManager(Draining):
         """Names of worker threads of ready models that have ended (the watchdog's
         probe): the threads themselves are asked, so two versions of a model whose
         threads share a name cannot hide each other."""
-        with self._lock:
-            entries = list(self._entries.values())
-        return [t.name for e in entries if e.state is State.READY and e.workers
+        return [t.name for e in self.entries() if e.state is State.READY and e.workers
                 for t in e.workers.threads if not t.is_alive()]

@@ -32,6 +32,7 @@ from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import ReplySink, Ticket
 from inferd.ipc.access import Access
 from inferd.ipc.server import Server
+from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.customops.discovery import load_global
 from inferd.libbackends.loader import load_backends
 from inferd.libbackends.registry import Registry
@@ -88,10 +89,11 @@ class Runtime:
         # models) by the sink.
         sink = ReplySink(self.server.send_reply, self.server.release_thread,
                          observe=self.metrics.count)
-        self.models = ModelManager(self.repo, self.registry, config, sink)
-        self.models.observer = self.metrics
-        self.processors = ProcessorRegistry()
-        self.models.processors = self.processors
+        self.processors = ProcessorRegistry()  # filled at start, as the registry
+        self.customops = OpRegistry()
+        self.models = ModelManager(self.repo, self.registry, config, sink,
+                                   observer=self.metrics, processors=self.processors,
+                                   customops=self.customops)
         self.graphs = GraphManager(self.repo, self.processors, self.models.submit, sink)
         self._textfile: TextfileWriter | None = None
         self._endpoint: MetricsEndpoint | None = None
@@ -108,7 +110,7 @@ class Runtime:
         """Register backends, bind the socket and start the preload in the background."""
         set_mmap_threshold(self.config.cache.malloc_mmap_threshold)
         load_backends(self.registry, self.config)
-        self.models.customops = load_global(self.config)
+        load_global(self.customops, self.config)
         self.processors.load_directory(self.config.processors.directory)
         self.server.bind()
         self.models.start()
@@ -316,12 +318,12 @@ class Runtime:
             return Reply(request.id, result={"text": self.metrics.text(),
                                              "samples": self.metrics.samples()})
         if op is Op.BACKENDS:
-            ops = self.models.customops
+            ops = self.customops
             placed = [{k: m.get(k) for k in ("name", "version", "backend", "device",
                                              "chosen")}
                       for m in self.models.describe() if m.get("backend")]
             return Reply(request.id, result={**self.registry.view(), "models": placed,
-                                             "customops": ops.view() if ops else None})
+                                             "customops": ops.view()})
         if op in (Op.LOAD, Op.UNLOAD):
             if not request.model:
                 raise ModelError(f"{op} needs 'model'")

@@ -58,17 +58,19 @@ def load_folders(dirs: Sequence[Path], registry: OpRegistry,
         native.load_libraries(natives, registry, probe_timeout_s)
 
 
-def load_global(config: Any, env: Mapping[str, str] | None = None) -> OpRegistry:
-    """The daemon's ops, found the way the daemon does at boot."""
+def load_global(registry: OpRegistry, config: Any, env: Mapping[str, str] | None = None
+                ) -> None:
+    """Fill ``registry`` (the daemon's, empty) with the ops found the way the daemon does
+    at boot."""
     paths, source = CUSTOMOPS.from_config(config, os.environ if env is None else env)
     dirs = CUSTOMOPS.usable(paths, source)
-    registry = OpRegistry(search_path=[str(d) for d in dirs], search_path_source=source)
+    registry.search_path = [str(d) for d in dirs]
+    registry.search_path_source = source
     log.info("searching custom ops in %s (from %s)",
              ":".join(registry.search_path) or "no usable directory", source)
     load_folders(dirs, registry, config.backends.probe_timeout_s)
     log.info("custom ops: %d registered (%s), %d skipped", len(registry.ops),
              ", ".join(registry.names()) or "none", len(registry.skipped))
-    return registry
 
 
 def load_model_ops(model_dir: Path, parent: OpRegistry | None,

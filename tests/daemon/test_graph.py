@@ -87,9 +87,8 @@ class Harness:
         registry = Registry()
         registry.register(OnnxRuntimeCpuBackend())
         sink = ReplySink(self._wire_reply)
-        self.models = ModelManager(repo, registry, config, sink)
         self.processors = ProcessorRegistry()
-        self.models.processors = self.processors
+        self.models = ModelManager(repo, registry, config, sink, processors=self.processors)
         self.graphs = GraphManager(repo, self.processors, self.models.submit, sink)
 
     @staticmethod

@@ -1,6 +1,6 @@
-"""Working memory (daemon/memory.py): shape classes, measuring a run's peak, the
-``[onnxruntime]`` options reaching the backend, and a real daemon counting a model's
-working memory in its cache figure."""
+"""Working memory (daemon/memory.py, its admission in daemon/budget.py): shape classes,
+measuring a run's peak, the ``[onnxruntime]`` options reaching the backend, and a real
+daemon counting a model's working memory in its cache figure."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from inferd.daemon.memory import PeakMeter, WorkingMemory, shape_class
+from inferd.daemon.budget import AdmittedModel
+from inferd.daemon.memory import METER, WorkingMemory, shape_class
+from inferd.daemon.model_entry import ModelEntry
 from inferd.ipc import RequestError
 from inferd.ipc.errors import ModelError
 from inferd.libbackends.onnxruntime_cpu import ArenaPolicy, arena_policy
@@ -21,8 +23,7 @@ def test_shape_class_rounds_every_dimension_up_to_a_power_of_two():
 
 
 def test_a_run_is_measured_once_per_shape_class_and_its_peak_counted():
-    grown = []
-    working = WorkingMemory("test", grown.append)
+    working = WorkingMemory("test")
     runs = []
 
     def run(n: int):
@@ -32,11 +33,13 @@ def test_a_run_is_measured_once_per_shape_class_and_its_peak_counted():
             return block.size
         return go
     small = {"x": np.zeros((1, 1000), np.float32)}
-    working.run(small, run(64 * 2**20))
-    assert len(working.classes) == 1
-    if PeakMeter().resettable:
+    key = working.needs_measuring(small)
+    assert key == shape_class(small)
+    size, grew = working.measure(key, small, run(64 * 2**20))
+    assert size == 64 * 2**20 and len(working.classes) == 1
+    if METER.resettable:
         assert working.peak >= 48 * 2**20, working.describe()  # freed, but the peak saw it
-        assert grown == [working.peak]
+        assert grew
     assert working.needs_measuring(small) is None
     assert working.needs_measuring({"x": np.zeros((1, 1000 * 2), np.float32)}) is not None
     # a larger run in the same class (1000 and 1020 both round to 1024) is measured again
@@ -97,24 +100,48 @@ def test_daemon_counts_working_memory_and_refuses_bad_options(repo, start_daemon
     assert status["cache"]["used_bytes"] == after["memory_bytes"]
 
 
+class _Admissions:
+    """Stands for the budget (daemon/budget.py, tested with real daemons below): notes
+    what each run asked of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool, bool]] = []
+        self.grew = 0
+
+    def admit_run(self, entry, need, new, reliable):
+        self.calls.append((need, new, reliable))
+
+    def grew(self, entry):
+        self.grew += 1
+
+
+class _Echo:
+    inputs = outputs = ()
+
+    def run(self, inputs, outputs=None):
+        return dict(inputs)
+
+
 def test_estimate_scales_the_largest_class_and_admit_sees_each_new_class():
-    calls = []
-    working = WorkingMemory("test", admit=lambda *args: calls.append(args))
+    entry = ModelEntry("test", 1, 1)
+    budget = _Admissions()
+    model = AdmittedModel(_Echo(), entry, budget)  # type: ignore[arg-type]
+    working = entry.memory.working
     small = {"x": np.zeros((1, 1000), np.float32)}
-    working.run(small, lambda: None)
-    assert calls == [(0, True, False)]  # nothing known yet: no estimate
+    model.run(small)
+    assert budget.calls == [(0, True, False)]  # nothing known yet: no estimate
     working.record(shape_class(small), 1000, 4000)  # 4 bytes per element
     big = {"x": np.zeros((1, 3000), np.float32)}
     huge = {"x": np.zeros((1, 5000), np.float32)}
     assert working.estimate(small) == (4000, True)
     assert working.estimate(big) == (12000, True)  # scaled 3x: trusted
     assert working.estimate(huge) == (20000, False)  # scaled 5x: only a guess
-    calls.clear()
-    working.run(huge, lambda: None)
-    assert calls == [(20000, True, False)]
-    calls.clear()
-    working.run(small, lambda: None)  # known: checked against the budget, not measured
-    assert calls == [(4000, False, True)]
+    budget.calls.clear()
+    model.run(huge)
+    assert budget.calls == [(20000, True, False)]
+    budget.calls.clear()
+    model.run(small)  # known: checked against the budget, not measured
+    assert budget.calls == [(4000, False, True)]
 
 
 def test_a_class_that_cannot_fit_the_budget_is_refused_after_its_first_run(models_dir,

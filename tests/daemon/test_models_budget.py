@@ -1,5 +1,5 @@
-"""daemon/budget.py and daemon/units.py: budget and duration parsing, eviction choice,
-memory measurement."""
+"""daemon/budget.py, daemon/memory.py and daemon/units.py: budget and duration parsing,
+eviction choice, what a load costs, memory measurement."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import math
 import psutil
 import pytest
 
-from inferd.daemon.budget import (
-    Evictable, MemoryMeter, choose_victims, model_cost,
-)
+from inferd.daemon.budget import Evictable, choose_victims
+from inferd.daemon.memory import MemoryMeter, model_cost
 from inferd.daemon.config import load_config
 from inferd.daemon.units import parse_budget, parse_duration
 from inferd.ipc.errors import ConfigError

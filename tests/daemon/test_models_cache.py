@@ -174,9 +174,9 @@ def test_busy_model_is_not_evicted_and_no_room_says_what_is_needed_and_pinned(
     h = four
     m = h.manager
     m.load_pinned()
-    rec = m.load("ocr-rec").memory_bytes
+    rec = m.budget.cost(m.load("ocr-rec"))
     m.unload("ocr-rec")
-    det = m.load("ocr-det").memory_bytes
+    det = m.budget.cost(m.load("ocr-det"))
     assert rec and det
     # The pinned model and one of the two others (with room for a few MiB of noise in
     # the next measurement).
@@ -389,8 +389,8 @@ def test_reload_swaps_a_new_version_in_under_load(
                      {"ocr-det": {1: "ocr-det"}, "vad": {1: "vad"}})
     h = harness(repo, max_memory="unlimited", preload=["vad"])
     m = h.manager
-    det = m.load("ocr-det").memory_bytes
-    vad = m.load("vad").memory_bytes
+    det = m.budget.cost(m.load("ocr-det"))
+    vad = m.budget.cost(m.load("vad"))
     assert det and vad
     # Either room for two versions of ocr-det beside vad, or for one only: then not even
     # room for the new version's file beside the old one, so the outcome does not hang
