@@ -6,13 +6,14 @@ STAMP  := $(VENV)/.installed
 RUNDIR ?= $(or $(XDG_RUNTIME_DIR),/tmp/inferd-$(shell id -u))
 SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
 
-# Debian packages the build and the tests need (libzmq3-dev: the C client example;
-# fonts: the OCR tests render their images; pocl + OpenCL headers and loader: the
-# OpenCL custom op example and its tests). Installed by `make setup` when run as root.
-SYSTEM_PACKAGES := python3-venv gcc libc6-dev libzmq3-dev fonts-dejavu-core \
+# Debian packages the build and the tests need (libzmq3-dev, libjansson-dev and g++:
+# libinferd, its C++ header and the C client example; fonts: the OCR tests render their
+# images; pocl + OpenCL headers and loader: the OpenCL custom op example and its tests).
+# Installed by `make setup` when run as root.
+SYSTEM_PACKAGES := python3-venv gcc g++ libc6-dev libzmq3-dev libjansson-dev fonts-dejavu-core \
 	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev
 
-.PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint \
+.PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint libinferd \
         venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64 wheels
 
 setup: system-packages $(STAMP) models/.complete
@@ -50,11 +51,17 @@ run: setup
 	@echo "  $(PY) -c \"import numpy as np; from inferd.ipc import Client; print(Client().infer('ocr-cls', {'x': np.zeros((1,3,48,192), np.float32)}))\""
 	exec $(VENV)/bin/inferd --config config/inferd.toml --socket $(SOCKET) --models models --preload ocr-cls
 
-test: setup
+test: setup libinferd
 	$(PY) -m pytest -q
 
-test-fast: setup
+test-fast: setup libinferd
 	$(PY) -m pytest -q -m "not slow"
+
+# libinferd, the C client library (docs/libinferd.md): ipc/c/build/libinferd.so.0 and
+# inferd.pc; its tests (tests/ipc/test_libinferd*.py) build its C test programs, plain and
+# under ASan + UBSan, with the same Makefile.
+libinferd:
+	$(MAKE) -C ipc/c
 
 # The RKNN simulator (rknn-toolkit2 2.5.0) in its own venv, for the rknn backend's
 # simulator mode and `inferd-convert rknn` (docs/backends.md, "Out-of-process
@@ -150,4 +157,4 @@ deb-test-arm64: build/deb/amd64/.built build/deb/arm64/.built models/.complete
 
 clean:
 	rm -rf $(VENV) $(VENV_RKNN) models .cache build *.egg-info examples/backends/build \
-	  examples/customops/build
+	  examples/customops/build ipc/c/build examples/c-client/build

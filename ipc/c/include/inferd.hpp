@@ -1,0 +1,298 @@
+// libinferd for C++ (C++17): RAII owners of the C handles of inferd.h, exceptions for
+// failures, and std::span-style views of outputs read in place. Header only; link with
+// -linferd (pkg-config --cflags --libs inferd).
+//
+//   inferd::Client client;                                  // $INFERD_SOCKET or the default
+//   std::vector<float> image(1 * 3 * 48 * 192);
+//   inferd::Call call = client.infer("ocr-cls");
+//   call.input("x", image, {1, 3, 48, 192}).run();          // throws inferd::Error
+//   inferd::Tensor y = call.output(0);
+//   float first = y.at<float>(0);                           // an unaligned-safe read
+//
+// Threads as in C: a Client and its Calls belong to one thread at a time.
+#ifndef INFERD_HPP
+#define INFERD_HPP
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "inferd.h"
+
+namespace inferd {
+
+// A failed step: the code and the message that came with it.
+class Error : public std::runtime_error {
+public:
+    Error(inferd_code code, const std::string &message)
+        : std::runtime_error(std::string(inferd_code_name(code)) + ": " + message), code_(code) {}
+    inferd_code code() const noexcept { return code_; }
+
+private:
+    inferd_code code_;
+};
+
+// A read-only view of N elements (std::span's shape, for C++17).
+template <class T> class View {
+public:
+    constexpr View() noexcept = default;
+    constexpr View(const T *data, std::size_t size) noexcept : data_(data), size_(size) {}
+    constexpr const T *data() const noexcept { return data_; }
+    constexpr std::size_t size() const noexcept { return size_; }
+    constexpr bool empty() const noexcept { return size_ == 0; }
+    constexpr const T *begin() const noexcept { return data_; }
+    constexpr const T *end() const noexcept { return data_ + size_; }
+    constexpr const T &operator[](std::size_t i) const noexcept { return data_[i]; }
+
+private:
+    const T *data_ = nullptr;
+    std::size_t size_ = 0;
+};
+
+// The wire dtype of a C++ element type.
+template <class T> struct dtype_of;
+#define INFERD_DTYPE_OF(type, value) \
+    template <> struct dtype_of<type> { static constexpr inferd_dtype dtype = value; }
+INFERD_DTYPE_OF(bool, INFERD_BOOL);
+INFERD_DTYPE_OF(std::int8_t, INFERD_INT8);
+INFERD_DTYPE_OF(std::uint8_t, INFERD_UINT8);
+INFERD_DTYPE_OF(std::int16_t, INFERD_INT16);
+INFERD_DTYPE_OF(std::uint16_t, INFERD_UINT16);
+INFERD_DTYPE_OF(std::int32_t, INFERD_INT32);
+INFERD_DTYPE_OF(std::uint32_t, INFERD_UINT32);
+INFERD_DTYPE_OF(std::int64_t, INFERD_INT64);
+INFERD_DTYPE_OF(std::uint64_t, INFERD_UINT64);
+INFERD_DTYPE_OF(float, INFERD_FLOAT32);
+INFERD_DTYPE_OF(double, INFERD_FLOAT64);
+#undef INFERD_DTYPE_OF
+
+// An output tensor, in place in the received frame (valid while its Call lives). The
+// frame is not aligned: read elements with at<T>() or copy_to(), or use aligned<T>().
+class Tensor {
+public:
+    explicit Tensor(const inferd_tensor *t, inferd_call *call, std::size_t index)
+        : t_(t), call_(call), index_(index) {}
+    std::string_view name() const { return t_->name; }
+    inferd_dtype dtype() const { return t_->dtype; }
+    View<std::int64_t> shape() const { return {t_->shape, t_->rank}; }
+    View<unsigned char> bytes() const {
+        return {static_cast<const unsigned char *>(t_->data), t_->size};
+    }
+    std::uint64_t elements() const {
+        std::uint64_t n = 0;
+        inferd_shape_elements(t_->shape, t_->rank, &n);
+        return n;
+    }
+    // Element I (C order), copied out: safe at any alignment.
+    template <class T> T at(std::uint64_t i) const {
+        check<T>();
+        if (i >= elements())
+            throw std::out_of_range("inferd::Tensor::at");
+        T value;
+        std::memcpy(&value, static_cast<const unsigned char *>(t_->data) + i * sizeof(T),
+                    sizeof(T));
+        return value;
+    }
+    // Every element as a View at an aligned address (a copy owned by the Call when the
+    // frame itself is not aligned).
+    template <class T> View<T> aligned() const {
+        check<T>();
+        const void *p = inferd_output_aligned(call_, index_);
+        if (p == nullptr && t_->size != 0)
+            throw Error(INFERD_NO_MEMORY, "no aligned copy of output " + std::string(name()));
+        return {static_cast<const T *>(p), static_cast<std::size_t>(elements())};
+    }
+    template <class T> std::vector<T> copy() const {
+        check<T>();
+        std::vector<T> out(static_cast<std::size_t>(elements()));
+        if (t_->size)
+            std::memcpy(out.data(), t_->data, t_->size);
+        return out;
+    }
+    // Element I of a string tensor, in place.
+    std::string_view string(std::uint64_t i) const {
+        const char *data;
+        std::size_t len;
+        inferd_code rc = inferd_output_string(call_, index_, i, &data, &len);
+        if (rc != INFERD_OK)
+            throw Error(rc, "no string element " + std::to_string(i) + " in " + std::string(name()));
+        return {data, len};
+    }
+
+private:
+    template <class T> void check() const {
+        if (t_->dtype != dtype_of<T>::dtype)
+            throw Error(INFERD_INVALID_ARGUMENT, "output " + std::string(name()) + " is " +
+                                                     inferd_dtype_name(t_->dtype));
+    }
+    const inferd_tensor *t_;
+    inferd_call *call_;
+    std::size_t index_;
+};
+
+// One request and its reply; owns its inferd_call.
+class Call {
+public:
+    explicit Call(inferd_call *call) : call_(call) {
+        if (call_ == nullptr)
+            throw Error(INFERD_NO_MEMORY, "out of memory for a call");
+    }
+    Call(Call &&other) noexcept : call_(std::exchange(other.call_, nullptr)) {}
+    Call &operator=(Call &&other) noexcept {
+        if (this != &other) {
+            inferd_call_free(call_);
+            call_ = std::exchange(other.call_, nullptr);
+        }
+        return *this;
+    }
+    Call(const Call &) = delete;
+    Call &operator=(const Call &) = delete;
+    ~Call() { inferd_call_free(call_); }
+
+    // An input, borrowed: DATA must stay valid until the call completes.
+    Call &input(const std::string &name, inferd_dtype dtype, View<std::int64_t> shape,
+                const void *data, std::size_t size) {
+        inferd_tensor t{name.c_str(), dtype, shape.size(), shape.data(), data, size, nullptr,
+                        nullptr};
+        check(inferd_call_add_input(call_, &t), "input " + name);
+        return *this;
+    }
+    template <class T>
+    Call &input(const std::string &name, const std::vector<T> &values,
+                std::initializer_list<std::int64_t> shape) {
+        return input(name, dtype_of<T>::dtype, View<std::int64_t>(shape.begin(), shape.size()),
+                     values.data(), values.size() * sizeof(T));
+    }
+    // Asks for output NAME only (repeatable; default every output).
+    Call &only_output(const std::string &name) {
+        check(inferd_call_add_output(call_, name.c_str()), "output " + name);
+        return *this;
+    }
+    Call &timeout_ms(std::int64_t ms) {
+        check(inferd_call_set_timeout(call_, ms), "timeout");
+        return *this;
+    }
+    Call &version(std::int64_t v) {
+        check(inferd_call_set_version(call_, v), "version");
+        return *this;
+    }
+    Call &param(const std::string &key, const std::string &json) {
+        check(inferd_call_set_param(call_, key.c_str(), json.c_str()), "param " + key);
+        return *this;
+    }
+
+    void submit() { check(inferd_submit(call_), "submit"); }
+    // Waits up to TIMEOUT_MS (< 0: the call's deadline): true when it completed
+    // successfully, false if still in flight; throws Error if it failed.
+    bool wait(std::int64_t timeout_ms = -1) {
+        inferd_code rc = inferd_wait(call_, timeout_ms);
+        if (rc == INFERD_AGAIN)
+            return false;
+        if (rc != INFERD_OK)
+            throw Error(rc, inferd_call_message(call_));
+        return true;
+    }
+    // submit() then wait() until it completes.
+    Call &run() {
+        submit();
+        wait();
+        return *this;
+    }
+
+    inferd_code code() const { return inferd_call_code(call_); }
+    std::string_view message() const { return inferd_call_message(call_); }
+    std::string_view id() const { return inferd_call_id(call_); }
+    // The result of a control op as JSON text ("" if none).
+    std::string_view result() const {
+        const char *r = inferd_call_result(call_);
+        return r ? r : "";
+    }
+    std::size_t outputs() const { return inferd_output_count(call_); }
+    Tensor output(std::size_t i) const {
+        const inferd_tensor *t = inferd_output(call_, i);
+        if (t == nullptr)
+            throw std::out_of_range("inferd::Call::output");
+        return Tensor(t, call_, i);
+    }
+    Tensor output(const std::string &name) const {
+        for (std::size_t i = 0; i < outputs(); i++)
+            if (name == inferd_output(call_, i)->name)
+                return output(i);
+        throw Error(INFERD_NOT_FOUND, "no output " + name);
+    }
+    inferd_call *get() const noexcept { return call_; }
+
+private:
+    void check(inferd_code rc, const std::string &what) {
+        if (rc == INFERD_OK)
+            return;
+        // a completed call carries its message; a refused step, the client's
+        const char *m = inferd_call_code(call_) != INFERD_AGAIN
+                            ? inferd_call_message(call_)
+                            : inferd_client_error(inferd_call_client(call_));
+        throw Error(rc, what + (m && *m ? std::string(": ") + m : std::string()));
+    }
+    inferd_call *call_;
+};
+
+// One connection; owns its inferd_client.
+class Client {
+public:
+    // ENDPOINT nullptr: $INFERD_SOCKET, else the system socket. Throws Error.
+    explicit Client(const char *endpoint = nullptr, void *zmq_context = nullptr) {
+        inferd_code rc = inferd_client_new(&client_, endpoint, zmq_context);
+        if (rc != INFERD_OK) {
+            std::string message = inferd_client_error(client_);
+            inferd_client_free(client_);
+            throw Error(rc, message);
+        }
+    }
+    Client(Client &&other) noexcept : client_(std::exchange(other.client_, nullptr)) {}
+    Client &operator=(Client &&other) noexcept {
+        if (this != &other) {
+            inferd_client_free(client_);
+            client_ = std::exchange(other.client_, nullptr);
+        }
+        return *this;
+    }
+    Client(const Client &) = delete;
+    Client &operator=(const Client &) = delete;
+    ~Client() { inferd_client_free(client_); }
+
+    Client &set(inferd_option option, std::int64_t value) {
+        inferd_code rc = inferd_client_set(client_, option, value);
+        if (rc != INFERD_OK)
+            throw Error(rc, inferd_client_error(client_));
+        return *this;
+    }
+    Call call(inferd_op op, const char *model = nullptr) {
+        return Call(inferd_call_new(client_, op, model));
+    }
+    Call infer(const std::string &model) { return call(INFERD_OP_INFER, model.c_str()); }
+    // A control op, run: its result as JSON text.
+    std::string control(inferd_op op, const char *model = nullptr) {
+        return std::string(call(op, model).run().result());
+    }
+    bool ping() {
+        int ready = 0;
+        inferd_code rc = inferd_ping(client_, &ready);
+        if (rc != INFERD_OK)
+            throw Error(rc, inferd_client_error(client_));
+        return ready != 0;
+    }
+    bool connected() { return inferd_client_connected(client_) != 0; }
+    inferd_client *get() const noexcept { return client_; }
+
+private:
+    inferd_client *client_ = nullptr;
+};
+
+}  // namespace inferd
+
+#endif  // INFERD_HPP
