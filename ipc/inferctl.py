@@ -22,7 +22,8 @@ import numpy as np
 
 from inferd.ipc import defs
 from inferd.ipc.client import Client, default_endpoint
-from inferd.ipc.errors import RequestError
+from inferd.ipc.dtypes import ML_DTYPES, dtype_name, numpy_dtype
+from inferd.ipc.errors import ProtocolError, RequestError
 from inferd.ipc.top import run_top
 
 
@@ -226,15 +227,44 @@ def _load_input(path: str) -> np.ndarray:
         return np.ascontiguousarray(np.array(im.convert("RGB"))[:, :, ::-1])
 
 
+def _as_dtype(array: np.ndarray, dtype: str, path: str) -> np.ndarray:
+    """``array``'s bytes read as wire dtype ``dtype`` (``-i x=FILE.npy:bfloat16``): numpy
+    saves ml_dtypes' arrays as raw void items (``|V2``), or a file holds bit patterns."""
+    try:
+        target = numpy_dtype(dtype)
+    except ProtocolError as e:
+        raise SystemExit(f"inferctl: {path}: {e.message}") from None
+    if array.dtype.itemsize != target.itemsize:
+        raise SystemExit(f"inferctl: {path} holds {array.dtype} items of "
+                         f"{array.dtype.itemsize} bytes; {dtype} has {target.itemsize}")
+    return np.ascontiguousarray(array).view(target)
+
+
 def _inputs(args: argparse.Namespace) -> dict[str, np.ndarray]:
-    """The ``-i NAME=FILE`` inputs, read before connecting (SystemExit with one line)."""
+    """The ``-i NAME=FILE[:DTYPE]`` inputs, read before connecting (SystemExit with one
+    line)."""
     inputs = {}
     for spec in args.input:
         name, sep, path = spec.partition("=")
         if not sep:
             raise SystemExit(f"inferctl: -i expects NAME=FILE.npy, got {spec!r}")
-        inputs[name] = _load_input(path)
+        file, colon, dtype = path.rpartition(":")
+        if colon and dtype in ML_DTYPES:
+            inputs[name] = _as_dtype(_load_input(file), dtype, file)
+        else:
+            inputs[name] = _load_input(path)
     return inputs
+
+
+def _plain(value: np.ndarray) -> np.ndarray:
+    """``value`` in a type that prints and saves as itself: ml_dtypes' floats as float32,
+    their 4-bit integers as int8/uint8."""
+    name = dtype_name(value) if value.dtype != object else ""
+    if name not in ML_DTYPES:
+        return value
+    if name in ("int4", "uint4"):
+        return value.astype(np.int8 if name == "int4" else np.uint8)
+    return value.astype(np.float32)
 
 
 def _infer(c: Client, args: argparse.Namespace, inputs: dict[str, np.ndarray]) -> None:
@@ -242,9 +272,17 @@ def _infer(c: Client, args: argparse.Namespace, inputs: dict[str, np.ndarray]) -
     if args.out_dir:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     for name, value in outputs.items():
+        saved = ""
         if args.out_dir:
             path = Path(args.out_dir) / (name.replace("/", "_") + ".npy")
-            np.save(path, value, allow_pickle=value.dtype == object)
+            wire = dtype_name(value) if value.dtype != object else ""
+            if wire in ML_DTYPES:  # np.save would write raw void items: keep the bits
+                bits = value.view(np.uint16 if value.dtype.itemsize == 2 else np.uint8)
+                np.save(path, bits)
+                saved = (f" (its {bits.dtype} bit patterns: read it back with "
+                         f"np.load(f).view(ml_dtypes.{wire}), or -i {name}={path}:{wire})")
+            else:
+                np.save(path, value, allow_pickle=value.dtype == object)
         if args.json:
             continue
         if value.dtype == object:
@@ -252,12 +290,12 @@ def _infer(c: Client, args: argparse.Namespace, inputs: dict[str, np.ndarray]) -
             for item in value.reshape(-1):
                 print(f"  {item}")
         else:
-            where = f" -> {path}" if args.out_dir else ""
+            where = f" -> {path}{saved}" if args.out_dir else ""
             print(f"{name}: {value.dtype}{list(value.shape)}{where}")
             if value.size <= 16:
-                print(f"  {value.tolist()}")
+                print(f"  {_plain(value).tolist()}")
     if args.json:
-        print(json.dumps({k: (v.tolist() if v.size <= 4096 or v.dtype == object
+        print(json.dumps({k: (_plain(v).tolist() if v.size <= 4096 or v.dtype == object
                               else {"dtype": str(v.dtype), "shape": list(v.shape)})
                           for k, v in outputs.items()}))
 
@@ -298,8 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--timeout", type=float, default=30.0)
     i = sub.add_parser("infer", help="run a model on .npy inputs")
     i.add_argument("model")
-    i.add_argument("-i", "--input", action="append", default=[], metavar="NAME=FILE",
-                   help="an input: a .npy file, or an image (.png, .jpg...) as uint8 BGR")
+    i.add_argument("-i", "--input", action="append", default=[],
+                   metavar="NAME=FILE[:DTYPE]",
+                   help="an input: a .npy file, or an image (.png, .jpg...) as uint8 BGR; "
+                        ":bfloat16, :float8_e4m3fn, :int4... reads a .npy's items as that "
+                        "type")
     i.add_argument("-o", "--out-dir", default=None, help="write each output as NAME.npy")
     i.add_argument("--output", action="append", dest="output_names", default=None,
                    help="only this output (repeatable)")

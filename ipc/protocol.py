@@ -5,8 +5,9 @@ A message is a list of frames::
     [TAG, header (UTF-8 JSON), tensor frame 0, tensor frame 1, ...]
 
 The header lists every tensor (name, dtype, shape) in frame order. A numeric tensor is
-its C-contiguous little-endian bytes; a ``string`` tensor is, per element, a uint32 LE
-byte length followed by that many UTF-8 bytes. ``encode_*`` returns frames that
+its C-contiguous little-endian bytes (``int4`` and ``uint4`` packed two elements per
+byte, :mod:`inferd.ipc.dtypes`); a ``string`` tensor is, per element, a uint32 LE byte
+length followed by that many UTF-8 bytes. ``encode_*`` returns frames that
 reference the arrays' memory (send them with ``copy=False``); ``decode_*`` builds arrays
 over the received buffers with ``np.frombuffer`` after checking every byte count.
 """
@@ -27,7 +28,17 @@ from zmq import Frame as ZmqFrame
 
 from inferd.ipc import header as hdr
 from inferd.ipc.errors import ErrorCode, Failure, ProtocolError
-from inferd.ipc.dtypes import NUMERIC_DTYPES, STRING, WIRE_DTYPES, dtype_name
+from inferd.ipc.dtypes import (
+    ML_DTYPES,
+    PACKED,
+    STRING,
+    WIRE_DTYPES,
+    dtype_name,
+    numpy_dtype,
+    pack,
+    unpack,
+    wire_size,
+)
 
 TAG = b"INFERD/1"
 """First frame of every request and reply; names the protocol and its major version."""
@@ -134,6 +145,12 @@ def encode_tensors(tensors: dict[str, NDArray[Any]]) -> tuple[list[dict[str, Any
         if dtype == STRING:
             frames.append(_encode_strings(array))
             continue
+        if dtype in PACKED:
+            frames.append(pack(array))
+            continue
+        if dtype in ML_DTYPES:  # ml_dtypes' types export no buffer: their bytes do
+            frames.append(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+            continue
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
         frames.append(np.ascontiguousarray(array).data)  # a view unless not contiguous
@@ -203,11 +220,19 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str) -> dict[str,
             continue
         # A zmq.Frame exports its bytes directly; anything else through a byte view.
         buf = frame if type(frame) is ZmqFrame else _buffer(frame)
-        np_dtype = NUMERIC_DTYPES[dtype]
-        expected = count * np_dtype.itemsize
+        try:
+            np_dtype = numpy_dtype(dtype)
+        except ProtocolError as e:
+            raise ProtocolError(f"{where}: tensor {name!r}: {e.message}", e.code) from None
+        expected = wire_size(dtype, count)
         if len(buf) != expected:
+            packing = " (two elements per byte)" if dtype in PACKED else ""
             raise ProtocolError(f"{where}: tensor {name!r} is {dtype}{list(shape)}, "
-                                f"which is {expected} bytes, but its frame has {len(buf)}")
+                                f"which is {expected} bytes{packing}, but its frame has "
+                                f"{len(buf)}")
+        if dtype in PACKED:
+            tensors[name] = unpack(buf, dtype, count).reshape(shape)
+            continue
         array = np.frombuffer(buf, dtype=np_dtype).reshape(shape)  # type: ignore[arg-type]
         if not array.flags.aligned:  # libzmq may hand out small frames at odd offsets
             array = array.copy()

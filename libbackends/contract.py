@@ -15,6 +15,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from numpy.typing import NDArray
 
 from inferd.ipc.errors import ModelError
@@ -233,6 +234,38 @@ def check_inputs(model: str, specs: tuple[TensorSpec, ...],
                 raise ModelError(f"model {model}: input {name!r} has shape "
                                  f"{list(array.shape)}, expected {list(spec.shape)} "
                                  f"(axis {axis} must be {want})")
+
+
+ALIGNMENT = 64
+"""Bytes to which an in-process engine's floating-point inputs are aligned."""
+_FLOATS = frozenset({"float16", "float32", "float64", "bfloat16", "float8_e4m3fn",
+                     "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
+
+
+def aligned(inputs: dict[str, NDArray[Any]]) -> dict[str, NDArray[Any]]:
+    """``inputs`` with every floating-point tensor at an address that is a multiple of
+    :data:`ALIGNMENT` (a copy of each one that is not; the others as they are).
+
+    The same input must give the same bits whatever address it landed at: received
+    frames and numpy's own arrays sit at any 16-byte (or worse) boundary, and
+    onnxruntime's float reductions take different code paths at different alignments
+    (ReduceSum over 3x257 float32 gave 3 different results over 16 offsets). Integer
+    tensors are exact anyway and are not copied (an image stays where it is).
+    """
+    out = inputs
+    for name, array in inputs.items():
+        if array.ctypes.data % ALIGNMENT == 0 or array.nbytes == 0:
+            continue
+        if dtype_name(array) not in _FLOATS:
+            continue
+        if out is inputs:
+            out = dict(inputs)
+        raw = np.empty(array.nbytes + ALIGNMENT, np.uint8)
+        start = -raw.ctypes.data % ALIGNMENT
+        copy = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+        copy[...] = array
+        out[name] = copy
+    return out
 
 
 def check_outputs(model: str, specs: tuple[TensorSpec, ...], wanted: list[str] | None) -> None:

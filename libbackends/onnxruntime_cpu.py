@@ -19,7 +19,9 @@ onnxruntime arena"):
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 from pathlib import Path
 from dataclasses import dataclass
@@ -28,9 +30,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from inferd.ipc.dtypes import PACKED, numpy_dtype, pack, unpack
 from inferd.ipc.errors import BackendError, ModelError
 from inferd.libbackends.contract import (
-    Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
+    Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec, aligned,
 )
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,15 @@ _ORT_TYPES = {
     "tensor(uint16)": "uint16", "tensor(int32)": "int32", "tensor(uint32)": "uint32",
     "tensor(int64)": "int64", "tensor(uint64)": "uint64", "tensor(bool)": "bool",
     "tensor(string)": "string",
+    "tensor(bfloat16)": "bfloat16", "tensor(float8e4m3fn)": "float8_e4m3fn",
+    "tensor(float8e4m3fnuz)": "float8_e4m3fnuz", "tensor(float8e5m2)": "float8_e5m2",
+    "tensor(float8e5m2fnuz)": "float8_e5m2fnuz", "tensor(int4)": "int4",
+    "tensor(uint4)": "uint4",
 }
+# ONNX's element type numbers of the types numpy lacks (ml_dtypes holds them): the
+# onnxruntime Python binding takes and gives them only as OrtValues of raw bytes
+_ONNX_ELEMENT = {"bfloat16": 16, "float8_e4m3fn": 17, "float8_e4m3fnuz": 18,
+                 "float8_e5m2": 19, "float8_e5m2fnuz": 20, "uint4": 21, "int4": 22}
 
 
 def _spec(arg: Any, model: str) -> TensorSpec:
@@ -156,15 +167,54 @@ class OrtModel(LoadedModel):
         self.inputs = tuple(_spec(a, str(path)) for a in session.get_inputs())
         self.outputs = tuple(_spec(a, str(path)) for a in session.get_outputs())
         self._output_names = [o.name for o in self.outputs]
+        self._raw = {t.name: t.dtype for t in (*self.inputs, *self.outputs)
+                     if t.dtype in _ONNX_ELEMENT}
 
     def run(self, inputs: dict[str, NDArray[Any]],
             outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
         names = outputs or self._output_names
+        inputs = aligned(inputs)  # the same bits whatever address the input is at
         try:
+            if self._raw:
+                return self._run_raw(inputs, names)
             results = self._session.run(names, inputs, self._run_options)
         except Exception as e:  # onnxruntime raises its own exception classes
             raise ModelError(f"onnxruntime failed to run {self._path}: {e}") from e
         return {name: np.asarray(value) for name, value in zip(names, results)}
+
+    def _run_raw(self, inputs: dict[str, NDArray[Any]],
+                 names: list[str]) -> dict[str, NDArray[Any]]:
+        """A run with bfloat16, float8 or 4-bit tensors, which the binding takes and
+        gives only as OrtValues of their raw bytes."""
+        ort_value = sys.modules["onnxruntime"].OrtValue
+        feeds = {}
+        for name, array in inputs.items():
+            dtype = self._raw.get(name)
+            if dtype is None:
+                feeds[name] = ort_value.ortvalue_from_numpy(array)
+                continue
+            if dtype in PACKED:  # the binding reads the packed bytes from the front
+                raw = np.zeros(array.shape, np.uint8)
+                packed = pack(array)
+                raw.reshape(-1)[:len(packed)] = np.frombuffer(packed, np.uint8)
+            else:
+                raw = np.ascontiguousarray(array).view(
+                    np.uint16 if array.dtype.itemsize == 2 else np.uint8)
+            feeds[name] = ort_value.ortvalue_from_numpy_with_onnx_type(
+                raw, _ONNX_ELEMENT[dtype])
+        values = self._session.run_with_ort_values(names, feeds, self._run_options)
+        out: dict[str, NDArray[Any]] = {}
+        for name, value in zip(names, values):
+            dtype = self._raw.get(name)
+            if dtype is None:
+                out[name] = np.asarray(value.numpy())
+                continue
+            shape = tuple(value.shape())
+            data = ctypes.string_at(value.data_ptr(), value.tensor_size_in_bytes())
+            count = int(np.prod(shape, dtype=np.int64))
+            out[name] = (unpack(data, dtype, count) if dtype in PACKED
+                         else np.frombuffer(data, numpy_dtype(dtype))[:count]).reshape(shape)
+        return out
 
     def unload(self) -> None:
         self._session = None

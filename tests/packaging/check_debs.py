@@ -16,7 +16,8 @@ what it did at the end, also after a failure, so it can be run again. Steps:
    with a notify socket bound by this test: EXTEND_TIMEOUT_USEC while preloading,
    READY=1 with STATUS=, WATCHDOG=1 pings;
 5. a user in group inferd gets an inference through /run/inferd/inferd.sock with the
-   installed inferctl; a user outside the group is refused by the kernel;
+   installed inferctl; a bfloat16 tensor is refused UNSUPPORTED naming ml_dtypes (no
+   Debian 12 package of it); a user outside the group is refused by the kernel;
 6. SIGHUP gives RELOADING=1 then READY=1, and a reloaded [access] allow-list refuses
    the group member with PERMISSION_DENIED;
 7. SIGTERM gives STOPPING=1 and exit status 0;
@@ -523,6 +524,7 @@ def check_clients(daemon: InstalledDaemon, tmp: Path, status: str) -> None:
         notes.append("the installed daemon has no backend plugin loader yet (issue 3): "
                      "the group member's inference got UNAVAILABLE through the socket, and "
                      "the add-on plugin was checked by calling create_backend() directly")
+    check_ml_dtypes_refused(sock)
     uid = pwd.getpwnam(MEMBER).pw_uid
     deadline = time.monotonic() + 30
     while f"new client: uid {uid} " not in daemon.log():
@@ -535,6 +537,35 @@ def check_clients(daemon: InstalledDaemon, tmp: Path, status: str) -> None:
               f"s.connect({str(SOCKET)!r})", user=OUTSIDER, check=False)
     assert "PermissionError" in raw.stderr, raw.stderr
     step("user outside group inferd: refused (client message and kernel EACCES)")
+
+
+def check_ml_dtypes_refused(sock: str) -> None:
+    """Debian 12 has no python3-ml-dtypes: the installed daemon refuses a bfloat16
+    tensor with UNSUPPORTED naming the package (issue 19), and so does the installed
+    client before sending one."""
+    header = ('{"id":"bf","op":"infer","model":"ocr-cls","inputs":'
+              '[{"name":"x","dtype":"bfloat16","shape":[2]}]}')
+    code = ("import zmq\n"
+            "from inferd.ipc.protocol import decode_reply\n"
+            "s = zmq.Context().socket(zmq.DEALER)\n"
+            "s.setsockopt(zmq.RCVTIMEO, 30000)\n"
+            f"s.connect({sock!r})\n"
+            f"s.send_multipart([b'INFERD/1', {header!r}.encode(), bytes(4)])\n"
+            "r = decode_reply(s.recv_multipart())\n"
+            "print(r.error.code, r.error.message)\n")
+    out = run("python3", "-c", code, user=MEMBER).stdout
+    assert out.startswith("UNSUPPORTED") and "needs the Python package ml_dtypes" in out, out
+    client = run("python3", "-c", "import numpy as np\n"
+                 "from inferd.ipc.protocol import Op, Request, decode_request, encode_request\n"
+                 "from inferd.ipc.errors import ProtocolError\n"
+                 "f = encode_request(Request('r', Op.PING))\n"
+                 f"h = {header!r}.encode()\n"
+                 "try:\n"
+                 "    decode_request([b'INFERD/1', h, bytes(4)])\n"
+                 "except ProtocolError as e:\n"
+                 "    print(e.code, e.message)\n", user=MEMBER).stdout
+    assert client.startswith("UNSUPPORTED") and "ml_dtypes" in client, client
+    step(f"bfloat16 without python3-ml-dtypes: refused, {out.split(':')[0].strip()}")
 
 
 def check_openvino(tmp: Path) -> None:

@@ -1,0 +1,77 @@
+"""Every ONNX tensor type on the wire (issue 19, item 3): bfloat16, the four float8
+types and the 4-bit integers (packed two per byte, low nibble first, as ONNX stores
+them) round-trip bit for bit; without the ml_dtypes package they are refused with
+UNSUPPORTED naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from inferd.ipc.dtypes import ML_DTYPES, pack, unpack, wire_size
+from inferd.ipc.errors import ErrorCode, ProtocolError
+from inferd.ipc.protocol import Op, Request, decode_request, encode_request
+
+
+def _sample(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    dt = np.dtype(getattr(ml_dtypes, name))
+    rng = np.random.default_rng(7)
+    if name in ("int4", "uint4"):
+        lo, hi = (-8, 8) if name == "int4" else (0, 16)
+        return rng.integers(lo, hi, shape).astype(np.int8).astype(dt)
+    # random bit patterns, NaNs included: compared as bytes
+    bits = rng.integers(0, 2 ** (8 * dt.itemsize), shape, dtype=np.uint32)
+    return bits.astype(np.uint16 if dt.itemsize == 2 else np.uint8).view(dt)
+
+
+@pytest.mark.parametrize("name", ML_DTYPES)
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (2, 3, 5)])
+def test_round_trip_is_bit_exact(name: str, shape: tuple[int, ...]) -> None:
+    x = _sample(name, shape)
+    frames = encode_request(Request("r", Op.INFER, model="m", inputs={"x": x}))
+    assert len(bytes(frames[2])) == wire_size(name, x.size)
+    got = decode_request([bytes(f) for f in frames]).inputs["x"]
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert got.tobytes() == x.tobytes()
+
+
+def test_four_bit_types_are_packed_low_nibble_first() -> None:
+    x = np.array([1, -3, 7], dtype=ml_dtypes.int4)
+    assert pack(x) == bytes([0xD1, 0x07])  # -3 is 0xD; the odd last high nibble is 0
+    assert unpack(b"\xd1\x07", "int4", 3).tolist() == x.tolist()
+    u = np.array([[15, 0], [3, 9]], dtype=ml_dtypes.uint4)
+    assert pack(u) == bytes([0x0F, 0x93])
+
+
+def test_a_frame_of_the_wrong_size_is_refused() -> None:
+    frames = encode_request(Request("r", Op.INFER, model="m",
+                                    inputs={"x": np.zeros(5, ml_dtypes.int4)}))
+    with pytest.raises(ProtocolError, match="which is 3 bytes .two elements per byte.") as e:
+        decode_request([*frames[:2], b"\0\0\0\0\0"])
+    assert e.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+def test_without_ml_dtypes_they_are_refused_naming_the_package() -> None:
+    """The Debian package's case (no python3-ml-dtypes): a fresh interpreter where the
+    import fails."""
+    code = """
+import sys
+sys.modules["ml_dtypes"] = None  # import ml_dtypes raises ImportError
+from inferd.ipc.protocol import decode_request
+from inferd.ipc.errors import ProtocolError
+header = (b'{"id":"r","op":"infer","model":"m","inputs":'
+          b'[{"name":"x","dtype":"bfloat16","shape":[2]}]}')
+try:
+    decode_request([b"INFERD/1", header, b"\\0\\0\\0\\0"])
+except ProtocolError as e:
+    print(e.code, e.message)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("UNSUPPORTED request inputs: tensor 'x': dtype bfloat16 "
+                               "needs the Python package ml_dtypes"), r.stdout
