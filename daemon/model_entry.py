@@ -59,6 +59,7 @@ class ModelEntry:
         self.error: str | None = None
         self.error_code: ErrorCode = ErrorCode.INTERNAL
         self.failed_at = 0.0
+        self.failed_scan: Any = None  # the model's ModelSpec when the load failed
         self.memory = ModelMemory(self.label)  # measured; counted by daemon/budget.py
         self.load_future: Future[ModelEntry] | None = None
         self.loads = 0
@@ -105,13 +106,15 @@ class ModelEntry:
             self.keep_alive = keep_alive
             self.touch(request=False)
 
-    def fail(self, code: ErrorCode, message: str) -> list[WorkItem]:
-        """LOADING -> FAILED, remembering why and when; returns the requests that
+    def fail(self, code: ErrorCode, message: str, scan: Any = None) -> list[WorkItem]:
+        """LOADING -> FAILED, remembering why, when and under which scan of the
+        repository (``scan``: the model's ModelSpec then); returns the requests that
         waited in the queue, which the caller must answer."""
         with self.lock:
             self._become(State.FAILED, State.LOADING)
             self.error, self.error_code = message, code
             self.failed_at = time.monotonic()
+            self.failed_scan = scan
             return self.take_queued()
 
     def retry(self) -> None:

@@ -246,7 +246,7 @@ class ModelManager:
                                     f"loading", log, named=False, model=entry.name)
             log.error("model %s failed to load: %s", entry.label, message,
                       extra={"MODEL": entry.name, "CODE": str(code)})
-            for item in entry.fail(code, message):
+            for item in entry.fail(code, message, self.catalog.get(entry.name)):
                 self._sink.send(item.ticket, Reply(item.request.id, error=Failure(
                     code, f"model {entry.label} failed to load: {message}")))
             if self._observer is not None:
@@ -273,8 +273,9 @@ class ModelManager:
         return entry
 
     def load(self, name: str, version: int | None = None) -> ModelEntry:
-        """Load ``name`` (or wait for the load in progress); blocking. An explicit load
-        retries a remembered failure at once.
+        """Load ``name`` (or wait for the load in progress); blocking. A remembered
+        failure caused by the model's files is answered again at once until its files
+        change or a reload scans the repository again; others are retried at once.
 
         Raises:
             InferdError: the load failed, with its code and reason.
@@ -284,6 +285,10 @@ class ModelManager:
             entry.changed.wait_for(lambda: entry.state is not State.DRAINING)
             entry.touch(request=False)
             if entry.state is State.FAILED:
+                if self._failure_stands(entry):
+                    raise InferdError(f"model {entry.label} failed to load and its files "
+                                      f"have not changed since (new files or a reload "
+                                      f"retry it): {entry.error}", entry.error_code)
                 entry.retry()
             if entry.state is State.UNLOADED:
                 future = self._start_load(entry)
@@ -294,6 +299,15 @@ class ModelManager:
         if future is not None:
             future.result()
         return entry
+
+    def _failure_stands(self, entry: ModelEntry) -> bool:
+        """Whether ``entry``'s failed load (lock held) would fail again: its cause is in
+        its files (not the budget or a backend), no reload has scanned since, and its
+        files are as that scan saw them."""
+        spec = self.catalog.get(entry.name)
+        return (entry.error_code not in (ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE)
+                and spec is not None and spec is entry.failed_scan
+                and self.repo.unchanged(spec, entry.version))
 
     def load_pinned(self, before_each: Callable[[int, int, str], None] | None = None
                     ) -> list[str]:

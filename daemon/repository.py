@@ -64,11 +64,17 @@ class FileId:
         if self.digest is not None and other.digest is not None:
             return (self.name, self.size, self.digest) == (other.name, other.size,
                                                             other.digest)
-        return self == other
+        return self.same_file(other)
+
+    def same_file(self, other: FileId) -> bool:
+        """Whether ``other`` is this file untouched (inode, size and times)."""
+        return ((self.name, self.inode, self.size, self.mtime_ns, self.ctime_ns)
+                == (other.name, other.inode, other.size, other.mtime_ns, other.ctime_ns))
 
 
-def contents(folder: Path) -> tuple[FileId, ...]:
-    """The fingerprint of the regular files in a version folder, by name.
+def contents(folder: Path, digests: bool = True) -> tuple[FileId, ...]:
+    """The fingerprint of the regular files in a version folder, by name (``digests``:
+    hash the files up to :data:`HASH_LIMIT`).
 
     Raises:
         OSError: a file cannot be read.
@@ -81,7 +87,7 @@ def contents(folder: Path) -> tuple[FileId, ...]:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # readable?
         with os.fdopen(fd, "rb") as f:
             digest = (hashlib.file_digest(f, "blake2b").hexdigest()
-                      if st.st_size <= HASH_LIMIT else None)
+                      if digests and st.st_size <= HASH_LIMIT else None)
         out.append(FileId(path.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                           digest))
     return tuple(out)
@@ -291,6 +297,17 @@ class Repository:
             if spec is not None:
                 specs[name] = spec
         return specs
+
+    def unchanged(self, spec: ModelSpec, version: int) -> bool:
+        """Whether the files of ``version`` are untouched since the scan that made
+        ``spec`` (inode, size and times; no hashing)."""
+        before = spec.files.get(version)
+        try:
+            now = contents(self.root / spec.name / str(version), digests=False)
+        except OSError:
+            return False
+        return (before is not None and len(before) == len(now)
+                and all(a.same_file(b) for a, b in zip(before, now, strict=True)))
 
     def resolve(self, name: str, version: int | None = None) -> ModelSource:
         """The model source to load: the requested version, or the highest one.
