@@ -19,13 +19,15 @@ import numpy as np
 import pytest
 import zmq
 
-from inferd.ipc.dtypes import NUMERIC_DTYPES, WIRE_DTYPES
+from inferd.ipc.dtypes import ML_DTYPES, NUMERIC_DTYPES, WIRE_DTYPES
 from inferd.ipc.errors import ErrorCode, ProtocolError
 from inferd.ipc.header import parse as parse_header
 from inferd.ipc.protocol import TAG, decode_reply
 from tests.ipc import libinferd_kit as kit
 
 CASES = {"plain": 4000, "sanitize": 1500}
+# libinferd does not carry issue 19's ml_dtypes types (bfloat16, float8, int4) yet
+C_DTYPES = tuple(d for d in WIRE_DTYPES if d not in ML_DTYPES)
 """Fuzz cases per build (each a round trip through real sockets; a few seconds)."""
 
 
@@ -66,7 +68,7 @@ def random_json(rng: random.Random, depth: int = 0) -> Any:
 
 
 def random_output(rng: random.Random, name: str) -> tuple[dict[str, Any], bytes]:
-    dtype = rng.choice(WIRE_DTYPES)
+    dtype = rng.choice(C_DTYPES)
     shape = [rng.randrange(4) for _ in range(rng.randrange(4))]
     count = int(np.prod(shape))
     if dtype == "string":
