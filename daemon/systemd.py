@@ -2,10 +2,13 @@
 
 :class:`Notifier` sends ``READY=1``, ``STATUS=``, ``RELOADING=1`` (with
 ``MONOTONIC_USEC=``), ``STOPPING=1``, ``EXTEND_TIMEOUT_USEC=`` and ``WATCHDOG=1`` to the
-socket named by ``$NOTIFY_SOCKET``, through systemd-python when it is importable and
-through a plain AF_UNIX datagram otherwise (the protocol is one datagram of
-``KEY=VALUE`` lines). Without ``$NOTIFY_SOCKET`` every call is a silent no-op, so the
-daemon runs the same outside systemd.
+socket named by ``$NOTIFY_SOCKET`` as one AF_UNIX datagram of ``KEY=VALUE`` lines (the
+whole protocol). Not through systemd-python's ``sd_notify``: it holds the GIL during a
+blocking ``sendmsg``, so a notify socket whose queue is full (nobody reading it;
+``net.unix.max_dgram_qlen`` is 10 by default) froze every thread of the daemon. A
+Python socket releases the GIL while it waits, and waits at most ``SEND_TIMEOUT_S``.
+Without ``$NOTIFY_SOCKET`` every call is a silent no-op, so the daemon runs the same
+outside systemd.
 
 :class:`Watchdog` pings at half of ``$WATCHDOG_USEC``, and only while a health probe
 says the daemon really works, so systemd restarts a stuck daemon.
@@ -24,10 +27,9 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-try:  # Debian: python3-systemd; pip: systemd-python (needs libsystemd headers)
-    from systemd import daemon as _sd_daemon
-except ImportError:
-    _sd_daemon = None
+SEND_TIMEOUT_S = 1.0
+"""How long one message may wait for room in the notify socket's queue; past it the
+message is dropped (a watchdog ping is sent again next period) and that is logged."""
 
 
 def monotonic_usec() -> int:
@@ -46,14 +48,10 @@ class Notifier:
     Args:
         address: the socket (a path, or ``@name`` for an abstract socket); None or ""
             makes every call a no-op.
-        use_library: send through systemd-python when it is importable and ``address``
-            is the ``$NOTIFY_SOCKET`` it would read itself.
     """
 
-    def __init__(self, address: str | None, use_library: bool = True) -> None:
+    def __init__(self, address: str | None) -> None:
         self.address = address or None
-        self._library = (use_library and _sd_daemon is not None and self.address is not None
-                         and self.address == os.environ.get("NOTIFY_SOCKET"))
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._warned = False
@@ -67,13 +65,6 @@ class Notifier:
     def enabled(self) -> bool:
         return self.address is not None
 
-    @property
-    def via(self) -> str:
-        """How messages travel: ``systemd-python``, ``datagram`` or ``off``."""
-        if self.address is None:
-            return "off"
-        return "systemd-python" if self._library else "datagram"
-
     def notify(self, **fields: object) -> bool:
         """Send one message of ``KEY=value`` lines; True if it was sent.
 
@@ -84,13 +75,8 @@ class Notifier:
             return False
         text = "\n".join(f"{k}={str(v).replace(chr(10), ' ')}" for k, v in fields.items())
         try:
-            if self._library:
-                sent = bool(_sd_daemon.notify(text))
-                if not sent:
-                    raise OSError(f"sd_notify to {self.address} failed")
-            else:
-                self._send(text.encode())
-        except OSError as e:
+            self._send(text.encode())
+        except OSError as e:  # TimeoutError: the queue stayed full for SEND_TIMEOUT_S
             if not self._warned:  # once: a broken notify socket must not flood the log
                 log.warning("cannot notify systemd at %s: %s", self.address, e)
                 self._warned = True
@@ -102,6 +88,7 @@ class Notifier:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX,
                                            socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                self._sock.settimeout(SEND_TIMEOUT_S)
             self._sock.sendto(payload, _address(self.address or ""))
 
     def close(self) -> None:
