@@ -26,7 +26,9 @@ SANITIZER_ENV = {
 # wire dtype -> ONNX TensorProto type, for the identity models
 ONNX_TYPES = {"bool": 9, "int8": 3, "uint8": 2, "int16": 5, "uint16": 4, "int32": 6,
               "uint32": 12, "int64": 7, "uint64": 13, "float16": 10, "float32": 1,
-              "float64": 11, "string": 8}
+              "float64": 11, "string": 8, "bfloat16": 16, "float8_e4m3fn": 17,
+              "float8_e4m3fnuz": 18, "float8_e5m2": 19, "float8_e5m2fnuz": 20, "uint4": 21,
+              "int4": 22}
 SLOW_MS = 400
 """How long a request to the `slow` model takes (its `sleep` pre step)."""
 
@@ -50,16 +52,25 @@ def program_env(kind: str) -> dict[str, str]:
 
 
 def identity_model(path: Path, dtype: str) -> None:
-    """An ONNX model `x` -> Identity -> `y` of DTYPE, any 2-D shape (N, M)."""
+    """An ONNX model `x` -> `y` of DTYPE giving its input back, any 2-D shape (N, M):
+    Identity (opset 21 for bfloat16 and the float8 types), or for the 4-bit types, which
+    onnxruntime's Identity does not take, a Cast to 8 bits and back."""
     import onnx
-    from onnx import helper
+    from onnx import TensorProto, helper
 
     t = ONNX_TYPES[dtype]
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], f"id_{dtype}",
+    if dtype in ("int4", "uint4"):
+        wide = TensorProto.INT8 if dtype == "int4" else TensorProto.UINT8
+        nodes = [helper.make_node("Cast", ["x"], ["w"], to=wide),
+                 helper.make_node("Cast", ["w"], ["y"], to=t)]
+    else:
+        nodes = [helper.make_node("Identity", ["x"], ["y"])]
+    graph = helper.make_graph(nodes, f"id_{dtype}",
                               [helper.make_tensor_value_info("x", t, ["N", "M"])],
                               [helper.make_tensor_value_info("y", t, ["N", "M"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
+    new = t >= 16
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21 if new else 13)])
+    model.ir_version = 10 if new else 8
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
 
@@ -91,6 +102,9 @@ def sample(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
                         dtype=object).reshape(shape)
     dt = NUMERIC_DTYPES[dtype]
     n = int(np.prod(shape))
+    if dtype in ("int4", "uint4"):
+        low = -8 if dtype == "int4" else 0
+        return rng.integers(low, low + 16, n).astype(dt).reshape(shape)
     if dtype == "bool":
         return rng.integers(0, 2, n).astype(dt).reshape(shape)
     if dt.kind in "iu":
@@ -99,6 +113,7 @@ def sample(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
         values[:2] = (info.min, info.max)[:n]
         return values.reshape(shape)
     raw = rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8)
-    values = raw.view(dt).copy()
-    values[:3] = np.array([np.nan, np.inf, -np.inf], dt)[:n]
+    values = raw.view(dt).copy()  # every bit pattern: NaNs, infinities, subnormals
+    if dtype in ("float16", "float32", "float64"):
+        values[:3] = np.array([np.nan, np.inf, -np.inf], dt)[:n]
     return values.reshape(shape)

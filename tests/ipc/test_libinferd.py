@@ -6,7 +6,6 @@ The reply parser's fuzz, against a fake ROUTER, is tests/ipc/test_libinferd_fuzz
 from __future__ import annotations
 
 import shutil
-import struct
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -17,7 +16,8 @@ import numpy as np
 import pytest
 
 from inferd.ipc import Client, RequestError
-from inferd.ipc.dtypes import WIRE_DTYPES
+from inferd.ipc.dtypes import WIRE_DTYPES, dtype_name
+from inferd.ipc.protocol import encode_tensors
 from tests.conftest import Daemon
 from tests.ipc import libinferd_kit as kit
 
@@ -57,10 +57,7 @@ def run(programs: dict[str, Path], kind: str, name: str, *args: str,
 
 def wire_bytes(value: np.ndarray) -> bytes:
     """The frame the protocol carries for VALUE (what ipc/protocol.py sends)."""
-    if value.dtype == object:
-        return b"".join(struct.pack("<I", len(s.encode())) + s.encode()
-                        for s in value.reshape(-1))
-    return np.ascontiguousarray(value).tobytes()
+    return bytes(encode_tensors({"v": value})[1][0])
 
 
 class Spec:
@@ -77,7 +74,7 @@ class Spec:
         for k, (name, value) in enumerate(inputs.items()):
             path = self.folder / f"{tag}.{name}.in"
             path.write_bytes(wire_bytes(value))
-            dtype = "string" if value.dtype == object else value.dtype.name
+            dtype = dtype_name(value)
             mode = "owned" if (len(self.lines) + k) % 2 else "borrowed"
             self.lines.append(f"in {name} {dtype} {value.ndim} "
                               f"{' '.join(map(str, value.shape))} {path} {mode}")
@@ -138,7 +135,7 @@ def test_every_dtype_and_the_demo_models_equal_the_python_client(programs, daemo
             assert list(outputs) == list(ref), tag
             for name, value in ref.items():
                 got = outputs[name]
-                dtype = "string" if value.dtype == object else value.dtype.name
+                dtype = dtype_name(value)
                 assert (got["dtype"], got["shape"]) == (dtype, value.shape), (tag, name)
                 assert got["data"] == wire_bytes(value), (tag, name)  # bit for bit
                 if got["strings"] is not None:

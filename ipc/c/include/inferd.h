@@ -77,15 +77,27 @@ typedef enum inferd_dtype {
     INFERD_FLOAT16 = 10,
     INFERD_FLOAT32 = 11,
     INFERD_FLOAT64 = 12,
-    INFERD_STRING = 13  /* per element: uint32 LE byte length, then that many UTF-8 bytes */
+    INFERD_STRING = 13,          /* per element: uint32 LE byte length, then its UTF-8 bytes */
+    INFERD_BFLOAT16 = 14,        /* the high half of a float32 */
+    INFERD_FLOAT8_E4M3FN = 15,   /* the ONNX float8 types, one byte each */
+    INFERD_FLOAT8_E4M3FNUZ = 16,
+    INFERD_FLOAT8_E5M2 = 17,
+    INFERD_FLOAT8_E5M2FNUZ = 18,
+    INFERD_INT4 = 19,            /* 4 bits, two per byte, the first element in the low nibble */
+    INFERD_UINT4 = 20
 } inferd_dtype;
 
-/* The wire name ("float32"), or NULL for a value that is no dtype. */
+/* The wire name ("float32", "float8_e4m3fn"), or NULL for a value that is no dtype. */
 const char *inferd_dtype_name(inferd_dtype dtype);
 /* The dtype named NAME (LEN bytes, no terminator needed), or INFERD_DTYPE_INVALID. */
 inferd_dtype inferd_dtype_from_name(const char *name, size_t len);
-/* Bytes per element of a numeric dtype; 0 for INFERD_STRING and invalid values. */
+/* Bytes per element of a numeric dtype; 0 for INFERD_STRING, for the 4-bit types (half a
+ * byte: see inferd_frame_size) and for invalid values. */
 size_t inferd_dtype_size(inferd_dtype dtype);
+/* *BYTES = the frame size of ELEMENTS elements of numeric DTYPE: elements x size, or
+ * ceil(elements / 2) for INFERD_INT4 and INFERD_UINT4 (an odd count leaves the last
+ * byte's high nibble 0). INFERD_INVALID_ARGUMENT for strings and invalid dtypes. */
+inferd_code inferd_frame_size(inferd_dtype dtype, uint64_t elements, uint64_t *bytes);
 
 /* The library's version, "0.1.0". */
 const char *inferd_version(void);

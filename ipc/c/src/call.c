@@ -110,11 +110,14 @@ inferd_code inferd_call_add_input(inferd_call *call, const inferd_tensor *t)
     if (inferd_shape_elements(t->shape, t->rank, &count) != INFERD_OK)
         return ifd_fail(c, INFERD_INVALID_ARGUMENT, "input '%s' has a negative dimension or "
                         "more than 2^48 elements", t->name);
-    if (t->dtype != INFERD_STRING && t->size != count * inferd_dtype_size(t->dtype))
+    uint64_t expected;
+    if (t->dtype != INFERD_STRING && (inferd_frame_size(t->dtype, count, &expected),
+                                      t->size != expected))
         return ifd_fail(c, INFERD_INVALID_ARGUMENT, "input '%s' is %s with %llu elements, "
-                        "which is %llu bytes, but its data has %zu", t->name, dtype,
-                        (unsigned long long)count,
-                        (unsigned long long)(count * inferd_dtype_size(t->dtype)), t->size);
+                        "which is %llu bytes%s, but its data has %zu", t->name, dtype,
+                        (unsigned long long)count, (unsigned long long)expected,
+                        t->dtype == INFERD_INT4 || t->dtype == INFERD_UINT4
+                            ? " (two elements per byte)" : "", t->size);
     if (t->size > 0 && t->data == NULL)
         return ifd_fail(c, INFERD_INVALID_ARGUMENT, "input '%s' has no data", t->name);
     if (!ifd_utf8_valid((const unsigned char *)t->name, strlen(t->name)))

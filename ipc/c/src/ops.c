@@ -64,8 +64,8 @@ const void *inferd_output_aligned(inferd_call *call, size_t index)
     const inferd_tensor *t = inferd_output(call, index);
     if (t == NULL || t->dtype == INFERD_STRING)
         return NULL;
-    size_t align = inferd_dtype_size(t->dtype);
-    if (t->size == 0 || ((uintptr_t)t->data % align) == 0)
+    size_t align = inferd_dtype_size(t->dtype);  /* 0 for the 4-bit types: bytes */
+    if (t->size == 0 || align <= 1 || ((uintptr_t)t->data % align) == 0)
         return t->data;
     if (call->aligned == NULL &&
         (call->aligned = calloc(call->reply.n_outputs, sizeof *call->aligned)) == NULL)

@@ -66,7 +66,12 @@ static const struct {
     [INFERD_UINT32] = {"uint32", 4},   [INFERD_INT64] = {"int64", 8},
     [INFERD_UINT64] = {"uint64", 8},   [INFERD_FLOAT16] = {"float16", 2},
     [INFERD_FLOAT32] = {"float32", 4}, [INFERD_FLOAT64] = {"float64", 8},
-    [INFERD_STRING] = {"string", 0},
+    [INFERD_STRING] = {"string", 0},   [INFERD_BFLOAT16] = {"bfloat16", 2},
+    [INFERD_FLOAT8_E4M3FN] = {"float8_e4m3fn", 1},
+    [INFERD_FLOAT8_E4M3FNUZ] = {"float8_e4m3fnuz", 1},
+    [INFERD_FLOAT8_E5M2] = {"float8_e5m2", 1},
+    [INFERD_FLOAT8_E5M2FNUZ] = {"float8_e5m2fnuz", 1},
+    [INFERD_INT4] = {"int4", 0},       [INFERD_UINT4] = {"uint4", 0},
 };
 #define N_DTYPES (sizeof DTYPES / sizeof DTYPES[0])
 
@@ -88,6 +93,19 @@ inferd_dtype inferd_dtype_from_name(const char *name, size_t len)
 size_t inferd_dtype_size(inferd_dtype dtype)
 {
     return (unsigned)dtype < N_DTYPES ? DTYPES[dtype].size : 0;
+}
+
+inferd_code inferd_frame_size(inferd_dtype dtype, uint64_t elements, uint64_t *bytes)
+{
+    if (dtype == INFERD_INT4 || dtype == INFERD_UINT4) {
+        *bytes = elements / 2 + elements % 2;
+        return INFERD_OK;
+    }
+    size_t size = inferd_dtype_size(dtype);
+    if (size == 0 || elements > UINT64_MAX / size)
+        return INFERD_INVALID_ARGUMENT;
+    *bytes = elements * size;
+    return INFERD_OK;
 }
 
 inferd_code inferd_shape_elements(const int64_t *shape, size_t rank, uint64_t *elements)

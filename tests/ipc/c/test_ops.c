@@ -26,6 +26,13 @@ static void check_vocabulary(void)
     CHECK(inferd_dtype_from_name("float32x", 7) == INFERD_FLOAT32);  /* LEN bytes only */
     CHECK(inferd_dtype_size(INFERD_UINT64) == 8 && inferd_dtype_size(INFERD_STRING) == 0);
     CHECK(inferd_dtype_name((inferd_dtype)99) == NULL);
+    CHECK(inferd_dtype_from_name("float8_e5m2fnuz", 15) == INFERD_FLOAT8_E5M2FNUZ);
+    CHECK(inferd_dtype_size(INFERD_BFLOAT16) == 2 && inferd_dtype_size(INFERD_INT4) == 0);
+    uint64_t bytes;
+    CHECK(inferd_frame_size(INFERD_UINT4, 7, &bytes) == INFERD_OK && bytes == 4);
+    CHECK(inferd_frame_size(INFERD_INT4, 0, &bytes) == INFERD_OK && bytes == 0);
+    CHECK(inferd_frame_size(INFERD_FLOAT64, 3, &bytes) == INFERD_OK && bytes == 24);
+    CHECK(inferd_frame_size(INFERD_STRING, 3, &bytes) == INFERD_INVALID_ARGUMENT);
     CHECK(strcmp(inferd_version(), "0.1.0") == 0);
     uint64_t n;
     int64_t shape[3] = {2, 0, 5};
