@@ -244,6 +244,11 @@ class ModelManager:
         except Exception as e:
             code, message = failure(e, f"model {entry.label}: unexpected error while "
                                     f"loading", log, named=False, model=entry.name)
+            if code is ErrorCode.INVALID_ARGUMENT:
+                # What backends raise for a file they cannot load: not the request's
+                # fault but the model's, so INTERNAL (a client does not retry it; the
+                # failure stands until its files change: _failure_stands).
+                code = ErrorCode.INTERNAL
             log.error("model %s failed to load: %s", entry.label, message,
                       extra={"MODEL": entry.name, "CODE": str(code)})
             for item in entry.fail(code, message, self.catalog.get(entry.name)):

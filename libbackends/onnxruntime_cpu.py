@@ -31,7 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from inferd.ipc.dtypes import PACKED, numpy_dtype, pack, unpack
-from inferd.ipc.errors import BackendError, ModelError
+from inferd.ipc.errors import BackendError, ErrorCode, ModelError
 from inferd.libbackends.contract import (
     Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec, aligned,
 )
@@ -179,7 +179,11 @@ class OrtModel(LoadedModel):
                 return self._run_raw(inputs, names)
             results = self._session.run(names, inputs, self._run_options)
         except Exception as e:  # onnxruntime raises its own exception classes
-            raise ModelError(f"onnxruntime failed to run {self._path}: {e}") from e
+            # Its INVALID_ARGUMENT status is about the inputs (a dimension the model
+            # fixes); any other failure is the engine's: INTERNAL (docs/protocol.md).
+            code = (ErrorCode.INVALID_ARGUMENT if type(e).__name__ == "InvalidArgument"
+                    else ErrorCode.INTERNAL)
+            raise ModelError(f"onnxruntime failed to run {self._path}: {e}", code) from e
         return {name: np.asarray(value) for name, value in zip(names, results)}
 
     def _run_raw(self, inputs: dict[str, NDArray[Any]],

@@ -175,7 +175,8 @@ class OvModel(LoadedModel):
         try:
             return compiled.run(inputs, names)
         except Exception as e:  # OpenVINO raises RuntimeError and its own classes
-            raise ModelError(f"openvino failed to run {self._path}: {_reason(e)}") from e
+            raise ModelError(f"openvino failed to run {self._path}: {_reason(e)}",
+                             ErrorCode.INTERNAL) from e
 
     def _for_shapes(self, inputs: dict[str, NDArray[Any]]) -> _Compiled:
         """The static compile for these input shapes, compiled now if there is room for

@@ -60,7 +60,7 @@ def test_an_explicit_load_of_a_broken_model_is_remembered_until_its_files_change
         for _ in range(50):
             with pytest.raises(RequestError) as e:
                 c.load("garbage")
-            assert e.value.code is ErrorCode.INVALID_ARGUMENT
+            assert e.value.code is ErrorCode.INTERNAL  # the model's fault (protocol.md)
             assert "INVALID_PROTOBUF" in e.value.message or "cannot" in e.value.message
         assert "have not changed since" in e.value.message
         assert d.log().count("model garbage version 1 failed to load") == 1
@@ -113,7 +113,7 @@ def test_five_seconds_of_bad_requests_at_full_speed_write_a_few_lines(
     for t in threads:
         t.join(120)
     assert all(n >= 50 for n in counts.values()), counts
-    assert codes == {"empty image": {"INVALID_ARGUMENT"}, "broken model": {"INVALID_ARGUMENT"},
+    assert codes == {"empty image": {"INVALID_ARGUMENT"}, "broken model": {"INTERNAL"},
                      "graph cycle": {"INVALID_ARGUMENT"}, "unknown model": {"NOT_FOUND"}}
     written = _lines(d) - before
     assert written <= LINES_PER_S * FLOOD_S, f"{written} lines for {counts}:\n{d.log()}"
