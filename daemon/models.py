@@ -263,7 +263,7 @@ class ModelManager:
                           spec=loaded.pipeline, backend=loaded.placement.backend,
                           observe=self._observer.for_model(entry.name)
                           if self._observer is not None else None)
-        entry.memory.loaded(loaded.figures)
+        entry.memory.loaded(loaded.figures, loaded.graph, loaded.placement.backend)
         entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive)
         workers.start()
         if self._observer is not None:
