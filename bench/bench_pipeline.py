@@ -4,7 +4,13 @@
    streaming 60 requests: throughput vs 1 / (slowest stage), target >= 0.85;
 2. a graph with two independent branches (ocr-det on 1x3x480x480 | ocr-rec on a
    1x3x48x640 line): task-parallel executor vs the same executor with one thread
-   (sequential), per-request latency ratio (no target in the issue; 2 cores cap it).
+   (sequential), per-request latency ratio (no target in the issue; 2 cores cap it);
+3. the graph executor's own cost per node (issue 20 item 3): the OCR graph on 8
+   generated images, one at a time, through the pipeline executor vs the same nodes and
+   model runs called directly in one thread (the difference over the nodes and model
+   calls), and a chain of 10 model nodes on a tiny model (a Relu on 1x4: the model run
+   costs microseconds, so what is left is the executor: edges, threads, the model call's
+   queue and reply) vs 10 direct runs, per node.
 
 Run: .venv/bin/python bench/bench_pipeline.py
 """
@@ -16,6 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -125,6 +132,125 @@ def two_branches() -> None:
           f"ms/request; speed-up {seq / par:.2f}x (no target; at most 2x on 2 cores)")
 
 
+def _direct(h: Any, graph: str, inputs: dict[str, Any]) -> tuple[float, int]:
+    """Run ``graph``'s nodes in order in this thread, models called directly (no queue,
+    no threads): seconds, and how many model runs it made."""
+    from inferd.daemon.graph import INPUT, gather
+
+    spec = h.graphs.executor(graph).spec
+    models = {n.model: h.models.entry(n.model).model for n in spec.nodes if n.model}
+    t0 = time.perf_counter()
+    packets: dict[str, dict[str, Any]] = {INPUT: dict(inputs)}
+    runs = 0
+    for node in spec.nodes:
+        values = gather(spec.name, node, packets)
+        if node.step is not None:
+            packets[node.name] = node.step(values)
+            continue
+        model = models[node.model]
+        batch = [dict(zip(values, v)) for v in zip(*values.values())] if node.foreach \
+            else [values]
+        outs = [model.run(x) for x in batch]
+        runs += len(outs)
+        if node.foreach:
+            merged: dict[str, list[Any]] = {}
+            for out in outs:
+                for k, v in out.items():
+                    merged.setdefault(node.rename.get(k, k), []).append(v)
+            packets[node.name] = merged
+        else:
+            packets[node.name] = {node.rename.get(k, k): v for k, v in outs[0].items()}
+    return time.perf_counter() - t0, runs
+
+
+CHAIN_NODE = """
+[[nodes]]
+name = "n{i}"
+model = "relu"
+inputs = {{ x = "{src}.x" }}
+rename = {{ y = "x" }}
+"""
+
+
+def _relu(root: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    (root / "relu" / "1").mkdir(parents=True)
+    onnx.save(m, root / "relu" / "1" / "model.onnx")
+
+
+def node_overhead() -> None:
+    from test_graph import Harness
+    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+    from bench_ocr import images
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "repo"
+        h = Harness(root, MODELS, ("ocr-det", "ocr-cls", "ocr-rec"))
+        _relu(root)
+        h.write("ocr", (MODELS / "ocr" / "graph.toml").read_text())
+        chain = 'executor = "pipeline"\ninputs = ["x"]\n[outputs]\ny = "n9.x"\n' + "".join(
+            CHAIN_NODE.format(i=i, src="input" if i == 0 else f"n{i - 1}") for i in range(10))
+        h.write("chain", chain)
+        x = {"x": np.ones((1, 4), np.float32)}
+        try:
+            pics = images(8)
+            for im in pics[:2]:  # warm: loads, first runs
+                assert h.call("ocr", {"image": im}).ok
+                _direct(h, "ocr", {"image": im})
+            assert h.call("chain", x).ok
+            nodes = len(h.graphs.executor("ocr").spec.nodes)
+            diffs, calls = [], 0
+            for _ in range(2):
+                for im in pics:
+                    t0 = time.perf_counter()
+                    reply = h.call("ocr", {"image": im})
+                    graph_s = time.perf_counter() - t0
+                    assert reply.ok, reply.error
+                    direct_s, calls = _direct(h, "ocr", {"image": im})
+                    diffs.append((graph_s - direct_s, graph_s, direct_s, calls))
+            diffs.sort()
+            over, graph_s, direct_s, calls = diffs[len(diffs) // 2]
+            print(f"OCR graph, 8 images one at a time (median of 16): through the pipeline "
+                  f"executor {graph_s * 1000:.1f} ms, its {nodes} nodes and {calls} model "
+                  f"runs called directly {direct_s * 1000:.1f} ms: overhead "
+                  f"{over * 1000:.2f} ms, {over / (nodes + calls) * 1e6:.0f} us per node or "
+                  f"model call")
+            chain_s, direct_chain = [], []
+            model = h.models.entry("relu").model
+            for _ in range(200):
+                t0 = time.perf_counter()
+                assert h.call("chain", x).ok
+                chain_s.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                y = x
+                for _ in range(10):
+                    y = {"x": model.run(y)["y"]}
+                direct_chain.append(time.perf_counter() - t0)
+            c, d = sorted(chain_s)[100], sorted(direct_chain)[100]
+            print(f"chain of 10 model nodes on a 1x4 Relu (median of 200): {c * 1e6:.0f} us "
+                  f"per request vs {d * 1e6:.0f} us for 10 direct runs: "
+                  f"{(c - d) / 10 * 1e6:.0f} us per node")
+        finally:
+            h.stop()
+
+
 if __name__ == "__main__":
-    three_stage()
-    two_branches()
+    import os
+
+    print(f"load average {os.getloadavg()[0]:.2f} at the start")
+    parts = set(sys.argv[1:]) or {"three_stage", "two_branches", "node_overhead"}
+    if "three_stage" in parts:
+        three_stage()
+    if "two_branches" in parts:
+        two_branches()
+    if "node_overhead" in parts:
+        node_overhead()
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")

@@ -203,6 +203,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "queue_size": Setting(1024, _int_upto(10**6), "a positive integer up to 1000000"),
         "instances": Setting(1, _int_upto(256), "a positive integer up to 256"),
         "allow_external_links": Setting(False, boolean, "true or false"),
+        "stuck_after_s": Setting(10.0, _seconds, "a positive number of seconds"),
     },
     "backends": {
         "paths": Setting([], string_list, "a list of absolute directory paths"),
@@ -269,6 +270,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
     },
     "systemd": {
         "extend_timeout_s": Setting(90.0, _seconds, "a positive number of seconds"),
+        "watchdog_stuck": Setting(False, boolean, "true or false"),
     },
 }
 

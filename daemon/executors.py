@@ -7,10 +7,16 @@
   with several consumers keeps each packet until every consumer has taken it; a full
   edge blocks its producer (backpressure).
 
-Model nodes call models in-process through the model manager with a
-:class:`~inferd.ipc.replies.LocalTicket`, so they share the models' pipelines,
-queues and dynamic batching with wire clients. A pipeline graph stops by
-:data:`~inferd.daemon.worker.STOP`'s rule: each node thread passes it on and ends.
+Model nodes call models in-process through :class:`ModelCaller`: each call is a
+:class:`~inferd.ipc.replies.LocalTicket` in the model's own queue (its turns, its
+batching, the request's deadline), answered into a ``concurrent.futures.Future``. A
+model queue that is full makes the call wait for room, no longer than the deadline.
+
+A node that never returns cannot hold the daemon: each thread notes the call it is in
+(:class:`~inferd.daemon.worker.Busy`), ``stop`` gives up once one is inside a call past
+``stuck_after`` seconds, and ``abandon`` leaves the stuck threads behind, answering the
+frames they held. A pipeline graph stops by :data:`~inferd.daemon.worker.STOP`'s rule:
+each node thread passes it on and ends.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from inferd.daemon.graph import (
     INPUT,
@@ -34,8 +41,8 @@ from inferd.daemon.graph import (
     run_node,
 )
 from inferd.daemon.pipeline import Placement, pin_current_thread
-from inferd.daemon.worker import STOP
-from inferd.ipc.errors import ErrorCode, InferdError, failure
+from inferd.daemon.worker import STOP, Busy, join_stages
+from inferd.ipc.errors import ErrorCode, Failure, InferdError, failure
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import LocalTicket, ReplySink
 
@@ -44,50 +51,76 @@ log = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
+class ModelQueues(Protocol):
+    """What a graph needs of the model manager: queue a request (refusing it with an
+    InferdError), and wait until a model's queue has room."""
+
+    def submit(self, request: Request, ticket: Any) -> None: ...
+
+    def wait_for_room(self, request: Request, timeout: float | None) -> bool: ...
+
+
 class ModelCaller:
-    """Calls models in-process: ``caller(model, inputs, deadline) -> outputs``;
-    ``caller.start(...)`` returns a wait function, so many calls can be in flight."""
+    """Calls models in-process: :meth:`submit` returns the call's future at once (many
+    calls can be in flight), :meth:`result` waits for it within the deadline."""
 
-    def __init__(self, submit: Callable[[Request, Any], None]) -> None:
-        self._submit = submit
+    def __init__(self, models: ModelQueues) -> None:
+        self._models = models
 
-    def start(self, model: str, inputs: dict[str, Any],
-              deadline: float | None) -> Callable[[], dict[str, Any]]:
-        done = threading.Event()
-        box: list[Reply] = []
+    def submit(self, model: str, inputs: dict[str, Any], deadline: float | None,
+               peer: bytes = b"") -> Future[dict[str, Any]]:
+        """Queue one call of ``model`` as client ``peer``'s (monotonic ``deadline``).
+
+        Raises:
+            InferdError: the model refused it (unknown, failed to load), or its queue
+                stayed full until the deadline (DEADLINE_EXCEEDED).
+        """
+        future: Future[dict[str, Any]] = Future()
 
         def deliver(reply: Reply) -> None:
-            box.append(reply)
-            done.set()
+            if reply.error is None:
+                future.set_result(reply.outputs)
+            else:
+                future.set_exception(InferdError(f"model {model}: {reply.error.message}",
+                                                 reply.error.code))
         rid = f"graph-{next(_ids)}"
         timeout_ms = None if deadline is None else max(1, int((deadline - time.monotonic())
                                                               * 1000))
         request = Request(rid, Op.INFER, model=model, inputs=inputs, timeout_ms=timeout_ms)
+        ticket = LocalTicket(rid, deliver, deadline, model=model, peer=peer)
         while True:  # a full model queue is backpressure here, not a failure
             try:
-                self._submit(request, LocalTicket(rid, deliver, deadline, model=model))
-                break
+                self._models.submit(request, ticket)
+                return future
             except InferdError as e:
-                if e.code is not ErrorCode.RESOURCE_EXHAUSTED or (
-                        deadline is not None and time.monotonic() > deadline):
+                if e.code is not ErrorCode.RESOURCE_EXHAUSTED:
                     raise
-                time.sleep(0.002)
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not self._models.wait_for_room(request,
+                                                                                 left):
+                raise InferdError(f"model {model}: deadline passed while its queue was full",
+                                  ErrorCode.DEADLINE_EXCEEDED)
 
-        def wait() -> dict[str, Any]:
-            done.wait()
-            reply = box[0]
-            if reply.error is not None:
-                raise InferdError(f"model {model}: {reply.error.message}", reply.error.code)
-            return reply.outputs
-        return wait
-
-    def __call__(self, model: str, inputs: dict[str, Any],
-                 deadline: float | None) -> dict[str, Any]:
-        return self.start(model, inputs, deadline)()
+    @staticmethod
+    def result(future: Future[dict[str, Any]], model: str,
+               deadline: float | None) -> dict[str, Any]:
+        """The call's outputs; raises its InferdError, or DEADLINE_EXCEEDED once the
+        deadline passes (the model, whatever it is doing, is not waited for longer)."""
+        try:
+            return future.result(None if deadline is None
+                                 else max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            raise InferdError(f"model {model}: deadline passed before it answered",
+                              ErrorCode.DEADLINE_EXCEEDED) from None
 
 
 def _deadline(ticket: Any) -> float | None:
     return getattr(ticket, "deadline", None)
+
+
+def _peer(ticket: Any) -> bytes:
+    peer = getattr(ticket, "peer", b"")
+    return peer if isinstance(peer, bytes) else b""
 
 
 # --------------------------------------------------------------------------- task-parallel
@@ -101,10 +134,11 @@ class TaskExecutor:
         self._call = call
         self._sink = sink
         self.placements: list[Placement] = []
+        self.busy = Busy()
         self._pool = ThreadPoolExecutor(spec.task_threads,
                                         thread_name_prefix=f"inferd-{spec.name}-task",
                                         initializer=self._place)
-        self._inflight = 0
+        self._runs: set[_TaskRun] = set()  # requests in flight
         self._cond = threading.Condition()
 
     def _place(self) -> None:
@@ -119,22 +153,50 @@ class TaskExecutor:
 
     def submit(self, request: Request, ticket: Any) -> None:
         check_graph_inputs(self.spec, request)
-        with self._cond:
-            self._inflight += 1
         run = _TaskRun(self, request, ticket)
+        with self._cond:
+            self._runs.add(run)
         run.start()
 
-    def done(self) -> None:
+    def done(self, run: _TaskRun) -> None:
         with self._cond:
-            self._inflight -= 1
+            self._runs.discard(run)
             self._cond.notify_all()
 
-    def stop(self, timeout: float) -> bool:
+    def stop(self, timeout: float | None = None, stuck_after: float | None = None) -> bool:
+        """Wait for the requests in flight (at most ``timeout`` s, and no longer than
+        it takes a node to be inside one call for ``stuck_after`` s), then end the pool;
+        True if every request finished."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            self._cond.wait_for(lambda: self._inflight == 0, timeout)
-            ok = self._inflight == 0
+            while self._runs:
+                now = time.monotonic()
+                oldest = self.busy.oldest()
+                if (deadline is not None and now >= deadline) or (
+                        stuck_after is not None and oldest is not None
+                        and now - oldest > stuck_after):
+                    break
+                waits = [t - now for t in (deadline, None if stuck_after is None else
+                                           (oldest or now) + stuck_after) if t is not None]
+                self._cond.wait(max(0.01, min(waits)) if waits else None)
+            ok = not self._runs
         self._pool.shutdown(wait=ok, cancel_futures=not ok)
         return ok
+
+    def stuck(self, after_s: float = 0.0) -> list[str]:
+        """The pool threads inside one node's call for longer than ``after_s`` s."""
+        return self.busy.stuck(after_s)
+
+    def abandon(self) -> None:
+        """Answer UNAVAILABLE every request still in flight (a stuck node holds them);
+        the stuck threads end when their call returns."""
+        with self._cond:
+            runs, self._runs = list(self._runs), set()
+        why = "; ".join(self.stuck()) or "a node did not end"
+        for run in runs:
+            run.end(Reply(run.request.id, error=Failure(
+                ErrorCode.UNAVAILABLE, f"graph {self.spec.name} was stopped while a node "
+                f"was stuck: {why}")))
 
 
 class _TaskRun:
@@ -167,10 +229,14 @@ class _TaskRun:
             if self.ticket.expired():
                 raise InferdError(f"graph {spec.name}: deadline passed before node {name}",
                                   ErrorCode.DEADLINE_EXCEEDED)
-            out = run_node(spec, node, gather(spec.name, node, self.packets), self.ex._call,
-                           _deadline(self.ticket))
+            self.ex.busy.begin("task", f"node {name}, request {self.request.id}")
+            try:
+                out = run_node(spec, node, gather(spec.name, node, self.packets),
+                               self.ex._call, _deadline(self.ticket), _peer(self.ticket))
+            finally:
+                self.ex.busy.end()
         except Exception as e:
-            self._end(graph_failure(self.request, spec.name, e))
+            self.end(graph_failure(self.request, spec.name, e))
             return
         with self.lock:
             self.packets[name] = out
@@ -184,20 +250,20 @@ class _TaskRun:
             complete = not self.waiting and all(n.name in self.packets for n in spec.nodes)
         if complete:
             try:
-                self._end(Reply(self.request.id,
-                                outputs=graph_outputs(spec, self.packets, self.request)))
+                self.end(Reply(self.request.id,
+                               outputs=graph_outputs(spec, self.packets, self.request)))
             except Exception as e:
-                self._end(graph_failure(self.request, spec.name, e))
+                self.end(graph_failure(self.request, spec.name, e))
             return
         self._launch(ready)
 
-    def _end(self, reply: Reply) -> None:
+    def end(self, reply: Reply) -> None:
         with self.lock:
             if self.finished:
                 return
             self.finished = True
         self.ex._sink.send(self.ticket, reply)
-        self.ex.done()
+        self.ex.done(self)
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -213,10 +279,14 @@ class Packet:
     error: Reply | None = None
 
 
+class EdgeClosed(Exception):
+    """A packet put on an edge that :meth:`Edge.close` closed."""
+
+
 class Edge:
     """A bounded multi-consumer queue: each consumer sees every packet in order; a packet
     is dropped once every consumer has taken it; ``put`` blocks while ``capacity`` packets
-    are still held."""
+    are still held (:data:`STOP` never waits for room)."""
 
     def __init__(self, name: str, consumers: list[str], capacity: int) -> None:
         self.name = name
@@ -225,21 +295,35 @@ class Edge:
         self._base = 0
         self._next = dict.fromkeys(consumers, 0)
         self._cond = threading.Condition()
+        self._closed = False
 
-    def put(self, packet: Any, block: bool = True) -> bool:
+    def put(self, packet: Any, block: bool = True, timeout: float | None = None) -> bool:
+        """Append ``packet``, waiting for room up to ``timeout`` s (None: as long as it
+        takes); False if there was none (not ``block``, or the time passed).
+
+        Raises:
+            EdgeClosed: the edge was closed (before or while waiting).
+        """
         with self._cond:
-            while len(self._buf) >= self.capacity:
-                if not block:
+            if packet is not STOP:
+                if not self._cond.wait_for(lambda: self._closed or len(self._buf) <
+                                           self.capacity, timeout if block else 0):
                     return False
-                self._cond.wait()
+                if self._closed:
+                    raise EdgeClosed(self.name)
+            elif self._closed:
+                return True  # its readers end anyway
             self._buf.append(packet)
             self._cond.notify_all()
             return True
 
     def get(self, consumer: str) -> Any:
+        """The consumer's next packet; :data:`STOP` once the edge is closed."""
         with self._cond:
-            while self._next[consumer] - self._base >= len(self._buf):
+            while not self._closed and self._next[consumer] - self._base >= len(self._buf):
                 self._cond.wait()
+            if self._closed:
+                return STOP
             packet = self._buf[self._next[consumer] - self._base]
             self._next[consumer] += 1
             low = min(self._next.values())
@@ -248,6 +332,16 @@ class Edge:
                 self._base += 1
             self._cond.notify_all()
             return packet
+
+    def close(self) -> list[Any]:
+        """Close the edge: every packet still held is returned (for the caller to
+        answer), puts raise :class:`EdgeClosed`, and gets return :data:`STOP`."""
+        with self._cond:
+            self._closed = True
+            held = [p for p in self._buf if p is not STOP]
+            self._buf.clear()
+            self._cond.notify_all()
+            return held
 
     def held(self) -> int:
         with self._cond:
@@ -271,6 +365,7 @@ class PipelineExecutor:
             self.edges[producer] = Edge(producer, consumers, spec.input_queue_size
                                         if producer == INPUT else spec.queue_size)
         self._sink_sources = sorted(sinks)
+        self.busy = Busy()
         self._threads = [threading.Thread(target=self._placed, args=(self._node_loop, n.name),
                                           name=f"inferd-{spec.name}-{n.name}", daemon=True)
                          for n in spec.nodes]
@@ -280,6 +375,7 @@ class PipelineExecutor:
         self.placements[-1].stage = "output"
         self._lock = threading.Lock()
         self._stopping = False
+        self._why = ""  # what abandon() found stuck
         for t in self._threads:
             t.start()
 
@@ -303,14 +399,37 @@ class PipelineExecutor:
                                   f"({self.spec.input_queue_size} frames waiting)",
                                   ErrorCode.RESOURCE_EXHAUSTED)
 
-    def stop(self, timeout: float) -> bool:
+    def stop(self, timeout: float | None = None, stuck_after: float | None = None) -> bool:
+        """Send :data:`STOP` through the nodes (never blocking) and wait for the threads
+        to end: at most ``timeout`` s, and no longer than it takes a node to be inside
+        one call for ``stuck_after`` s. True if every thread ended."""
         with self._lock:
             self._stopping = True
         self.edges[INPUT].put(STOP)
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._threads)
+        return join_stages(self._threads, self.busy, timeout, stuck_after)
+
+    def stuck(self, after_s: float = 0.0) -> list[str]:
+        """The node threads inside one call for longer than ``after_s`` s."""
+        return self.busy.stuck(after_s)
+
+    def abandon(self) -> None:
+        """Give up on node threads that :meth:`stop` could not end: every edge is closed
+        and the frames it held are answered UNAVAILABLE naming the stuck node; threads
+        waiting on an edge end, a stuck one when its call returns."""
+        self._why = "; ".join(self.stuck()) or "a node did not end"
+        held = self.busy.held()
+        for edge in self.edges.values():
+            held += edge.close()
+        self._give_up(held)
+
+    def _give_up(self, packets: list[Any]) -> None:
+        """Answer the frames of ``packets`` UNAVAILABLE (a frame already answered, as
+        most are when several edges held it, is dropped by the sink)."""
+        for p in packets:
+            if isinstance(p, Packet):
+                self._sink.send(p.ticket, Reply(p.request.id, error=Failure(
+                    ErrorCode.UNAVAILABLE, f"graph {self.spec.name} was stopped while a "
+                    f"node was stuck: {self._why}")))
 
     def _node_loop(self, name: str) -> None:
         node = self.spec.node(name)
@@ -320,27 +439,40 @@ class PipelineExecutor:
             while True:
                 packets = [self.edges[s].get(name) for s in sources]
                 if any(p is STOP for p in packets):
+                    self._give_up(packets)  # taken from an edge closed meanwhile: answered
                     out.put(STOP)
                     return
-                first = packets[0]
-                failed = next((p.error for p in packets if p.error is not None), None)
-                if failed is not None:
-                    out.put(Packet(first.request, first.ticket, None, failed))
-                    continue
+                result = self._step(name, node, sources, packets)
                 try:
-                    if first.ticket.expired():
-                        raise InferdError(f"graph {self.spec.name}: deadline passed before "
-                                          f"node {name}", ErrorCode.DEADLINE_EXCEEDED)
-                    values = gather(self.spec.name, node,
-                                    {s: p.values for s, p in zip(sources, packets)})
-                    result = run_node(self.spec, node, values, self._call,
-                                      _deadline(first.ticket))
-                    out.put(Packet(first.request, first.ticket, result))
-                except Exception as e:
-                    out.put(Packet(first.request, first.ticket, None,
-                                   graph_failure(first.request, self.spec.name, e)))
+                    out.put(result)
+                except EdgeClosed:  # abandoned while this node ran (see abandon)
+                    self._give_up([result])
+                    return
         finally:
             self._sink.release_thread()
+
+    def _step(self, name: str, node: Any, sources: list[str], packets: list[Packet]) -> Packet:
+        """One frame through one node: its result packet, or the error that ends it."""
+        first = packets[0]
+        failed = next((p.error for p in packets if p.error is not None), None)
+        if failed is not None:
+            return Packet(first.request, first.ticket, None, failed)
+        try:
+            if first.ticket.expired():
+                raise InferdError(f"graph {self.spec.name}: deadline passed before node "
+                                  f"{name}", ErrorCode.DEADLINE_EXCEEDED)
+            values = gather(self.spec.name, node, {s: p.values for s, p in zip(sources,
+                                                                                packets)})
+            self.busy.begin("node", f"request {first.request.id}", (first,))
+            try:
+                result = run_node(self.spec, node, values, self._call,
+                                  _deadline(first.ticket), _peer(first.ticket))
+            finally:
+                self.busy.end()
+            return Packet(first.request, first.ticket, result)
+        except Exception as e:
+            return Packet(first.request, first.ticket, None,
+                          graph_failure(first.request, self.spec.name, e))
 
     def _sink_loop(self) -> None:
         try:

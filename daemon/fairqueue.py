@@ -66,6 +66,8 @@ class FairQueue:
         self._size = 0
         self._stale = 0  # tokens of dropped items, still in _tokens
         self._closed = False
+        self._room = threading.Condition(self._lock)  # for wait_below
+        self._room_waiters = 0
 
     def put(self, item: Any, timeout: float | None = None) -> None:
         """Queue ``item``; in a bounded queue a request waits for room up to ``timeout``
@@ -178,7 +180,20 @@ class FairQueue:
         else:
             del self._peers[key]  # a client with nothing queued holds nothing
         self._size -= 1
+        if self._room_waiters:
+            self._room.notify_all()
         return item
+
+    def wait_below(self, bound: int, timeout: float | None = None) -> bool:
+        """Wait until fewer than ``bound`` items are queued (an in-process caller's
+        backpressure on a queue whose bound its owner keeps); False if ``timeout``
+        seconds passed first."""
+        with self._lock:
+            self._room_waiters += 1
+            try:
+                return self._room.wait_for(lambda: self._size < bound, timeout)
+            finally:
+                self._room_waiters -= 1
 
     def _pick(self, limit: int, total: int, taken: dict[bytes, int],
               rows: Callable[[Any], int]) -> tuple[bytes, Any, int] | None:
@@ -224,6 +239,7 @@ class FairQueue:
                 return []
             self._size -= len(fifo)
             self._stale += len(fifo)
+            self._room.notify_all()
         if self._space is not None:
             for _ in fifo:
                 self._space.release()

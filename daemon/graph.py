@@ -37,11 +37,11 @@ import logging
 import re
 import time
 import tomllib
-from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -259,13 +259,24 @@ def _live(outputs: dict[str, tuple[str, str]], nodes: dict[str, Node]) -> set[st
 
 # --------------------------------------------------------------------------- calls
 
-ModelCall = Callable[[str, dict[str, Any], float | None], dict[str, Any]]
-"""(model, inputs, deadline) -> outputs; raises InferdError."""
+
+class ModelCall(Protocol):
+    """How a node calls a model in-process (:class:`inferd.daemon.executors.ModelCaller`):
+    ``submit`` queues the call in the model's queue and returns its future at once, so
+    that many calls can be in flight together; ``result`` waits for one, no longer
+    than the request's deadline."""
+
+    def submit(self, model: str, inputs: dict[str, Any], deadline: float | None,
+               peer: bytes = b"") -> Future[dict[str, Any]]: ...
+
+    def result(self, future: Future[dict[str, Any]], model: str,
+               deadline: float | None) -> dict[str, Any]: ...
 
 
 def run_node(spec: GraphSpec, node: Node, values: dict[str, Any], call: ModelCall,
-             deadline: float | None) -> dict[str, Any]:
-    """Run one node on its input values; errors name the graph and the node."""
+             deadline: float | None, peer: bytes = b"") -> dict[str, Any]:
+    """Run one node on its input values; errors name the graph and the node. A model
+    node's calls go to the model's queue as the client ``peer``'s (its turns there)."""
     try:
         if node.step is not None:
             out = node.step(values)
@@ -274,20 +285,21 @@ def run_node(spec: GraphSpec, node: Node, values: dict[str, Any], call: ModelCal
             return out
         assert node.model is not None
         if node.foreach:
+            # every element's call in flight at once: the model's batching sees them
             lists = {k: _elements(k, v) for k, v in values.items()}
             n = len(next(iter(lists.values())))
             if any(len(v) != n for v in lists.values()):
                 raise ModelError("foreach inputs of different lengths: " + ", ".join(
                     f"{k}: {len(v)}" for k, v in lists.items()))
-            results = call_many(call, node.model,
-                                [{k: v[i] for k, v in lists.items()} for i in range(n)],
-                                deadline)
-            merged: dict[str, Any] = {} if results else EmptyLists()
-            for r in results:
-                for k, v in r.items():
+            futures = [call.submit(node.model, {k: v[i] for k, v in lists.items()},
+                                   deadline, peer) for i in range(n)]
+            merged: dict[str, Any] = {} if futures else EmptyLists()
+            for f in futures:
+                for k, v in call.result(f, node.model, deadline).items():
                     merged.setdefault(node.rename.get(k, k), []).append(v)
             return merged
-        out = call(node.model, values, deadline)
+        out = call.result(call.submit(node.model, values, deadline, peer), node.model,
+                          deadline)
         return {node.rename.get(k, k): v for k, v in out.items()}
     except Exception as e:
         code, message = failure(e, f"graph {spec.name}: node {node.name}", log,
@@ -321,17 +333,6 @@ class EmptyLists(dict[str, Any]):
 
     def __missing__(self, key: str) -> list[Any]:
         return []
-
-
-def call_many(call: ModelCall, model: str, batch: list[dict[str, Any]],
-              deadline: float | None) -> list[dict[str, Any]]:
-    """Call a model once per element, all in flight together (the model's own pipeline
-    and dynamic batching see them at once)."""
-    starter = getattr(call, "start", None)
-    if starter is None:
-        return [call(model, x, deadline) for x in batch]
-    waits = [starter(model, x, deadline) for x in batch]
-    return [w() for w in waits]
 
 
 def gather(graph: str, node: Node, packets: dict[str, dict[str, Any]]) -> dict[str, Any]:

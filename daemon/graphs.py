@@ -1,6 +1,11 @@
 """The graph manager: the graphs of the model repository, each loaded on first use (on
 the ``inferd-graph-loader`` thread, not the I/O thread) and run by its executor
 (:mod:`inferd.daemon.executors`); retired on reload when its graph.toml changed.
+
+Unloading, retiring and stopping a graph wait for its frames in flight, but never for a
+node stuck inside one call past ``stuck_after`` seconds: such a graph's executor is
+abandoned (its frames answered UNAVAILABLE naming the node) and the stuck thread left
+to end when its call returns; an unload then fails with that reason.
 """
 
 from __future__ import annotations
@@ -8,11 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from inferd.daemon.executors import ModelCaller, PipelineExecutor, TaskExecutor, graph_failure
+from inferd.daemon.executors import (
+    ModelCaller, ModelQueues, PipelineExecutor, TaskExecutor, graph_failure,
+)
 from inferd.daemon.graph import Executor, graph_names, graph_path, load_graph_file
 from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
@@ -30,17 +36,18 @@ class GraphManager:
     Args:
         repo: the model repository (graphs live beside models).
         registry: processors for processor nodes.
-        submit: submits a model request (the model manager's ``submit``).
+        models: the model manager (model nodes queue their calls there).
         sink: where replies go (any thread); graph threads release it on exit.
     """
 
-    def __init__(self, repo: Repository, registry: ProcessorRegistry,
-                 submit: Callable[[Request, Any], None], sink: ReplySink) -> None:
+    def __init__(self, repo: Repository, registry: ProcessorRegistry, models: ModelQueues,
+                 sink: ReplySink) -> None:
         self.repo = repo
         self.registry = registry
-        self._call = ModelCaller(submit)
+        self._call = ModelCaller(models)
         self._sink = sink
         self._graphs: dict[str, TaskExecutor | PipelineExecutor] = {}
+        self._left: list[tuple[str, TaskExecutor | PipelineExecutor]] = []  # given up on
         self._errors: dict[str, str] = {}  # the last load error of each graph not loaded
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="inferd-graph-loader",
@@ -127,17 +134,47 @@ class GraphManager:
             out.append(info)
         return out
 
-    def unload(self, name: str, timeout: float) -> bool:
+    def executors(self) -> list[tuple[str, TaskExecutor | PipelineExecutor]]:
+        """The running graphs by name, and those given up on whose stuck call is still
+        running (the stuck-stage watch reads them)."""
+        with self._lock:
+            self._left = [(n, ex) for n, ex in self._left if ex.busy.oldest() is not None]
+            return list(self._graphs.items()) + self._left
+
+    def _retire(self, name: str, ex: TaskExecutor | PipelineExecutor, timeout: float | None,
+                stuck_after: float | None) -> str | None:
+        """Stop ``ex``; if a node is stuck, abandon it: None, or what is stuck."""
+        if ex.stop(timeout, stuck_after):
+            return None
+        stuck = "; ".join(ex.stuck()) or f"frames still in flight after {timeout} s"
+        ex.abandon()
+        with self._lock:
+            self._left.append((name, ex))
+        log.warning("graph %s: left running: %s", name, stuck, extra={"MODEL": name})
+        return stuck
+
+    def unload(self, name: str, timeout: float | None = None,
+               stuck_after: float | None = None) -> None:
         """Finish ``name``'s frames in flight and end its threads (the next request
-        loads it again, re-reading graph.toml)."""
+        loads it again, re-reading graph.toml).
+
+        Raises:
+            InferdError: UNAVAILABLE, a node is stuck (named): the graph is unloaded
+                all the same and its frames answered; the stuck thread is left behind.
+        """
         with self._lock:
             ex = self._graphs.pop(name, None)
-        return ex.stop(timeout) if ex is not None else True
+        stuck = self._retire(name, ex, timeout, stuck_after) if ex is not None else None
+        if stuck:
+            raise InferdError(f"graph {name}: unloaded, but a node did not end: {stuck}; "
+                              f"its frames were answered UNAVAILABLE", ErrorCode.UNAVAILABLE)
 
-    def reload(self, repo: Repository, timeout: float) -> list[str]:
+    def reload(self, repo: Repository, timeout: float | None,
+               stuck_after: float | None = None) -> list[str]:
         """Follow a reload of the repository (control thread): every loaded graph whose
         graph.toml changed or is gone is retired. Its frames in flight finish on the old
-        executor; the next request loads the file as it is now.
+        executor (a stuck one's are answered UNAVAILABLE); the next request loads the
+        file as it is now.
 
         Returns:
             The names of the graphs retired.
@@ -153,21 +190,22 @@ class GraphManager:
         for name, ex in stale.items():
             log.info("graph %s: graph.toml changed or removed; retiring the running "
                      "graph", name, extra={"MODEL": name})
-            if not ex.stop(timeout):
-                log.warning("graph %s: frames still in flight after %s s", name, timeout,
-                            extra={"MODEL": name})
+            self._retire(name, ex, timeout, stuck_after)
         return sorted(stale)
 
-    def stop(self, timeout: float) -> bool:
-        """Finish the frames in flight and end every graph's threads."""
+    def stop(self, timeout: float, stuck_after: float | None = None) -> list[str]:
+        """Finish the frames in flight and end every graph's threads; the threads that
+        did not end (stuck), named."""
         deadline = time.monotonic() + timeout
-        ok = True
         self._loader.shutdown(wait=True)  # requests waiting for a load get their executor
         with self._lock:
-            graphs, self._graphs = list(self._graphs.values()), {}
-        for ex in graphs:
-            ok = ex.stop(max(0.1, deadline - time.monotonic())) and ok
-        return ok
+            graphs, self._graphs = list(self._graphs.items()), {}
+        left: list[str] = []
+        for name, ex in graphs:
+            stuck = self._retire(name, ex, max(0.1, deadline - time.monotonic()), stuck_after)
+            if stuck:
+                left.append(f"graph {name}: {stuck}")
+        return left
 
 
 def _source(repo: Repository, name: str) -> str | None:

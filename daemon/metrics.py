@@ -166,6 +166,11 @@ class _StateCollector(Collector):
             if "limit" in batching:  # loaded
                 families["batch"].add_metric(labels, batching["limit"])
         yield from families.values()
+        stuck = GaugeMetricFamily("inferd_stuck_stages", "Stage threads inside one call "
+                                  "for longer than models.stuck_after_s", labels=["model"])
+        for owner, stages in rt.watch.stuck().items():
+            stuck.add_metric([owner], len(stages))
+        yield stuck
         backends = GaugeMetricFamily("inferd_backend_up", "1 if the backend is registered "
                                      "and usable, else 0", labels=["backend", "kind",
                                                                    "status"])

@@ -206,6 +206,13 @@ class ModelManager:
             # DRAINING: the request waits in the queue; the drain restarts the load.
             entry.enqueue(item, keep_alive)
 
+    def wait_for_room(self, request: Request, timeout: float | None) -> bool:
+        """Wait until ``request``'s model queue has room (an in-process caller's
+        backpressure, where a client gets RESOURCE_EXHAUSTED); False if ``timeout``
+        seconds passed first."""
+        entry = self.entry(request.model or "", request.version)
+        return entry.queue.wait_below(entry.queue_size, timeout)
+
     def cancel_peer(self, peer: bytes) -> int:
         """Answer CANCELLED every request of a client that has disconnected and is still
         queued for a model, instead of running it for nobody (I/O thread); how many."""
@@ -263,7 +270,7 @@ class ModelManager:
                           spec=loaded.pipeline, backend=loaded.placement.backend,
                           observe=self._observer.for_model(entry.name)
                           if self._observer is not None else None)
-        entry.memory.loaded(loaded.figures, loaded.graph, loaded.placement.backend)
+        entry.memory.loaded(loaded.figures)
         entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive)
         workers.start()
         if self._observer is not None:
@@ -401,18 +408,24 @@ class ModelManager:
             if only_if_idle and not self.budget.evictable(entry):
                 return False
             workers, model = entry.drain()
-        finished = workers.stop(timeout)
+        # never waits on a stuck stage (issue 20): past stuck_after_s inside one call,
+        # the workers are given up (what they held answered UNAVAILABLE naming it)
+        began = time.monotonic()
+        finished = workers.stop(timeout, self.config.models.stuck_after_s)
         if finished:
             model.unload()
             METER.trim()
         else:
-            log.error("model %s: workers did not finish within %.3g s; left running",
-                      entry.label, timeout, extra={"MODEL": entry.name})
+            stuck = "; ".join(workers.stuck()) or "requests still queued"
+            workers.abandon()
+            log.error("model %s: workers did not finish within %.3g s; left running: %s",
+                      entry.label, time.monotonic() - began, stuck,
+                      extra={"MODEL": entry.name})
             self.left_running.append(workers)
         leftovers: list[WorkItem] = []
         with entry.lock:
             entry.unloaded()
-            if finished and not entry.queue.empty():
+            if not entry.queue.empty():  # given-up workers withdrew their STOP
                 if (self.catalog.servable(entry.name, entry.version)
                         and not self._stopping.is_set()):
                     self._start_load(entry)
@@ -474,12 +487,20 @@ class ModelManager:
             if spec is not None and spec.error:  # nothing loaded, nothing to do
                 return ModelEntry(name, version or spec.default, 1)
             return self.entry(name, version)  # NOT_FOUND if unknown, else unloaded
+        given_up: list[Workers] = []
         for entry in entries:
+            before = len(self.left_running)
             self._unload_wait(entry, reason, timeout)
+            given_up += [w for w in self.left_running[before:] if w.name == name]
             with self._lock:
                 if (not self.catalog.servable(entry.name, entry.version)
                         and entry.state is State.UNLOADED):
                     self._entries.pop((entry.name, entry.version), None)
+        if given_up:
+            raise InferdError(f"model {name}: unloaded, but a stage did not end: "
+                              f"{'; '.join(s for w in given_up for s in w.stuck())}; the "
+                              f"requests it held were answered UNAVAILABLE, its threads "
+                              f"are left running", ErrorCode.UNAVAILABLE)
         spec = self.catalog.get(name)
         return next((e for e in entries if spec and e.version == spec.default), entries[0])
 
@@ -496,6 +517,12 @@ class ModelManager:
             if entry.state is State.FAILED:
                 entry.retry()
         self._drain(entry, reason, timeout=timeout)
+
+    def running_workers(self) -> list[Workers]:
+        """The workers of every ready model, and those a drain gave up on (the
+        stuck-stage watch, daemon/watch.py)."""
+        return [e.workers for e in self.entries()
+                if e.state is State.READY and e.workers is not None] + list(self.left_running)
 
     def stop(self, timeout: float) -> bool:
         """Finish queued work and unload every model; True if all threads ended."""
@@ -529,7 +556,10 @@ class ModelManager:
             if spec and (name, spec.default) not in entries:
                 rows.append(ModelEntry(name, spec.default, 1))
             for e in rows:
-                info = self.describe_entry(e)
+                with e.lock:
+                    info = e.describe()
+                    info["pinned"] = self.pinned(e)
+                    info.update(self.budget.describe(e))
                 if spec is None:
                     info["error"] = info["error"] or "removed from the repository"
                 elif spec.error:
@@ -545,15 +575,6 @@ class ModelManager:
                 info["default"] = bool(spec and spec.default == e.version)
                 out.append(info)
         return out
-
-    def describe_entry(self, entry: ModelEntry) -> dict[str, Any]:
-        """One version's row (the reply to a load or unload): its state, pin and
-        memory."""
-        with entry.lock:
-            info = entry.describe()
-            info["pinned"] = self.pinned(entry)
-            info.update(self.budget.describe(entry))
-        return info
 
     def cache_status(self) -> dict[str, Any]:
         """Budget and use, for the status op."""

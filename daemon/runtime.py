@@ -18,6 +18,7 @@ import psutil
 from inferd.daemon import logs
 from inferd.daemon.config import Config, load_config
 from inferd.daemon.graphs import GraphManager
+from inferd.daemon.watch import Watch
 from inferd.daemon.metrics import Metrics, TextfileWriter
 from inferd.daemon.metrics_http import MetricsEndpoint, parse_listen
 from inferd.daemon.models import ModelManager
@@ -94,7 +95,9 @@ class Runtime:
         self.models = ModelManager(self.repo, self.registry, config, sink,
                                    observer=self.metrics, processors=self.processors,
                                    customops=self.customops)
-        self.graphs = GraphManager(self.repo, self.processors, self.models.submit, sink)
+        self.graphs = GraphManager(self.repo, self.processors, self.models, sink)
+        # deadlines answered and stuck stages reported whatever a stage does
+        self.watch = Watch(sink, self.server, self.models, self.graphs, config)
         self._textfile: TextfileWriter | None = None
         self._endpoint: MetricsEndpoint | None = None
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-control",
@@ -114,6 +117,7 @@ class Runtime:
         self.processors.load_directory(self.config.processors.directory)
         self.server.bind()
         self.models.start()
+        self.watch.start()
         log.info("inferd %s serving %s (models in %s, pid %d)", VERSION,
                  self.config.server.socket, self.repo.root, os.getpid())
         problem = self.repo.problem()
@@ -192,6 +196,10 @@ class Runtime:
         dead = self.models.dead_worker_threads()
         if dead:
             return f"worker threads are gone: {', '.join(dead)}"
+        stuck = self.watch.all_stuck() if self.config.systemd.watchdog_stuck else {}
+        if stuck:
+            return "; ".join(f"every inference thread of model {m} is stuck: {', '.join(s)}"
+                             for m, s in stuck.items()) + " (systemd.watchdog_stuck)"
         return None
 
     def serve(self) -> None:
@@ -203,7 +211,21 @@ class Runtime:
                       self.config.server.shutdown_grace_s + STOP_MARGIN_S)
             self._workers_done = False
         self._control.shutdown(wait=False, cancel_futures=True)
+        self.watch.stop()
         self.server.close()
+        # A thread still busy (a control operation or a load waiting on a stuck stage)
+        # would keep the interpreter from exiting: main then ends the process itself.
+        # (the daemon's own pools, shut down by now: one still alive is busy)
+        ours = [t for t in threading.enumerate() if not t.daemon
+                and t.name.startswith("inferd-") and t is not threading.current_thread()]
+        until = time.monotonic() + 1.0
+        for t in ours:
+            t.join(max(0.0, until - time.monotonic()))
+        busy = [t.name for t in ours if t.is_alive()]
+        if busy:
+            log.warning("stopping: threads still busy are ended with the process: %s",
+                        ", ".join(busy))
+            self._workers_done = False
 
     @property
     def workers_done(self) -> bool:
@@ -258,8 +280,10 @@ class Runtime:
         self.config = config
         summary: dict[str, Any] = dict(self.models.reload(config))
         self.repo = self.models.repo
+        self.watch.use_config(config)
         summary["graphs_retired"] = self.graphs.reload(self.repo,
-                                                       config.server.shutdown_grace_s)
+                                                       config.server.shutdown_grace_s,
+                                                       config.models.stuck_after_s)
         summary["needs_restart"] = restart
         log.info("configuration reloaded from %s%s", config.source or "built-in defaults",
                  f" and {len(config.dropins)} drop-ins" if config.dropins else "")
@@ -286,8 +310,14 @@ class Runtime:
 
         def drain() -> None:
             grace = self.config.server.shutdown_grace_s
-            graphs_done = self.graphs.stop(grace)  # graph frames still need their models
-            self._workers_done = self.models.stop(grace) and graphs_done
+            # graph frames still need their models: graphs first
+            stuck = self.graphs.stop(grace, self.config.models.stuck_after_s)
+            self._workers_done = self.models.stop(grace) and not stuck
+            stuck += [f"model {w.name}: {s}" for w in self.models.running_workers()
+                      for s in w.stuck()]
+            if stuck:
+                log.warning("stopping: stuck stages left to end with the process: %s",
+                            "; ".join(stuck))
             self._stop_metrics()
             self._stopped.set()
         threading.Thread(target=drain, name="inferd-drain", daemon=True).start()
@@ -298,6 +328,7 @@ class Runtime:
         """Answer one request (I/O thread): inline for cheap ops, later for the rest."""
         op = request.op
         if op is Op.INFER:
+            self.watch.track(ticket)  # answered at its deadline, whatever a stage does
             # Models first: that test is a dict lookup, the graph test reads the disk.
             if not self.models.catalog.knows(request.model) and self.graphs.is_graph(request.model):
                 self.graphs.submit(request, ticket)
@@ -310,8 +341,10 @@ class Runtime:
             return Reply(request.id, result=self.status())
         if op is Op.MODELS:
             models = self.models.describe() + self.graphs.describe()
-            if not request.params.get("verbose"):
-                for m in models:
+            stuck = self.watch.stuck()
+            for m in models:
+                m["stuck"] = stuck.get(m["name"], [])
+                if not request.params.get("verbose"):
                     m.pop("placement", None)
             return Reply(request.id, result={"models": models})
         if op is Op.METRICS:
@@ -366,13 +399,15 @@ class Runtime:
             if request.op is Op.LOAD:
                 self.graphs.executor(name)
             else:
-                self.graphs.unload(name, self.config.server.shutdown_grace_s)
+                self.graphs.unload(name, self.config.server.shutdown_grace_s,
+                                   self.config.models.stuck_after_s)
             return next(g for g in self.graphs.describe() if g["name"] == name)
         if request.op is Op.LOAD:
             entry = self.models.load(name, request.version)
         else:
             entry = self.models.unload(name, request.version)
-        return self.models.describe_entry(entry)
+        with entry.lock:
+            return entry.describe()
 
     def status(self) -> dict[str, Any]:
         mem = self._proc.memory_info()
@@ -392,4 +427,5 @@ class Runtime:
             "memory": {"rss_bytes": mem.rss, "vms_bytes": mem.vms},
             "max_message_bytes": self.config.server.max_message_bytes,
             "requests": self.server.stats["requests"],
+            "stuck": self.watch.stuck(),
         }

@@ -86,14 +86,16 @@ class Job:
 
 
 class Busy:
-    """What each thread of a group is doing now: the call it began and when; the one
-    record :meth:`Workers.stuck` and the graph executors read to name a stuck stage."""
+    """What each thread of a group is doing now: the call it began, when, and the
+    requests inside it; the one record that :meth:`Workers.stuck` and the graph
+    executors read to name a stuck stage, and that ``abandon`` answers."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, tuple[str, float, str]] = {}  # thread -> (stage, since, what)
+        # thread name -> (stage, since, what, the requests inside the call)
+        self._calls: dict[str, tuple[str, float, str, tuple[Any, ...]]] = {}
 
-    def begin(self, stage: str, what: str) -> None:
-        self._calls[threading.current_thread().name] = (stage, time.monotonic(), what)
+    def begin(self, stage: str, what: str, held: tuple[Any, ...] = ()) -> None:
+        self._calls[threading.current_thread().name] = (stage, time.monotonic(), what, held)
 
     def end(self) -> None:
         self._calls.pop(threading.current_thread().name, None)
@@ -101,15 +103,50 @@ class Busy:
     def oldest(self) -> float | None:
         """When the longest call still running began (monotonic), or None."""
         calls = list(self._calls.values())
-        return min((since for _, since, _ in calls), default=None)
+        return min((c[1] for c in calls), default=None)
+
+    def held(self) -> list[Any]:
+        """The requests inside the calls running now."""
+        return [x for c in list(self._calls.values()) for x in c[3]]
+
+    def calls(self, after_s: float = 0.0) -> list[tuple[str, str, float, str]]:
+        """(thread, stage, since, what) of each call running for longer than
+        ``after_s`` seconds, longest first."""
+        now = time.monotonic()
+        return sorted(((name, c[0], c[1], c[2]) for name, c in list(self._calls.items())
+                       if now - c[1] > after_s), key=lambda c: c[2])
 
     def stuck(self, after_s: float = 0.0) -> list[str]:
         """Each thread inside one call for longer than ``after_s`` seconds, longest first:
         ``"inferd-m-infer-0 (infer: running request r7 for 12.3 s)"``."""
-        now = time.monotonic()
-        calls = sorted(self._calls.items(), key=lambda kv: kv[1][1])
-        return [f"{name} ({stage}: {what} for {now - since:.1f} s)"
-                for name, (stage, since, what) in calls if now - since > after_s]
+        return [describe_call(*c) for c in self.calls(after_s)]
+
+
+def describe_call(thread: str, stage: str, since: float, what: str) -> str:
+    """One stuck call in words: ``"inferd-m-infer-0 (infer: running request r7 for
+    12.3 s)"``."""
+    return f"{thread} ({stage}: {what} for {time.monotonic() - since:.1f} s)"
+
+
+def join_stages(threads: list[threading.Thread], busy: Busy, timeout: float | None,
+                stuck_after: float | None) -> bool:
+    """Wait for ``threads`` to end: at most ``timeout`` seconds (None: no limit), and no
+    longer than it takes one of them to be inside one call (``busy``) for
+    ``stuck_after`` seconds. True if every thread ended."""
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    for t in threads:
+        while t.is_alive():
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            until = deadline
+            if stuck_after is not None:
+                oldest = busy.oldest()
+                if oldest is not None and now - oldest > stuck_after:
+                    return False
+                until = min(until, (now if oldest is None else oldest) + stuck_after)
+            t.join(None if math.isinf(until) else max(0.0, until - now) + 0.01)
+    return True
 
 
 class Workers:
@@ -151,6 +188,7 @@ class Workers:
         self._post_q: FairQueue | None = FairQueue(size) if self.spec.post else None
         self.busy = Busy()
         self._abandoned = False
+        self._given_up: set[int] = set()  # ids of the items abandon() answered
         self._waiting = False  # whether more was queued when the last batch formed
         self.placements: list[Placement] = []
         self._placed = threading.Semaphore(0)
@@ -200,26 +238,18 @@ class Workers:
         stage to be inside one call for ``stuck_after`` seconds (it would not end in
         time). True if every thread ended."""
         self._work.put(STOP)
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
-        for t in self.threads:
-            while t.is_alive():
-                now = time.monotonic()
-                until = deadline
-                if stuck_after is not None:
-                    oldest = self.busy.oldest()
-                    if oldest is not None and now - oldest > stuck_after:
-                        return False
-                    until = min(until, (oldest if oldest is not None else now)
-                                + stuck_after)
-                if now >= deadline:
-                    return False
-                t.join(None if math.isinf(until) else max(0.0, until - now) + 0.01)
-        return True
+        return join_stages(self.threads, self.busy, timeout, stuck_after)
 
     def stuck(self, after_s: float = 0.0) -> list[str]:
         """Each thread inside one call (a step or a run) for longer than ``after_s``
         seconds, named with its stage, request and time (see :meth:`Busy.stuck`)."""
         return self.busy.stuck(after_s)
+
+    def all_stuck(self, after_s: float) -> bool:
+        """Whether every inference thread is inside one run for longer than ``after_s``
+        seconds (the model can serve nothing until one returns)."""
+        stuck = {c[0] for c in self.busy.calls(after_s) if c[1] == "infer"}
+        return all(p.thread in stuck for p in self.placements if p.stage == "infer")
 
     def abandon(self) -> None:
         """Give up on threads that :meth:`stop` could not end: they end when their call
@@ -229,6 +259,11 @@ class Workers:
         self._abandoned = True
         self._work.withdraw()
         why = "; ".join(self.stuck()) or "a stage did not end"
+        for item in self.busy.held():  # inside the stuck calls: answered now, and once
+            self._finish(item, Reply(item.request.id, error=Failure(
+                ErrorCode.UNAVAILABLE, f"model {self.name}: its workers were given up while "
+                f"the request was inside a stuck call: {why}")))
+            self._given_up.add(id(item))
         for q in (self._infer_q if self._infer_q is not self._work else None, self._post_q):
             if q is None:
                 continue
@@ -251,7 +286,10 @@ class Workers:
             outbox.put(STOP)
 
     def _finish(self, item: WorkItem, reply: Reply) -> None:
-        self._sink.send(item.ticket, reply)
+        self._sink.send(item.ticket, reply)  # a second answer is dropped there
+        if id(item) in self._given_up:  # abandon answered and counted it already
+            self._given_up.discard(id(item))
+            return
         if self._on_done:
             self._on_done(reply.ok)
 
@@ -286,7 +324,7 @@ class Workers:
                 return
             if self._expired(item):
                 continue
-            self.busy.begin("pre", f"pre-processing request {item.request.id}")
+            self.busy.begin("pre", f"pre-processing request {item.request.id}", (item,))
             try:
                 values = run_steps(self.spec.pre, dict(item.request.inputs),
                                    f"model {self.name}")
@@ -304,7 +342,8 @@ class Workers:
             if isinstance(job, _Stop):
                 self._stage_ended("post", self._post_q, None)
                 return
-            self.busy.begin("post", f"post-processing request {job.item.request.id}")
+            self.busy.begin("post", f"post-processing request {job.item.request.id}",
+                            (job.item,))
             try:
                 out = run_steps(self.spec.post, job.outputs, f"model {self.name}")
                 self._finish(job.item, Reply(job.item.request.id,
@@ -374,7 +413,8 @@ class Workers:
         rows = sum(_rows(j) for j in jobs)
         first = jobs[0].item.request.id
         self.busy.begin("infer", f"running request {first}" if len(jobs) == 1 else
-                        f"running a batch of {len(jobs)} requests ({first}, ...)")
+                        f"running a batch of {len(jobs)} requests ({first}, ...)",
+                        tuple(j.item for j in jobs))
         try:
             started = time.monotonic()
             outputs = self.model.run(inputs, wanted)

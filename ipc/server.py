@@ -220,6 +220,11 @@ class Server:
                 self._push_sockets.remove(push)
                 push.close(0)
 
+    def open_tickets(self) -> list[Ticket]:
+        """The requests received and not answered yet (any thread: a copy); the daemon's
+        deadline watch reads it."""
+        return list(self._inflight.values())
+
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the I/O thread; safe from signal handlers and other threads."""
         self._calls.append(fn)

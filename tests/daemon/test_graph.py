@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,20 +77,22 @@ class Harness:
     """A model manager and a graph manager over a temporary repository."""
 
     def __init__(self, root: Path, models_dir: Path,
-                 models: tuple[str, ...] = ("ocr-cls",)) -> None:
+                 models: tuple[str, ...] = ("ocr-cls",), **settings: Any) -> None:
         root.mkdir(exist_ok=True)
         for name in models:
             (root / name).mkdir()
             link_tree(models_dir / name / "1", root / name / "1")
         self.root = root
-        config = load_config(None, {"models.repository": str(root)})
+        self.config = config = load_config(None, {"models.repository": str(root),
+                                                  **settings})
         repo = Repository(root)
         registry = Registry()
         registry.register(OnnxRuntimeCpuBackend())
         sink = ReplySink(self._wire_reply)
         self.processors = ProcessorRegistry()
         self.models = ModelManager(repo, registry, config, sink, processors=self.processors)
-        self.graphs = GraphManager(repo, self.processors, self.models.submit, sink)
+        self.graphs = GraphManager(repo, self.processors, self.models, sink)
+        self.sink = sink
 
     @staticmethod
     def _wire_reply(ticket: Any, reply: Reply) -> None:
@@ -123,7 +126,7 @@ class Harness:
         return [replies[i] for i in range(len(batch))]
 
     def stop(self) -> None:
-        assert self.graphs.stop(30)
+        assert self.graphs.stop(30) == []
         assert self.models.stop(30)
 
 
@@ -339,3 +342,146 @@ def test_foreach_over_a_1d_int64_input_calls_the_model_per_element(harness: Harn
     reply = harness.call("each", {"ids": np.array(4, np.int64)})  # nothing to iterate
     assert reply.error is not None and reply.error.code is ErrorCode.INVALID_ARGUMENT
     assert "foreach input 'x' is a scalar" in reply.error.message
+
+
+# --------------------------------------------------------------------------- stuck nodes
+
+GATE = """
+import threading
+GATE = threading.Event()
+def make():
+    def step(values):
+        GATE.wait()
+        return values
+    return step
+PROCESSORS = {"gate": make}
+"""
+
+HANG = """executor = "{executor}"
+inputs = ["x"]
+[outputs]
+y = "hang.x"
+[[nodes]]
+name = "hang"
+processor = "gate"
+inputs = {{ x = "input.x" }}
+"""
+
+
+class Replies:
+    """The replies of LocalTickets by id; a second reply to one id fails the test."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, Reply] = {}
+        self.cond = threading.Condition()
+        self.tickets: list[LocalTicket] = []
+
+    def ticket(self, rid: str, deadline: float | None = None) -> LocalTicket:
+        def deliver(reply: Reply) -> None:
+            with self.cond:
+                assert rid not in self.got, f"second reply to {rid}"
+                self.got[rid] = reply
+                self.cond.notify_all()
+        t = LocalTicket(rid, deliver, deadline, model="hang")
+        self.tickets.append(t)
+        return t
+
+    def open_tickets(self) -> list[LocalTicket]:
+        """For the watch: the tickets not answered yet, as the server's open ones."""
+        return [t for t in self.tickets if t.code is None]
+
+    def wait(self, *rids: str, timeout: float = 30) -> list[Reply]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: all(r in self.got for r in rids), timeout), \
+                (rids, list(self.got))
+            return [self.got[r] for r in rids]
+
+
+def _gated(harness: Harness, tmp_path: Path) -> Any:
+    (tmp_path / "procs").mkdir()
+    (tmp_path / "procs" / "gate.py").write_text(GATE)
+    assert harness.processors.load_directory(tmp_path / "procs") == ["gate"]
+    import sys
+    return sys.modules["inferd_user_processors.gate"].GATE
+
+
+def _until(condition: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("executor", ["pipeline", "task"])
+def test_a_stuck_node_cannot_hold_deadlines_an_unload_or_its_frames(
+        tmp_path: Path, models_dir: Path, executor: str) -> None:
+    """Issue 20 item 4, in-process: a node that never returns (a processor waiting on
+    a gate the test opens at the end). The requests with a deadline get
+    DEADLINE_EXCEEDED from the watch when it passes; the stage is reported stuck; an
+    unload answers at once with an error naming the node, answering the frames it held
+    UNAVAILABLE; when the node returns, its late reply is dropped (one reply each)."""
+    from inferd.daemon.watch import Watch
+
+    h = Harness(tmp_path / "repo", models_dir, **{"models.stuck_after_s": 0.2})
+    gate = _gated(h, tmp_path)
+    replies = Replies()
+    watch = Watch(h.sink, replies, h.models, h.graphs, h.config)
+    watch.start()
+    try:
+        h.write("hang", HANG.format(executor=executor))
+        x = {"x": np.ones((1, 4), np.float32)}
+        soon = time.monotonic() + 0.5
+        tickets = [replies.ticket("first"), replies.ticket("d1", soon),
+                   replies.ticket("d2", soon), replies.ticket("forever")]
+        for t in tickets:
+            watch.track(t)
+            h.graphs.executor("hang").submit(Request(t.request_id, Op.INFER, model="hang",
+                                                     inputs=x), t)
+        for r in replies.wait("d1", "d2"):
+            assert r.error.code is ErrorCode.DEADLINE_EXCEEDED, r.error
+        ex = h.graphs.executor("hang")
+        _until(lambda: ex.stuck(0.2))
+        watch.scan()
+        thread = "inferd-hang-hang" if executor == "pipeline" else "inferd-hang-task"
+        assert thread in " ".join(watch.stuck()["hang"]), watch.stuck()
+        t0 = time.monotonic()
+        with pytest.raises(InferdError) as e:
+            h.graphs.unload("hang", timeout=None, stuck_after=0.2)
+        assert time.monotonic() - t0 < 5
+        assert e.value.code is ErrorCode.UNAVAILABLE and "did not end" in e.value.message
+        assert thread in e.value.message
+        first, forever = replies.wait("first", "forever")
+        assert first.error.code is ErrorCode.UNAVAILABLE and "stuck" in first.error.message
+        assert forever.error.code is ErrorCode.UNAVAILABLE
+        gate.set()  # the stuck call returns: its result goes nowhere
+        _until(lambda: not ex.stuck())
+        watch.scan()
+        assert "hang" not in watch.stuck()
+        assert h.call("hang", x).ok  # a fresh executor
+    finally:
+        gate.set()
+        watch.stop()
+        h.stop()
+    assert len(replies.got) == 4
+
+
+def test_a_graph_call_to_a_full_model_queue_waits_for_room_within_its_deadline(
+        tmp_path: Path, models_dir: Path) -> None:
+    """Item 3: a foreach of 40 ocr-cls calls into a model queue of 2 is backpressure,
+    not RESOURCE_EXHAUSTED; with a deadline that passes first it is DEADLINE_EXCEEDED."""
+    h = Harness(tmp_path / "repo", models_dir, **{"models.queue_size": 2})
+    try:
+        h.write("each", 'inputs = ["x"]\n[outputs]\np = "cls.p"\n[[nodes]]\nname = "cls"\n'
+                        'model = "ocr-cls"\nforeach = true\ninputs = { x = "input.x" }\n'
+                        f'rename = {{ "{CLS_OUT}" = "p" }}\n')
+        crops = np.zeros((40, 1, 3, 48, 192), np.float32)
+        reply = h.call("each", {"x": crops})
+        assert reply.ok, reply.error
+        assert np.asarray(reply.outputs["p"]).shape == (40, 1, 2)
+        late = Replies()
+        t = late.ticket("late", time.monotonic() + 0.02)
+        h.graphs.submit(Request("late", Op.INFER, model="each", inputs={"x": crops}), t)
+        (r,) = late.wait("late")
+        assert r.error.code is ErrorCode.DEADLINE_EXCEEDED, r.error
+    finally:
+        h.stop()

@@ -360,3 +360,90 @@ def test_deadline_passed_in_queue_is_answered_not_run(cls_model: Any) -> None:
         assert collector.wait(1)["late"].error.code is ErrorCode.DEADLINE_EXCEEDED
     finally:
         assert workers.stop(30)
+
+
+# --------------------------------------------------------------------------- stuck stages
+
+
+def _queue(work: FairQueue, collector: Collector, *rids: str) -> None:
+    for rid in rids:
+        work.put(WorkItem(Request(rid, Op.INFER, model="m", inputs={"x": cls_input(0)}),
+                          collector.ticket(rid)))
+
+
+def _until(condition: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_a_stuck_model_run_is_named_given_up_and_its_queue_served_by_new_workers(
+        cls_model: Any) -> None:
+    """Issue 20 item 4: a model run that does not return (a driver that hangs: the
+    gated model). stop() gives up once the run is past stuck_after instead of waiting;
+    abandon() answers the request inside the run UNAVAILABLE and leaves the queued ones
+    for a new load's workers; when the run returns, its reply is dropped and the old
+    thread ends. Each request is answered and counted once."""
+    gated = Gated(cls_model)
+    work, collector, done = FairQueue(), Collector(), []
+    old = Workers("m", gated, work, ReplySink(), on_done=done.append)
+    old.start()
+    _queue(work, collector, "r1")
+    assert gated.entered.wait(30)
+    _queue(work, collector, "r2", "r3")
+    _until(lambda: old.stuck(0.1))
+    assert old.stuck(0.1)[0].startswith("inferd-m-infer-0 (infer: running request r1 for ")
+    assert old.all_stuck(0.1)
+    t0 = time.monotonic()
+    assert not old.stop(timeout=None, stuck_after=0.1)
+    assert time.monotonic() - t0 < 5
+    old.abandon()
+    r1 = collector.wait(1)["r1"]
+    assert r1.error.code is ErrorCode.UNAVAILABLE and "inferd-m-infer-0" in r1.error.message
+    assert work.qsize() == 2  # the STOP withdrawn, the requests kept
+    new = Workers("m", cls_model, work, ReplySink(), on_done=done.append)
+    new.start()
+    replies = collector.wait(3)
+    assert replies["r2"].ok and replies["r3"].ok
+    gated.gate.set()
+    for t in old.threads:
+        t.join(30)
+        assert not t.is_alive()
+    assert new.stop(30)
+    assert len(collector.replies) == 3 and sorted(done) == [False, True, True]
+
+
+def test_a_stuck_post_step_gives_up_what_waits_between_the_stages(cls_model: Any,
+                                                                  tmp_path: Path) -> None:
+    """The same with a post step that does not return and stage queues of one: the
+    request in the step, the one queued before it and the one the inference thread was
+    handing on are answered UNAVAILABLE; the one still in the model queue stays."""
+    (tmp_path / "gate.py").write_text(
+        "import threading\nGATE = threading.Event()\n"
+        "def make():\n    def step(values):\n        GATE.wait()\n        return values\n"
+        "    return step\nPROCESSORS = {'gate': make}\n")
+    registry = ProcessorRegistry()
+    assert registry.load_directory(tmp_path) == ["gate"]
+    import sys
+    gate = sys.modules["inferd_user_processors.gate"].GATE
+    work, collector, done = FairQueue(), Collector(), []
+    spec = parse_spec("m", check_settings("m", {"post": [{"op": "gate"}],
+                                                "stage_queue_size": 1}), registry)
+    workers = Workers("m", cls_model, work, ReplySink(), spec=spec, on_done=done.append)
+    workers.start()
+    try:
+        _queue(work, collector, "r1", "r2", "r3", "r4")
+        _until(lambda: workers.stuck(0.1) and work.qsize() == 1)  # r3 waits for room
+        assert "post: post-processing request r1" in workers.stuck()[0]
+        assert not workers.stop(stuck_after=0.1)
+        workers.abandon()
+        replies = collector.wait(3)
+        assert all(replies[r].error.code is ErrorCode.UNAVAILABLE for r in ("r1", "r2", "r3"))
+        assert work.qsize() == 1 and "r4" not in replies
+    finally:
+        gate.set()
+    for t in workers.threads:
+        t.join(30)
+        assert not t.is_alive(), t.name
+    assert len(collector.replies) == 3 and done == [False, False, False]

@@ -79,6 +79,11 @@ PROVOKERS = {
     "model vad version 1 unloaded: evicted to make room": "limits",
     "watchdog: not pinging systemd: worker threads are gone": "watchdog",
     "model ocr-rec version 1: workers did not finish within": "sigterm",
+    "stage stuck: ocr-det inferd-ocr-det-infer-0": "stuck",
+    "inferctl: DEADLINE_EXCEEDED: ocr-det: the deadline of": "stuck",
+    "model ocr-det version 1: workers did not finish within": "stuck",
+    "inferctl: UNAVAILABLE: model ocr-det: unloaded, but a stage did not end": "stuck",
+    "stopping: stuck stages left to end with the process": "stuck",
     "inferd exited cleanly; model threads still running": "sigterm",
 }
 
@@ -322,3 +327,36 @@ def test_sigterm(start_daemon, short_tmp: Path, models_dir: Path) -> None:
             p.reply()
     assert d.stop() == 0
     _check("sigterm", d.log_path.read_text())
+
+
+@pytest.mark.slow
+def test_stuck(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    """A model whose driver hangs inside a run (tests/e2e/test_stuck.py's blocking
+    backend plugin): the stuck stage's report, a deadline, an unload, the stop."""
+    from tests.e2e.test_stuck import BLOCKING_BACKEND
+
+    repo = _dir(short_tmp / "repo")
+    _model(repo, models_dir, "ocr-det", "ocr-cls")
+    (repo / "ocr-det" / "model.toml").write_text('backends = ["blocking"]\n')
+    _dir(short_tmp / "backends")
+    (short_tmp / "backends" / "blocking.py").write_text(BLOCKING_BACKEND)
+    config = short_tmp / "inferd.toml"
+    config.write_text("[models]\nstuck_after_s = 0.5\n[server]\nshutdown_grace_s = 2\n")
+    d = start_daemon("--config", str(config), "--models", str(repo), "--backends-dir",
+                     str(short_tmp / "backends"))
+    x = "x=" + str(short_tmp / "x.npy")
+    np.save(short_tmp / "x.npy", np.ones((1, 4), np.float32))
+    out = []
+    with Client(d.endpoint, timeout=60) as c:
+        c.submit("infer", "ocr-det", {"x": np.ones((1, 4), np.float32)}, timeout=30)
+        deadline = time.monotonic() + 60
+        while "ocr-det" not in c.status()["stuck"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        out.append(_inferctl(d.endpoint, "--timeout", "1", "infer", "ocr-det", "-i",
+                             x).stderr)
+        out.append(_inferctl(d.endpoint, "unload", "ocr-det").stderr)
+        c.submit("infer", "ocr-det", {"x": np.ones((1, 4), np.float32)}, timeout=30)
+        ids = c._prefix  # the stuck requests' ids, written as the page writes them
+    assert d.stop() == 0
+    _check("stuck", "\n".join(out) + d.log_path.read_text(), **{ids: "6f0c9d2e"})
