@@ -3,15 +3,18 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+PNNX   := pnnx==20261020
 RUNDIR ?= $(or $(XDG_RUNTIME_DIR),/tmp/inferd-$(shell id -u))
 SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
 
 # Debian packages the build and the tests need (libzmq3-dev, libjansson-dev and g++:
 # libinferd, its C++ header and the C client example; fonts: the OCR tests render their
-# images; pocl + OpenCL headers and loader: the OpenCL custom op example and its tests).
-# Installed by `make setup` when run as root.
+# images; pocl + OpenCL headers and loader: the OpenCL custom op example and its tests;
+# Mesa's Vulkan drivers, lavapipe among them, and the loader: the ncnn backend's Vulkan
+# tests). Installed by `make setup` when run as root.
 SYSTEM_PACKAGES := python3-venv gcc g++ libc6-dev libzmq3-dev libjansson-dev fonts-dejavu-core \
-	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev
+	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev \
+	mesa-vulkan-drivers vulkan-tools libvulkan1
 
 .PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint libinferd \
         venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64 wheels
@@ -36,6 +39,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	# pnnx (ONNX -> ncnn) without its dependencies: they would pull a 5.5 GB CUDA torch,
+	# and the converter is a standalone binary inside the wheel
+	$(PY) -m pip install --quiet --no-deps '$(PNNX)'
 	touch $@
 
 models/.complete: examples/demo_models.py $(wildcard examples/models/*/model.toml) $(wildcard examples/models/*/graph.toml) | $(STAMP)

@@ -113,6 +113,12 @@ def _extend_strategy(v: Any) -> str:
     raise ValueError
 
 
+def _ncnn_precision(v: Any) -> str:
+    if v in ("fp32", "fp16"):
+        return str(v)
+    raise ValueError
+
+
 def _arena_cap(v: Any) -> int:
     if v in (0, "unlimited", "none"):
         return 0
@@ -237,6 +243,13 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "tolerance": Setting(1e-3, _tolerance, "a number from 0 to 1"),
         "directory": Setting("", _path_or_off, "an absolute directory path, or \"\" for "
                              "$STATE_DIRECTORY (systemd's StateDirectory=; else none)"),
+    },
+    "ncnn": {
+        "threads": Setting(1, positive_int, "a positive integer"),
+        "precision": Setting("fp32", _ncnn_precision, "'fp32' or 'fp16'"),
+        "allow_software_vulkan": Setting(False, boolean, "true or false"),
+        "cache_dir": Setting("", _path_or_off, "an absolute folder path, or \"\" for "
+                             "the state directory's ncnn/"),
     },
     "cache": {
         "max_memory": Setting("75%", parse_budget, "a size ('512MiB'), a share of physical memory "

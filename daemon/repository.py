@@ -1,5 +1,5 @@
 """The model repository on disk: ``<repo>/<model>/<version>/model.onnx`` (or
-``model.xml`` + ``model.bin``, or ``model.rknn``) and an optional
+``model.xml`` + ``model.bin``, ``model.rknn``, or ``model.ncnn.param``) and an optional
 ``<repo>/<model>/model.toml``. A model name never escapes the repository.
 
 Versions policy (model.toml): by default the highest version is served and every version
@@ -29,10 +29,11 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MODEL_FILE = "model.onnx"
-MODEL_FILES = (MODEL_FILE, "model.xml", "model.rknn")
+MODEL_FILES = (MODEL_FILE, "model.xml", "model.rknn", "model.ncnn.param")
 """What a version folder may hold, first found wins: ONNX (every backend), OpenVINO IR
-(``model.xml`` + ``model.bin``, backend openvino), a compiled ``.rknn`` (backend rknn).
-A backend may read a sibling form itself (openvino prefers the IR beside model.onnx)."""
+(``model.xml`` + ``model.bin``, backend openvino), a compiled ``.rknn`` (backend rknn),
+ncnn's ``model.ncnn.param`` + ``.bin`` + ``.json`` (backend ncnn). A backend may read a
+sibling form itself (openvino prefers the IR beside model.onnx, ncnn its files)."""
 
 
 def model_file(folder: Path) -> Path | None:

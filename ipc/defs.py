@@ -21,6 +21,10 @@ CONFIG_ENV = "INFERD_CONFIG"
 REPOSITORY = "/var/lib/inferd/models"
 """The default model repository (``[models] repository``)."""
 
+STATE_DIR = "/var/lib/inferd/state"
+"""The daemon's own state (the unit's ``StateDirectory=inferd/state``): what backends
+convert at first load and keep, one folder each (``ncnn/``)."""
+
 PROCESSORS_DIR = "/usr/lib/inferd/processors"
 """The default directory of user processor files (``[processors] directory``)."""
 

@@ -146,6 +146,45 @@ def _interpret(out: bytes, err: bytes, rc: int, timed_out: bool,
                                      f"calling {doing}{detail}")
 
 
+def child_json(code: str, module_file: str, timeout_s: float,
+               env: dict[str, str] | None = None) -> Any:
+    """Run ``code`` in a child interpreter that imports the same copy of a module as
+    this process, and return the JSON value its last line of output holds.
+
+    Args:
+        code: Python source that prints one JSON value as its last line.
+        module_file: the ``__file__`` of the module the code imports (a Debian add-on's
+            is vendored, not on the child's default path): its package's parent
+            directory goes first on the child's ``PYTHONPATH``.
+        timeout_s: how long the child may take.
+        env: the child's environment (default: this process's).
+
+    Raises:
+        RuntimeError: the child could not start, ran out of time, failed, or printed
+            no JSON; the message says which, with the end of its stderr.
+    """
+    where = str(Path(module_file).resolve().parent.parent)
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (where, env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                              text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"the process listing them took over {timeout_s:.0f} s") from e
+    except OSError as e:
+        raise RuntimeError(f"cannot start {sys.executable}: {e.strerror}") from e
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = " ".join(proc.stderr.strip().splitlines()[-3:])
+        how = (f"was killed by {signal.Signals(-proc.returncode).name}"
+               if proc.returncode < 0 else f"exited with status {proc.returncode}")
+        raise RuntimeError(f"the process listing them {how}: {tail or 'no message'}")
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        raise RuntimeError(f"the process listing them printed {lines[-1][:200]!r}") from None
+
+
 def child_setup(parent: int) -> bool:
     """In a probe child: no core dumps, die with the daemon; False if it is gone."""
     import resource

@@ -191,6 +191,11 @@ class Backend(ABC):
         """Load a model. Raises ModelError or BackendError naming the file."""
 
 
+    # Optional: ``configure(settings: dict) -> None``, called once before ``probe()`` with
+    # the daemon config file's section named after the backend id (``[ncnn]``; ``{}`` if
+    # the daemon has none): settings that decide what the probe registers, such as
+    # ``[ncnn] allow_software_vulkan``. A change to them takes effect at a restart.
+
     # Optional: ``supported_nodes(model: onnx.ModelProto) -> list[str]``, one entry per
     # node of model.graph.node, "" where this backend runs the node, else why not. The
     # loader asks it to cut a model into sub-graphs per backend (docs/customops.md); a

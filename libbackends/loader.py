@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 from inferd.ipc.errors import BackendError
@@ -102,13 +102,18 @@ class Loader:
         probe_timeout_s: how long a native plugin's child process may take to open,
             check and probe it.
         builtins: the built-in backends to try first.
+        settings: the config file's sections by name; a backend that has the optional
+            ``configure()`` gets the one named after its id (``-`` read as ``_``:
+            ``[ncnn]``, ``[onnxruntime_gpu]``) before its probe, ``{}`` if none.
     """
 
     def __init__(self, registry: Registry, probe_timeout_s: float = 10.0,
-                 builtins: Sequence[Builtin] = BUILTINS) -> None:
+                 builtins: Sequence[Builtin] = BUILTINS,
+                 settings: Mapping[str, dict[str, Any]] | None = None) -> None:
         self.registry = registry
         self.probe_timeout_s = probe_timeout_s
         self.builtins = builtins
+        self.settings = settings or {}
 
     def load(self, dirs: Sequence[Path]) -> None:
         """Register the built-ins, then every plugin found in ``dirs``."""
@@ -228,8 +233,11 @@ class Loader:
         check_contract(backend)
         c.backend = backend.id
         c.stage = Stage.PROBED
+        configure = getattr(backend, "configure", None)
         step("probe()", Stage.PROBED)
         try:
+            if callable(configure):
+                configure(dict(self.settings.get(backend.id.replace("-", "_"), {})))
             probe = backend.probe()
         except Exception as e:
             raise CandidateError(Stage.PROBED, f"probe() raised {_exc(e)}", c.backend) from e
@@ -364,7 +372,9 @@ def load_backends(registry: Registry, config: Any,
     registry.search_path_source = source
     log.info("searching backends in %s (from %s)",
              ":".join(registry.search_path) or "no usable directory", source)
-    Loader(registry, config.backends.probe_timeout_s).load(dirs)
+    settings = {name: dict(vars(section)) for name, section in vars(config).items()
+                if isinstance(section, SimpleNamespace)}
+    Loader(registry, config.backends.probe_timeout_s, settings=settings).load(dirs)
     ok = [c for c in registry.candidates if c.status is CandidateStatus.REGISTERED]
     failed = [c for c in registry.candidates if c.status is not CandidateStatus.REGISTERED]
     log.info("backends: %d registered (%s), %d other candidates", len(ok),

@@ -29,13 +29,9 @@ other shapes run on the dynamic compile.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -44,6 +40,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from inferd.ipc.errors import BackendError, ErrorCode, ModelError
+from inferd.libbackends.childprobe import child_json
 from inferd.libbackends.contract import (
     BatchSizes, Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
 )
@@ -232,31 +229,15 @@ def _shapes_text(key: ShapeKey) -> str:
 
 def list_devices(timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
     """OpenVINO's ``available_devices``, listed by a child process (see the module's
-    docstring) that imports the same ``openvino`` as this process (the Debian add-on's
-    is vendored: not on the child's default path). Raises RuntimeError with the child's
-    reason."""
+    docstring) that imports the same ``openvino`` as this process. Raises RuntimeError
+    with the child's reason."""
     import openvino
 
-    where = str(Path(openvino.__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (where, env.get("PYTHONPATH")) if p)
     code = ("import json, openvino; "
             "print(json.dumps(list(openvino.Core().available_devices)))")
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                              text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"listing the devices took over {timeout_s:.0f} s") from e
-    except OSError as e:
-        raise RuntimeError(f"cannot start {sys.executable}: {e.strerror}") from e
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = " ".join(proc.stderr.strip().splitlines()[-3:])
-        raise RuntimeError(f"the process listing them exited with status "
-                           f"{proc.returncode}: {tail or 'no message'}")
-    devices = json.loads(lines[-1])
+    devices = child_json(code, openvino.__file__, timeout_s)
     if not isinstance(devices, list):
-        raise RuntimeError(f"the process listing them printed {lines[-1][:200]!r}")
+        raise RuntimeError(f"the process listing them printed {devices!r:.200}")
     return [str(d) for d in devices]
 
 

@@ -184,12 +184,16 @@ class Registry:
             matches = [r for r in self.records.values()
                        if r.backend.id == choice or choice in r.kinds
                        or str(r.backend.kind) == choice]
-            if not matches:
+            if not matches and not (preference and choice in set(DeviceKind)):
                 if preference:  # only a choice someone made is worth a reason
                     known = ", ".join(self.records) or "none"
                     self._skip(model, choice, f"no such backend id or kind "
                                               f"(backends: {known})", reasons)
                 continue
+            kind_notes = "; ".join(  # why the other backends found no device of this kind
+                f"{r.backend.id}: {r.reason}" for r in self.records.values()
+                if r not in matches and r.status is Status.REGISTERED and r.reason
+            ) if preference and choice in set(DeviceKind) else ""
             where = f"entry {n + 1} ({choice!r}) of " + (
                 f"model.toml backends = {choices}" if preference
                 else f"the default preference {choices}")
@@ -217,6 +221,12 @@ class Registry:
                     plan.append(Choice(b, kind, where, tuple(reasons)))
                 else:
                     self._skip(model, b.id, f"does not support the model ({why})", reasons)
+            if (kind_notes or not matches) and not any(c.kind == choice for c in plan):
+                # a device kind no backend found: the registered backends' probe notes
+                # say why (ncnn: "gpu placement off: no Vulkan driver answered")
+                self._skip(model, choice, f"no backend found a {choice} device"
+                                          f"{f' ({kind_notes})' if kind_notes else ''}",
+                           reasons)
         if not plan:
             raise BackendError(f"model {model}: no backend can run it (preference "
                                f"{choices}): {'; '.join(reasons) or 'no backends registered'}",

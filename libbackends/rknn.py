@@ -35,6 +35,7 @@ from inferd.ipc.errors import BackendError, ModelError
 from inferd.libbackends.contract import (
     Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
 )
+from inferd.libbackends.onnxfile import onnx_specs
 
 LIBRKNNRT = Path("/usr/lib/librknnrt.so")
 CORE_MASKS = {"auto": 0, "0": 1, "1": 2, "2": 4, "0_1": 3, "0_1_2": 7}
@@ -42,8 +43,6 @@ NPU_CORES = {"rk3588": 3, "rk3576": 2, "rk3568": 1, "rk3566": 1, "rk3562": 1}
 OPTIONS = ("core_mask", "target_platform", "input_shapes")
 RKNN_FILE = "model.rknn"
 SPECS_SUFFIX = ".json"  # model.rknn.json: the tensors of model.rknn, by inferd-convert
-_ONNX_TYPES = {1: "float32", 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "int64",
-               9: "bool", 10: "float16", 11: "float64"}
 
 
 def board_soc() -> str | None:
@@ -88,31 +87,6 @@ def check_options(model: Path, options: dict[str, Any]) -> tuple[str, int, dict[
         raise ModelError(f"{where} input_shapes must be a table of input name = list of "
                          f"positive sizes, e.g. {{x = [1, 3, 48, 192]}}")
     return platform_, mask, {str(k): list(v) for k, v in shapes.items()}
-
-
-def onnx_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs and outputs of an ONNX file (the ``onnx`` package must import)."""
-    import onnx
-
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # onnx raises DecodeError and others for a broken file
-        raise ModelError(f"{path} is not a readable ONNX model: {type(e).__name__}: "
-                         f"{e}") from e
-    init = {i.name for i in model.graph.initializer}
-
-    def spec(v: Any) -> TensorSpec:
-        t = v.type.tensor_type
-        dtype = _ONNX_TYPES.get(t.elem_type)
-        if dtype is None:
-            raise ModelError(f"{path}: tensor {v.name!r} has ONNX type {t.elem_type}, "
-                             f"which the rknn backend does not carry")
-        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0
-                     else None for d in t.shape.dim)
-        return TensorSpec(v.name, dtype, dims)
-
-    return ([spec(v) for v in model.graph.input if v.name not in init],
-            [spec(v) for v in model.graph.output])
 
 
 def fixed_shapes(model: Path, inputs: list[TensorSpec],
@@ -295,7 +269,7 @@ class RknnBackend(Backend):
                                  f"(rknn-toolkit2 on {platform.machine()} simulates models "
                                  f"it converts from ONNX; run it on the board, or remove it "
                                  f"to simulate {model_path.name})")
-            inputs, outputs = onnx_specs(model_path)
+            inputs, outputs = onnx_specs(model_path, "rknn")
             shapes, rowwise = fixed_shapes(model_path, inputs, given)
             rknn = convert(model_path, target, shapes, [s.name for s in inputs])
             if rknn.init_runtime() != 0:

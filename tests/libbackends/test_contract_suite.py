@@ -3,7 +3,9 @@
 (examples/backends/onnx_reference.py), the C example (examples/backends/elementwise,
 compiled with gcc by its Makefile during the test) and the rknn backend in simulator
 mode (out of process, in the .venv-rknn interpreter; marked slow and rknn, skipped
-without that venv unless INFERD_TEST_RKNN=1).
+without that venv unless INFERD_TEST_RKNN=1), and ncnn (its plugin,
+packaging/backends/ncnn) on the CPU and on Vulkan (lavapipe here; skipped without ncnn,
+pnnx or a Vulkan device unless INFERD_TEST_VULKAN=1).
 
 Each backend is obtained the way the daemon gets it: through the loader, from a
 backends directory holding only that plugin (the built-ins from no directory at all).
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.libbackends import ncnn_kit
 from tests.libbackends.plugin_kit import copy_into, expected_relu_sigmoid
 from tests.libbackends.rknn_kit import install_plugin, simulator_python
 
@@ -32,7 +35,8 @@ from inferd.libbackends.loader import BUILTINS, Loader
 from inferd.libbackends.registry import CandidateStatus, Registry
 
 BACKENDS = ["onnxruntime", "openvino", "onnxruntime-gpu", "onnx-reference", "elementwise-c",
-            pytest.param("rknn", marks=[pytest.mark.slow, pytest.mark.rknn])]
+            pytest.param("rknn", marks=[pytest.mark.slow, pytest.mark.rknn]),
+            "ncnn", "ncnn-vulkan"]
 # Relative tolerance of each backend's results (the RKNN simulator computes in fp16).
 RTOL = {"rknn": 2e-3}
 BUILT_IN = {"onnxruntime", "openvino", "onnxruntime-gpu"}
@@ -59,11 +63,56 @@ def rknn_simulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend
     mp.undo()
 
 
+class Placed(Backend):
+    """A backend whose loads get what the daemon's placement gives them: the device
+    kind chosen and the config file's section (here ncnn's conversion cache)."""
+
+    def __init__(self, backend: Backend, kind: DeviceKind, options: dict[str, object]
+                 ) -> None:
+        self._backend = backend
+        self._kind = kind
+        self._options = options
+        self.id, self.version, self.kind = backend.id, backend.version, backend.kind
+        self.api_version = backend.api_version
+
+    def probe(self) -> Probe:
+        return self._backend.probe()
+
+    def supports(self, model_path: Path) -> tuple[bool, str]:
+        return self._backend.supports(model_path)
+
+    def load(self, model_path: Path, options: LoadOptions) -> LoadedModel:
+        return self._backend.load(model_path, LoadOptions(
+            options={**self._options, **options.options}, kind=options.kind or self._kind))
+
+
+@pytest.fixture(scope="session")
+def ncnn_plugin(tmp_path_factory: pytest.TempPathFactory) -> Backend:
+    """The ncnn plugin through the loader, with software Vulkan allowed (as CI's config
+    says), once per session."""
+    ncnn_kit.require_vulkan()
+    backends = tmp_path_factory.mktemp("ncnn-backends")
+    ncnn_kit.install_plugin(backends)
+    registry = Registry()
+    Loader(registry, builtins=(),
+           settings={"ncnn": {"allow_software_vulkan": True}}).load([backends])
+    [candidate] = registry.candidates
+    assert candidate.status is CandidateStatus.REGISTERED, candidate
+    assert DeviceKind.GPU in registry.records["ncnn"].kinds
+    return registry.records["ncnn"].backend
+
+
 @pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+def backend(request: pytest.FixtureRequest, tmp_path: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Backend:
     ident = request.param
     if ident == "rknn":
         return request.getfixturevalue("rknn_simulator")
+    if ident.startswith("ncnn"):
+        cache = str(tmp_path_factory.getbasetemp() / "ncnn-cache")
+        return Placed(request.getfixturevalue("ncnn_plugin"),
+                      DeviceKind.GPU if ident == "ncnn-vulkan" else DeviceKind.CPU,
+                      {"cache_dir": cache})
     registry = Registry()
     if ident in BUILT_IN:
         Loader(registry, builtins=[b for b in BUILTINS if b.name == ident]).load([])
