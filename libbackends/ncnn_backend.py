@@ -306,10 +306,10 @@ class NcnnBackend(Backend):
                                f"{no_vulkan_reason()}", ErrorCode.UNAVAILABLE)
         wanted = settings["device"]
         if wanted == "auto":
-            ranked = sorted(gpus, key=lambda d: (PREFERENCE + ("cpu", "other")).index(
-                d.type) if d.type in PREFERENCE + ("cpu",) else 9)
-            device = next((d for d in ranked if not d.software),
-                          ranked[0] if settings["allow_software_vulkan"] else None)
+            hardware = sorted((d for d in gpus if not d.software), key=lambda d:
+                              PREFERENCE.index(d.type) if d.type in PREFERENCE else 9)
+            software = [d for d in gpus if d.software and settings["allow_software_vulkan"]]
+            device = next(iter(hardware + software), None)
             if device is None:
                 raise BackendError(
                     f"ncnn: the only Vulkan devices are software ones "

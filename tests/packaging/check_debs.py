@@ -26,7 +26,10 @@ what it did at the end, also after a failure, so it can be run again. Steps:
    inferd-backend-onnxruntime, it installs in its place, its GPU plugin's probe gives
    the no-GPU reason and its CPU plugin runs the model on the GPU build; then purged.
 
-The OpenVINO add-on is installed with the others: a model pinned to it is served.
+The OpenVINO add-on is installed with the others: a model pinned to it is served. So is
+the ncnn add-on: a model placed on gpu, its ncnn files converted ahead of time with this
+tree's `inferd-convert ncnn` (the board workflow: no pnnx on the device), is served by
+ncnn on the Vulkan device, Mesa's lavapipe here (a drop-in allows a software device).
 
 Usage: check_debs.py BUILD_DIR MODELS_DIR (make deb-test passes build/deb and models).
 """
@@ -52,7 +55,7 @@ from pathlib import Path
 from inferd.daemon.logs import decode_journal
 
 PACKAGES = ("inferd", "inferd-backend-onnxruntime", "inferd-backend-rknn",
-            "inferd-backend-openvino")
+            "inferd-backend-openvino", "inferd-backend-ncnn")
 # replaces inferd-backend-onnxruntime (one `onnxruntime` module per process): checked
 # after the others are purged (check_gpu_package); no NVIDIA GPU here to run it on
 GPU_PACKAGE = "inferd-backend-onnxruntime-gpu"
@@ -355,6 +358,7 @@ def check_installed_files() -> None:
     for path in ("/usr/bin/inferd", "/usr/bin/inferctl", "/etc/inferd/conf.d",
                  "/usr/lib/inferd/backends/onnxruntime/__init__.py", str(MODELS),
                  "/usr/lib/inferd/backends/openvino/__init__.py",
+                 "/usr/lib/inferd/backends/ncnn/__init__.py", "/var/lib/inferd/state",
                  "/usr/share/man/man8/inferd.8.gz", "/usr/share/man/man1/inferctl.1.gz",
                  "/usr/share/man/man5/inferd.toml.5.gz", "/usr/lib/sysusers.d/inferd.conf"):
         assert Path(path).exists(), f"{path} missing after dpkg -i"
@@ -412,8 +416,11 @@ def main() -> int:
         (MODELS / "ocr-cls-ov" / "1").mkdir(parents=True)
         shutil.copyfile(demo, MODELS / "ocr-cls-ov" / "1" / "model.onnx")
         (MODELS / "ocr-cls-ov" / "model.toml").write_text('backends = ["openvino"]\n')
+        # and to the ncnn add-on's Vulkan device, converted ahead of time
+        convert_for_ncnn(demo, MODELS / "ocr-cls-vk")
         DROPIN.write_text('[models]\npreload = ["ocr-cls"]\n'
-                          '[logging]\nmodules = { "inferd.ipc.server" = "debug" }\n')
+                          '[logging]\nmodules = { "inferd.ipc.server" = "debug" }\n'
+                          '[ncnn]\nallow_software_vulkan = true\n')
         for name, groups in ((MEMBER, ["inferd"]), (OUTSIDER, [])):
             run("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
                 *(["--groups", ",".join(groups)] if groups else []), name)
@@ -433,8 +440,8 @@ def main() -> int:
         # the add-ons' plugins replace the built-ins (no onnxruntime or openvino in
         # Debian's python); the rknn add-on is there, unavailable without an NPU
         # (check_rknn_unavailable)
-        assert status == ("ready; backends: 2 loaded (onnxruntime, openvino), 1 failed "
-                          "(rknn); models warm: 1 (ocr-cls)"), ready
+        assert status == ("ready; backends: 3 loaded (ncnn, onnxruntime, openvino), 1 "
+                          "failed (rknn); models warm: 1 (ocr-cls)"), ready
         step(f"READY=1, STATUS={status}")
         for _ in range(2):
             notify.wait_for("WATCHDOG", timeout=30)
@@ -447,6 +454,7 @@ def main() -> int:
         check_clients(daemon, tmp, status)
         check_rknn_unavailable()
         check_openvino(tmp)
+        check_ncnn(tmp)
         if journal is not None:
             check_journal(journal)
 
@@ -469,6 +477,7 @@ def main() -> int:
         DROPIN.unlink()
         shutil.rmtree(MODELS / "ocr-cls")
         shutil.rmtree(MODELS / "ocr-cls-ov")
+        shutil.rmtree(MODELS / "ocr-cls-vk")
         run("dpkg", "--purge", *reversed(PACKAGES))
         purged = True
         check_purged(file_lists)
@@ -579,6 +588,37 @@ def check_openvino(tmp: Path) -> None:
     assert any(line.split()[:5] == ["ocr-cls-ov", "ready", "1", "openvino", "CPU"]
                for line in models.splitlines()), models
     step("a model pinned to openvino runs through the installed daemon (device CPU)")
+
+
+def convert_for_ncnn(demo: Path, folder: Path) -> None:
+    """``folder``/1 with ``demo`` and its ncnn files, written by this tree's
+    ``inferd-convert ncnn`` (pnnx is in the developer's venv, not on the device)."""
+    (folder / "1").mkdir(parents=True)
+    shutil.copyfile(demo, folder / "1" / "model.onnx")
+    out = subprocess.run([sys.executable, "-m", "inferd.libbackends.rknn_convert", "ncnn",
+                          str(folder / "1"), "--input-shape", "x=1,3,48,192"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"inferd-convert ncnn failed:\n{out.stdout}{out.stderr}"
+    for path in folder.rglob("*"):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    (folder / "model.toml").write_text('backends = ["gpu"]\n')
+
+
+def check_ncnn(tmp: Path) -> None:
+    """A model placed on gpu is served by the ncnn add-on on lavapipe (Vulkan)."""
+    sock = f"ipc://{SOCKET}"
+    x = tmp / "x.npy"
+    # lavapipe compiles the model's shaders at its first run (6 s on a quiet machine; the
+    # daemon's user has no Mesa shader cache), far longer on a busy one
+    infer = run("inferctl", "--socket", sock, "--timeout", "300", "infer", "ocr-cls-vk",
+                "-i", f"x={x}", user=MEMBER)
+    assert "float32[1, 2]" in infer.stdout, infer.stdout
+    models = json.loads(run("inferctl", "--socket", sock, "--json", "models", "-v",
+                            user=MEMBER).stdout)
+    vk = next(m for m in models if m["name"] == "ocr-cls-vk")
+    assert (vk["backend"], vk["device_kind"]) == ("ncnn", "gpu"), vk
+    assert vk["device"].startswith("vulkan:0 ") and "software" in vk["device"], vk
+    step(f"a model placed on gpu runs on the ncnn add-on, device {vk['device']}")
 
 
 def check_gpu_package(build: Path, model: Path) -> None:
@@ -694,6 +734,7 @@ def cleanup_leftovers() -> None:
         DROPIN.unlink()
     shutil.rmtree(MODELS / "ocr-cls", ignore_errors=True)
     shutil.rmtree(MODELS / "ocr-cls-ov", ignore_errors=True)
+    shutil.rmtree(MODELS / "ocr-cls-vk", ignore_errors=True)
     if any(installed(p) for p in (*PACKAGES, GPU_PACKAGE)) or Path("/etc/inferd").exists():
         run("dpkg", "--purge", GPU_PACKAGE, *reversed(PACKAGES), check=False)
     shutil.rmtree(RUN_DIR, ignore_errors=True)
