@@ -41,6 +41,7 @@ import json
 import os
 import threading
 import pwd
+import queue
 import re
 import shlex
 import shutil
@@ -102,7 +103,11 @@ def group_exists(name: str) -> bool:
 
 
 class NotifySocket:
-    """Stands in for systemd's notify socket; writable by the daemon's user."""
+    """Stands in for systemd's notify socket; writable by the daemon's user.
+
+    A thread drains it all the time, as systemd does: with nobody reading, the daemon's
+    watchdog pings (one a second here) fill the datagram queue (net.unix.max_dgram_qlen,
+    10 by default) within seconds, and its next sd_notify() blocks."""
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / "notify"
@@ -112,24 +117,41 @@ class NotifySocket:
         self.sock.settimeout(0.5)
         self.seen: list[dict[str, str]] = []
         self.sender: subprocess.Popen[bytes] | None = None  # fail fast when it exits
+        self._messages: queue.SimpleQueue[dict[str, str]] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._reader = threading.Thread(target=self._drain, name="deb-test-notify",
+                                        daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        while not self._closed.is_set():
+            try:
+                data = self.sock.recv(65536).decode()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            self._messages.put(dict(line.split("=", 1) for line in data.splitlines()
+                                    if "=" in line))
 
     def wait_for(self, key: str, timeout: float = 120.0) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                data = self.sock.recv(65536).decode()
-            except TimeoutError:
+                msg = self._messages.get(timeout=0.5)
+            except queue.Empty:
                 if self.sender is not None and self.sender.poll() is not None:
                     raise AssertionError(f"inferd exited with {self.sender.returncode} "
                                          f"while the test waited for {key}=") from None
                 continue
-            msg = dict(line.split("=", 1) for line in data.splitlines() if "=" in line)
             self.seen.append(msg)
             if key in msg:
                 return msg
         raise AssertionError(f"no {key}= from the daemon within {timeout} s; got {self.seen}")
 
     def close(self) -> None:
+        self._closed.set()
+        self._reader.join(timeout=5)
         self.sock.close()
 
 
