@@ -46,7 +46,7 @@ from common import (  # noqa: E402
     verdict,
 )
 
-from inferd.ipc import Client  # noqa: E402
+from inferd.ipc import Client, Region  # noqa: E402
 from inferd.ipc.protocol import Op, Request, encode_request  # noqa: E402
 
 TUNED_CORE = 0
@@ -283,6 +283,51 @@ def cls_cpu_inprocess(session: Any, x: np.ndarray, n: int) -> float:
     return (self_cpu_ns() - ns0) / n / 1e3
 
 
+def rss_anon(pid: int) -> int:
+    """Bytes of the process's private anonymous memory (a shared region is not in it)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def ocr_frame() -> None:
+    """A 1920x1080x3 uint8 frame through the OCR graph, by socket and by shared memory:
+    what the daemon's receiving side costs per request (CPU of its I/O and libzmq
+    threads, minor faults) and how its private memory grows while it runs."""
+    daemon = DaemonProcess("--models", str(MODELS))
+    pid = daemon.proc.pid
+    frame = np.full((1080, 1920, 3), 255, np.uint8)  # white: the detector finds nothing
+    n = 6
+    with Client(daemon.endpoint, timeout=300) as c:
+        region = c.register(Region(frame.nbytes + 2**20))
+        shared = region.ndarray(frame.shape, np.uint8)
+        shared[...] = frame
+        c.infer("ocr", {"image": frame})
+        rows = []
+        for label, inputs in (("socket", {"image": frame}), ("shared memory",
+                                                             {"image": shared})):
+            c.infer("ocr", inputs)
+            before = rss_anon(pid)
+            with Usage(pid) as u:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    c.infer("ocr", inputs)
+                elapsed = (time.perf_counter() - t0) / n
+            per = u.per(n)
+            rows.append((label, elapsed, per, rss_anon(pid) - before))
+    daemon.stop()
+    print(f"\n7. a {frame.shape[1]}x{frame.shape[0]}x3 uint8 frame ({frame.nbytes / 1e6:.1f} "
+          f"MB) through the ocr graph, {n} requests per arm:")
+    for label, elapsed, per, grew in rows:
+        print(f"   by {label:14s} {elapsed * 1e3:7.1f} ms/request; daemon I/O thread "
+              f"{per['io']:7.1f} µs, libzmq {per['libzmq']:7.1f} µs, {per['faults']:6.0f} "
+              f"faults per request; private memory {grew / 2**20:+.1f} MiB")
+    print("   (by shared memory the frame is read where the client wrote it: the graph's "
+          "first step resizes it, nothing copies it)")
+
+
 def split_row(label: str, u: dict[str, float]) -> str:
     return (f"   {label:28s} I/O {u['io']:7.1f}  model {u['model']:7.1f}  libzmq "
             f"{u['libzmq']:7.1f}  client {u['client']:7.1f}  (daemon {u['daemon']:.1f}; "
@@ -360,6 +405,19 @@ def main() -> None:
         print(f"   {line}")
         goals.append(f"2. 4.9 MB infer / raw echo, p50:     {line}")
 
+        region = c.register(Region(3 * big.nbytes))
+        shared = region.ndarray(big.shape, np.float32)
+        shared[...] = big
+        t = interleaved({"raw": echo.round_trip([big.data]),
+                         "shm": lambda: c.infer("identity4", {"x": shared},
+                                                outputs_into=region)}, blocks, per)
+        raw, ours = pct(t["raw"], 0.5), pct(t["shm"], 0.5)
+        print(f"\n2b. the same in and out through shared memory (a registered memfd), p50: "
+              f"{ours * 1e3:.2f} ms vs the raw socket echo {raw * 1e3:.2f} ms")
+        line = verdict(ours / raw, 0.5, higher_is_better=False)
+        print(f"   {line}")
+        goals.append(f"2b. 4.9 MB via shm / raw echo, p50:  {line}")
+
         rng = np.random.default_rng(1)
         x1 = rng.random((1, 3, 48, 192), dtype=np.float32)
         x8 = rng.random((8, 3, 48, 192), dtype=np.float32)
@@ -383,7 +441,10 @@ def main() -> None:
 
         print("\nCPU per request by thread, µs (daemon: I/O thread, model threads, "
               "libzmq's thread; client: this process):")
+        u_shm = measured(pid, lambda: c.infer("identity4", {"x": shared},
+                                              outputs_into=region), 300)
         for label, u in (("16 B identity", u_small), ("4.9 MB identity", u_big),
+                         ("4.9 MB identity via shm", u_shm),
                          ("ocr-cls batch 1", u_cls), ("ocr-cls batch 8", u_cls8)):
             print(split_row(label, u))
     for e in (echo, echo_core, echo_ort):
@@ -405,6 +466,7 @@ def main() -> None:
     print(f"\n6. daemon resident memory with no model loaded: {rss_idle / 2**20:.1f} MiB")
     daemon.stop()
     shutil.rmtree(repo, ignore_errors=True)
+    ocr_frame()
     print("\nissue 19's figures:")
     for g in goals:
         print(f"   {g}")

@@ -12,8 +12,8 @@ from typing import Any
 
 from inferd.ipc.errors import ErrorCode, InferdError, RequestError
 
-__all__ = ["AsyncClient", "Client", "ErrorCode", "InferdError", "Pending", "RequestError",
-           "default_endpoint"]
+__all__ = ["AsyncClient", "Client", "ErrorCode", "InferdError", "Pending", "Region",
+           "RequestError", "default_endpoint"]
 
 _CLIENT = ("AsyncClient", "Client", "Pending", "default_endpoint")
 
@@ -21,4 +21,6 @@ _CLIENT = ("AsyncClient", "Client", "Pending", "default_endpoint")
 def __getattr__(name: str) -> Any:
     if name in _CLIENT:
         return getattr(importlib.import_module("inferd.ipc.client"), name)
+    if name == "Region":
+        return importlib.import_module("inferd.ipc.shm").Region
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,8 +19,9 @@ import zmq.asyncio
 from numpy.typing import NDArray
 
 from inferd.ipc import defs
-from inferd.ipc.errors import ErrorCode, RequestError
+from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError, RequestError
 from inferd.ipc.protocol import Op, Reply, Request, decode_reply, encode_request
+from inferd.ipc.shm import Region, Registration, shm_path
 from inferd.ipc.transport import ipc_path, recv_frames, send_frames
 
 DEFAULT_ENDPOINT = defs.SOCKET
@@ -158,6 +159,8 @@ class Client(_Base):
         # Ids sent and not answered yet whose caller still waits: len() is what is in
         # flight, for flow control. A received reply leaves it (into _replies).
         self._waiting: set[str] = set()
+        self._registration: Registration | None = None
+        self._regions: dict[str, Region] = {}
 
     def __enter__(self) -> Client:
         return self
@@ -168,6 +171,66 @@ class Client(_Base):
     def close(self) -> None:
         with self._lock:
             self._sock.close(0)
+            if self._registration is not None:  # the daemon forgets our regions
+                self._registration.close()
+                self._registration = None
+            self._regions.clear()
+
+    # ----------------------------------------------------------------- shared memory
+
+    def register(self, region: Region) -> Region:
+        """Hand ``region`` (a sealed memfd) to the daemon once; then arrays made with
+        ``region.ndarray(...)`` travel by reference, and ``infer(...,
+        outputs_into=region)`` has the outputs written there (docs/protocol.md, "Shared
+        memory"). The daemon forgets it at :meth:`unregister` or when this client
+        closes.
+
+        Raises:
+            RequestError: the daemon refused it (its code and reason), or the endpoint
+                has no registration socket (not ``ipc://``).
+        """
+        path = ipc_path(self.endpoint)
+        if path is None:
+            raise RequestError(f"shared memory needs an ipc:// endpoint, not "
+                               f"{self.endpoint}", ErrorCode.UNSUPPORTED)
+        with self._lock:
+            try:
+                if self._registration is None:
+                    self._registration = Registration(shm_path(path))
+                token = self._registration.register(region)
+            except InferdError as e:
+                raise RequestError(e.message, e.code) from None
+            except OSError as e:
+                raise RequestError(f"cannot register a region with the daemon at "
+                                   f"{shm_path(path)}: {e.strerror or e}",
+                                   ErrorCode.UNAVAILABLE) from None
+            self._regions[token] = region
+        return region
+
+    def unregister(self, region: Region) -> None:
+        """Tell the daemon to forget ``region`` (after its last request's reply)."""
+        with self._lock:
+            if self._registration is None or region.token not in self._regions:
+                return
+            self._regions.pop(region.token, None)
+            try:
+                self._registration.unregister(region)
+            except InferdError as e:
+                raise RequestError(e.message, e.code) from None
+
+    def _locate(self, array: NDArray[Any]) -> tuple[str, int] | None:
+        for token, region in self._regions.items():
+            offset = region.locate(array)
+            if offset is not None:
+                return token, offset
+        return None
+
+    def _resolve(self, token: str) -> memoryview:
+        region = self._regions.get(token)
+        if region is None:
+            raise ProtocolError(f"the reply names region {token[:40]!r}, which this client "
+                                f"has not registered")
+        return region.buffer
 
     # ----------------------------------------------------------------- core
 
@@ -180,7 +243,7 @@ class Client(_Base):
     def _send(self, req: Request) -> float:
         """Send ``req`` once fewer than ``max_in_flight`` requests are in flight; returns
         the monotonic time after which its reply is given up."""
-        frames = encode_request(req)
+        frames = encode_request(req, self._locate if self._regions else None)
         give_up = time.monotonic() + (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S
         while True:
             with self._lock:
@@ -202,7 +265,7 @@ class Client(_Base):
             frames = recv_frames(self._sock)
         except zmq.Again:
             return None
-        got = decode_reply(frames)
+        got = decode_reply(frames, self._resolve if self._regions else None)
         if got.id not in self._waiting:
             return None  # a late reply to a request whose caller gave up
         self._waiting.discard(got.id)
@@ -233,19 +296,34 @@ class Client(_Base):
 
     def infer(self, model: str, inputs: dict[str, NDArray[Any]],
               outputs: list[str] | None = None, *, version: int | None = None,
-              timeout: float | None = None) -> dict[str, NDArray[Any]]:
+              timeout: float | None = None,
+              outputs_into: Region | tuple[Region, int, int] | None = None
+              ) -> dict[str, NDArray[Any]]:
         """Run ``model`` on ``inputs``; returns the output tensors by name.
+
+        Inputs made with ``region.ndarray(...)`` of a registered region travel by
+        reference. ``outputs_into`` (a registered region: its free tail; or ``(region,
+        offset, size)``) has the daemon write the numeric outputs there: they come back
+        as views of the region, valid until the region is written again.
 
         Raises:
             RequestError: with ``.code`` the wire code and the daemon's message.
         """
+        into = None
+        if outputs_into is not None:
+            region, offset, size = (outputs_into if isinstance(outputs_into, tuple)
+                                    else (outputs_into, *outputs_into.free()))
+            if region.token not in self._regions:
+                raise RequestError("outputs_into: the region is not registered with this "
+                                   "client (Client.register)", ErrorCode.INVALID_ARGUMENT)
+            into = {"region": region.token, "offset": offset, "size": size}
         # submit(...).result() without the Pending: this is the hot path of most clients.
         timeout = timeout or self.timeout
         give_up = time.monotonic() + timeout
         attempt = 0
         while True:
             req = self._request(Op.INFER, model, inputs, outputs=outputs, version=version,
-                                timeout=timeout)
+                                timeout=timeout, outputs_into=into)
             reply = self._wait(req.id, self._send(req))
             pause = self._retry_pause(reply, attempt, give_up)
             if pause is None:

@@ -9,9 +9,8 @@ daemon's memory for the others; a lone request is always admitted (its size is b
 by ``max_message_bytes``). A client with nothing in flight has no entry at all.
 
 Freed request buffers stay in the C allocator's free lists (glibc keeps them per
-arena), so the daemon's RSS would stay at its peak after a burst. Once the daemon has
-been quiet for :data:`IDLE_TRIM_S` (nothing in flight, or no more than
-:data:`QUIET_BYTES` received since) and enough had been received before, :meth:`trim`
+arena), so the daemon's RSS would stay at its peak after a burst. Once no inference has
+finished for :data:`IDLE_TRIM_S` and enough had been received before, :meth:`trim`
 calls ``malloc_trim(0)`` at a moment with nothing in flight to return the free pages to
 the system. Only then: a trim between two requests of a steady client would make the next
 request fault its buffers in again, page by page (the server's loop asks
@@ -31,11 +30,9 @@ log = logging.getLogger(__name__)
 TRIM_AFTER_BYTES = 32 * 2**20
 """Bytes received since the last trim that make an idle moment worth a malloc_trim."""
 IDLE_TRIM_S = 2.0
-"""How long the daemon must be quiet before the free pages go back (a client pausing
-that long pays for faulting its next request's buffers in again)."""
-QUIET_BYTES = 2**20
-"""What still counts as quiet: requests of fewer bytes than this together (pings, a
-status poll, ``inferctl top``) do not put the trim off."""
+"""How long no inference may have finished before the free pages go back (a client
+pausing that long pays for faulting its next request's buffers in again). Other
+requests (pings, a status poll, ``inferctl top``) do not put the trim off."""
 
 
 class ClientLimits:
@@ -52,8 +49,7 @@ class ClientLimits:
         self._use: dict[bytes, list[int]] = {}
         self._in_flight = 0
         self._since_trim = 0
-        self._idle_since: float | None = None  # set while a trim waits for quiet
-        self._quiet = 0  # bytes received since then
+        self._worked = 0.0  # when the last inference finished
         self.refused = 0
         self.trims = 0
 
@@ -70,10 +66,6 @@ class ClientLimits:
         use[1] += size
         self._in_flight += 1
         self._since_trim += size
-        if self._idle_since is not None:
-            self._quiet += size
-            if self._quiet >= QUIET_BYTES:  # work again: not quiet
-                self._idle_since = None
         if use[0] > self.max_requests:
             self.refused += 1
             return (f"this client has {use[0] - 1} requests in flight, the limit "
@@ -99,27 +91,26 @@ class ClientLimits:
             if use[0] <= 0:
                 del self._use[ticket.peer]
         self._in_flight -= 1
-        if (self._in_flight == 0 and self._since_trim >= TRIM_AFTER_BYTES
-                and self._idle_since is None):
-            self._idle_since = time.monotonic()
-            self._quiet = 0
+        if ticket.model is not None:  # an inference (its tensors may be in shared memory)
+            self._worked = time.monotonic()
 
     def trim_in(self) -> float | None:
-        """Seconds until an idle trim is due (0: now), or None if none is waiting."""
-        if self._idle_since is None:
+        """Seconds until an idle trim is due (0: now), or None if none is waiting (too
+        little received since the last one, or requests in flight: the next answer
+        asks again)."""
+        if self._since_trim < TRIM_AFTER_BYTES or self._in_flight:
             return None
-        return max(0.0, self._idle_since + IDLE_TRIM_S - time.monotonic())
+        return max(0.0, self._worked + IDLE_TRIM_S - time.monotonic())
 
     def trim_if_due(self) -> None:
-        """Trim if the daemon has been quiet for :data:`IDLE_TRIM_S` and nothing is in
+        """Trim if no inference has finished for :data:`IDLE_TRIM_S` and nothing is in
         flight now (I/O thread)."""
-        if self._idle_since is not None and self._in_flight == 0 and self.trim_in() == 0.0:
+        if self.trim_in() == 0.0:
             self.trim()
 
     def trim(self) -> None:
         """Give free heap pages back to the system."""
         self._since_trim = 0
-        self._idle_since = None
         if malloc_trim():
             self.trims += 1
             log.debug("returned free memory to the system (malloc_trim)")

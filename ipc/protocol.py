@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -65,6 +65,8 @@ MAX_RANK = 32
 """Most dimensions of a tensor on the wire (numpy allows 64; ONNX models use few)."""
 MAX_ELEMENTS = 2**48
 """Most elements of a tensor (its non-zero dimensions multiplied)."""
+SHM_ALIGN = 64
+"""Boundary of each output the daemon writes into a shared-memory slot."""
 MAX_TIMEOUT_MS = 2**53
 """Largest ``timeout_ms`` (about 285,000 years; JSON integers stay exact up to it)."""
 
@@ -85,6 +87,8 @@ class Request:
     outputs: list[str] | None = None
     timeout_ms: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    outputs_into: Slot | None = None
+    """Where the daemon writes the outputs (a shared-memory slot), if the client said."""
 
 
 @dataclass(slots=True)
@@ -134,14 +138,59 @@ def _decode_strings(buf: memoryview, count: int, name: str) -> NDArray[Any]:
     return out
 
 
-def encode_tensors(tensors: dict[str, NDArray[Any]]) -> tuple[list[dict[str, Any]], list[Frame]]:
-    """Describe and frame tensors. Numeric frames are views of the arrays (no copy)."""
+@dataclass
+class Slot:
+    """Where a request's outputs go: ``size`` bytes of ``region`` from ``offset``."""
+
+    token: str
+    buffer: memoryview
+    offset: int
+    size: int
+    used: int = field(default=0)
+
+    def place(self, nbytes: int) -> int:
+        """The next 64-aligned offset with room for ``nbytes`` (RESOURCE_EXHAUSTED if
+        the slot is full)."""
+        start = self.offset + self.used
+        start += -start % SHM_ALIGN
+        if start + nbytes > self.offset + self.size:
+            raise ProtocolError(f"outputs_into: region {self.token} has {self.size} bytes "
+                                f"from offset {self.offset}; the outputs need more",
+                                ErrorCode.RESOURCE_EXHAUSTED)
+        self.used = start + nbytes - self.offset
+        return start
+
+
+Locator = Callable[[NDArray[Any]], "tuple[str, int] | None"]
+"""array -> (region token, offset) if the array lies in a registered region."""
+Resolver = Callable[[str], memoryview]
+"""region token -> the region's bytes (ProtocolError if the sender may not name it)."""
+
+
+def encode_tensors(tensors: dict[str, NDArray[Any]], locate: Locator | None = None,
+                   into: Slot | None = None) -> tuple[list[dict[str, Any]], list[Frame]]:
+    """Describe and frame tensors. Numeric frames are views of the arrays (no copy); an
+    array that ``locate`` finds in a shared-memory region is described by reference
+    (no frame), and with ``into`` numeric tensors are copied into that slot instead of
+    being framed."""
     specs: list[dict[str, Any]] = []
     frames: list[Frame] = []
     for name, value in tensors.items():
         array = np.asarray(value)
         dtype = dtype_name(array)
-        specs.append({"name": name, "dtype": dtype, "shape": list(array.shape)})
+        spec: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(array.shape)}
+        specs.append(spec)
+        if dtype != STRING and (locate is not None or into is not None) and \
+                dtype not in PACKED:
+            where = locate(array) if locate is not None else None
+            if where is None and into is not None:
+                start = into.place(array.nbytes)
+                np.frombuffer(into.buffer, array.dtype, array.size, start).reshape(
+                    array.shape)[...] = array
+                where = (into.token, start)
+            if where is not None:
+                spec["region"], spec["offset"] = where
+                continue
         if dtype == STRING:
             frames.append(_encode_strings(array))
             continue
@@ -195,19 +244,55 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def decode_tensors(specs: Any, frames: Sequence[Frame], where: str) -> dict[str, NDArray[Any]]:
-    """Arrays over ``frames`` described by ``specs``; every byte count is checked."""
+def _in_region(spec: dict[str, Any], regions: Resolver | None, name: str,
+               dtype: str, where: str) -> memoryview:
+    """The bytes a shared-memory tensor description names (docs/protocol.md, "Shared
+    memory"), every bound checked."""
+    if regions is None:
+        raise ProtocolError(f"{where}: tensor {name!r} names a shared-memory region, which "
+                            f"this connection cannot use (tcp://, or no registration)")
+    if dtype == STRING:
+        raise ProtocolError(f"{where}: tensor {name!r}: string tensors cannot live in "
+                            f"shared memory")
+    offset = spec.get("offset", 0)
+    if type(offset) is not int or offset < 0:
+        raise ProtocolError(f"{where}: tensor {name!r}: 'offset' must be a non-negative "
+                            f"integer, got {_short(offset)}")
+    region = regions(spec["region"])
+    return region[offset:]  # the length is checked against the dtype and shape next
+
+
+def decode_tensors(specs: Any, frames: Sequence[Frame], where: str,
+                   regions: Resolver | None = None) -> dict[str, NDArray[Any]]:
+    """Arrays over ``frames`` (or shared-memory regions, through ``regions``) described
+    by ``specs``; every byte count and offset is checked."""
     if not isinstance(specs, list):
         raise ProtocolError(f"{where}: expected a list of tensor descriptions")
-    if len(frames) != len(specs):
-        raise ProtocolError(f"{where}: header describes {len(specs)} tensors but "
+    framed = sum(1 for s in specs if not (isinstance(s, dict) and "region" in s))
+    if len(frames) != framed:
+        sent = " in frames" if framed != len(specs) else ""  # the others in regions
+        raise ProtocolError(f"{where}: header describes {framed} tensors{sent} but "
                             f"{len(frames)} tensor frames follow")
     tensors: dict[str, NDArray[Any]] = {}
-    for spec, frame in zip(specs, frames):
+    next_frame = iter(frames)
+    for spec in specs:
         name, dtype, shape = _check_spec(spec, where)
         if name in tensors:
             raise ProtocolError(f"{where}: tensor {name!r} appears twice")
         count = math.prod(shape)
+        if "region" in spec:
+            view = _in_region(spec, regions, name, dtype, where)
+            size = wire_size(dtype, count)
+            if len(view) < size:
+                raise ProtocolError(f"{where}: tensor {name!r} is {dtype}{list(shape)}, "
+                                    f"{size} bytes, past the end of its region (offset "
+                                    f"{spec.get('offset', 0)})")
+            if dtype in PACKED:
+                tensors[name] = unpack(view[:size], dtype, count).reshape(shape)
+            else:  # a view of the shared memory: no copy
+                tensors[name] = np.frombuffer(view, numpy_dtype(dtype), count).reshape(shape)
+            continue
+        frame = next(next_frame)
         if dtype == STRING:
             view = _buffer(frame)
             # Each element takes at least its 4-byte length: a count the frame cannot
@@ -268,12 +353,14 @@ def _dumps(obj: Any) -> bytes:
     return _ENCODER.encode(obj).encode("utf-8")
 
 
-_REQUEST_KEYS = {"id", "op", "model", "version", "inputs", "outputs", "timeout_ms"}
+_REQUEST_KEYS = {"id", "op", "model", "version", "inputs", "outputs", "timeout_ms",
+                 "outputs_into"}
 
 
-def encode_request(request: Request) -> list[Frame]:
-    """Frames of ``request``; tensor frames are views of the input arrays."""
-    specs, frames = encode_tensors(request.inputs)
+def encode_request(request: Request, locate: Locator | None = None) -> list[Frame]:
+    """Frames of ``request``; tensor frames are views of the input arrays (inputs that
+    ``locate`` finds in a registered region go by reference)."""
+    specs, frames = encode_tensors(request.inputs, locate)
     header: dict[str, Any] = {"id": request.id, "op": str(request.op)}
     if request.model is not None:
         header["model"] = request.model
@@ -299,8 +386,28 @@ def peek_request_id(frames: Sequence[Frame]) -> str | None:
     return hdr.first_key_id(bytes(_buffer(raw)[:2048]))
 
 
-def decode_request(frames: Sequence[Frame]) -> Request:
-    """Decode a request. Raises ProtocolError (with ``request_id`` when known)."""
+def _slot(value: Any, regions: Resolver | None) -> Slot:
+    """The ``outputs_into`` of a request header: {"region", "offset", "size"}."""
+    if not isinstance(value, dict) or "region" not in value:
+        raise ProtocolError("'outputs_into' must be an object with 'region', 'offset' and "
+                            "'size'")
+    if regions is None:
+        raise ProtocolError("'outputs_into' names a shared-memory region, which this "
+                            "connection cannot use")
+    offset, size = value.get("offset", 0), value.get("size")
+    if type(offset) is not int or offset < 0 or type(size) is not int or size <= 0:
+        raise ProtocolError(f"'outputs_into': 'offset' must be a non-negative and 'size' "
+                            f"a positive integer, got {_short(offset)} and {_short(size)}")
+    buffer = regions(value["region"])
+    if offset + size > len(buffer):
+        raise ProtocolError(f"'outputs_into': {size} bytes at offset {offset} pass the end "
+                            f"of the region ({len(buffer)} bytes)")
+    return Slot(value["region"], buffer, offset, size)
+
+
+def decode_request(frames: Sequence[Frame], regions: Resolver | None = None) -> Request:
+    """Decode a request; ``regions`` resolves the shared-memory regions its sender may
+    name. Raises ProtocolError (with ``request_id`` when known)."""
     head = _header(frames, "request")
     rid = head.get("id")
     if not isinstance(rid, str) or not rid or len(rid) > hdr.MAX_ID_CHARS:
@@ -335,18 +442,22 @@ def decode_request(frames: Sequence[Frame]) -> Request:
                                     0 < timeout <= MAX_TIMEOUT_MS):
             raise ProtocolError(f"'timeout_ms' must be a positive number of at most "
                                 f"{MAX_TIMEOUT_MS}, got {_short(timeout)}")
-        inputs = decode_tensors(head.get("inputs", []), frames[2:], "request inputs")
+        inputs = decode_tensors(head.get("inputs", []), frames[2:], "request inputs",
+                                regions)
+        into = head.get("outputs_into")
+        slot = _slot(into, regions) if into is not None else None
     except ProtocolError as e:
         e.request_id = rid
         raise
     params = {k: v for k, v in head.items() if k not in _REQUEST_KEYS}
     return Request(id=rid, op=op, model=model, version=version, inputs=inputs,
                    outputs=outputs, timeout_ms=int(timeout) if timeout else None,
-                   params=params)
+                   params=params, outputs_into=slot)
 
 
-def encode_reply(reply: Reply) -> list[Frame]:
-    """Frames of ``reply``; tensor frames are views of the output arrays."""
+def encode_reply(reply: Reply, into: Slot | None = None) -> list[Frame]:
+    """Frames of ``reply``; tensor frames are views of the output arrays (with ``into``,
+    numeric outputs are written into that shared-memory slot instead)."""
     header: dict[str, Any] = {"id": reply.id}
     frames: list[Frame] = []
     if reply.error is not None:
@@ -356,14 +467,18 @@ def encode_reply(reply: Reply) -> list[Frame]:
     else:
         header["status"] = "ok"
         if reply.outputs:
-            header["outputs"], frames = encode_tensors(reply.outputs)
+            try:
+                header["outputs"], frames = encode_tensors(reply.outputs, into=into)
+            except ProtocolError as e:  # the slot is too small: the reply says so
+                return encode_reply(Reply(reply.id, error=Failure(e.code, e.message)))
         if reply.result is not None:
             header["result"] = reply.result
     return [TAG, _dumps(header), *frames]
 
 
-def decode_reply(frames: Sequence[Frame]) -> Reply:
-    """Decode a reply. Raises ProtocolError if the daemon's message is malformed."""
+def decode_reply(frames: Sequence[Frame], regions: Resolver | None = None) -> Reply:
+    """Decode a reply (outputs in shared memory through ``regions``: views of it).
+    Raises ProtocolError if the daemon's message is malformed."""
     head = _header(frames, "reply")
     rid = head.get("id")
     if not isinstance(rid, str):
@@ -375,5 +490,5 @@ def decode_reply(frames: Sequence[Frame]) -> Reply:
         except ValueError:
             code = ErrorCode.INTERNAL
         return Reply(id=rid, error=Failure(code, str(err.get("message", ""))))
-    outputs = decode_tensors(head.get("outputs", []), frames[2:], "reply outputs")
+    outputs = decode_tensors(head.get("outputs", []), frames[2:], "reply outputs", regions)
     return Reply(id=rid, outputs=outputs, result=head.get("result"))

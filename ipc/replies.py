@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferd.ipc.protocol import Reply
+from inferd.ipc.protocol import Reply, Slot
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class Ticket:
             ops, which the request metrics do not count.
         code: "OK" or the reply's error code, once answered.
         answered: monotonic seconds when the reply was made.
+        outputs_into: the shared-memory slot the client asked the outputs into.
     """
 
     seq: int
@@ -87,6 +88,7 @@ class Ticket:
     model: str | None = None
     code: str | None = None
     answered: float | None = None
+    outputs_into: Slot | None = None
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline

@@ -39,6 +39,7 @@ from inferd.ipc.clients import ClientLimits
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ProtocolError, failure
 from inferd.ipc.protocol import Op, Reply, Request, decode_request, encode_reply, peek_request_id
 from inferd.ipc.replies import Observer, Ticket
+from inferd.ipc.shm import Regions, shm_path
 from inferd.ipc.socketfile import SocketLock, _chgrp
 from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames
 
@@ -96,6 +97,7 @@ class Server:
             self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
         self._router: zmq.Socket | None = None
         self._pull: zmq.Socket | None = None
+        self.regions: Regions | None = None  # shared-memory tensors (ipc:// only)
         self._replies_addr = f"inproc://inferd-replies-{id(self):x}"
         self._local = threading.local()
         self._push_sockets: list[zmq.Socket] = []
@@ -161,9 +163,18 @@ class Server:
                     self._lock.release()  # removes the socket file too
                 raise
         self._router = router
+        if path is not None:
+            self.regions = Regions(shm_path(path), self._mode, self._access)
+            self.regions.bind(self._chgrp if self._group else None)
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self._replies_addr)
+
+    def _access(self) -> Access:
+        return self.access
+
+    def _chgrp(self, path: Any) -> None:
+        _chgrp(path, self._group)
 
     # ----------------------------------------------------------------- any thread
 
@@ -177,11 +188,11 @@ class Server:
         """
         if threading.get_ident() == self._io_ident:
             if ticket.answer(reply):
-                self._deliver(ticket.seq, encode_reply(reply))
+                self._deliver(ticket.seq, encode_reply(reply, ticket.outputs_into))
             else:
                 self._second(ticket)
             return
-        frames = encode_reply(reply)
+        frames = encode_reply(reply, ticket.outputs_into)
         with self._send_lock:
             if self._closed:  # answered UNAVAILABLE already: its record stays so
                 log.debug("late reply to request %s dropped: the server has closed",
@@ -388,22 +399,25 @@ class Server:
                       extra={"REQUEST_ID": rid or "", "CODE": "RESOURCE_EXHAUSTED"})
             self._answer_error(ticket, Failure(ErrorCode.RESOURCE_EXHAUSTED, over), rid)
             return
-        self._handle(ticket, body, refuse)
+        self._handle(ticket, body, refuse, peer)
 
     def _refuse(self, ticket: Ticket, body: list[Any], peer: Peer | None) -> None:
         rid = peek_request_id(body)
         message = self._peers.refuse(peer, ticket.peer, rid)
         self._answer_error(ticket, Failure(ErrorCode.PERMISSION_DENIED, message), rid)
 
-    def _handle(self, ticket: Ticket, body: list[Any], refuse: bool) -> None:
+    def _handle(self, ticket: Ticket, body: list[Any], refuse: bool,
+                peer: Peer | None) -> None:
         try:
             if ticket.size > self._max_bytes:
                 raise ProtocolError(f"message of {ticket.size} bytes is over the limit of "
                                     f"{self._max_bytes} bytes (server.max_message_bytes)",
                                     ErrorCode.RESOURCE_EXHAUSTED,
                                     request_id=peek_request_id(body))
-            request = decode_request(body)
+            request = decode_request(body, self.regions.resolver(peer)
+                                     if self.regions is not None else None)
             ticket.request_id = request.id
+            ticket.outputs_into = request.outputs_into
             if request.op is Op.INFER:
                 ticket.model = request.model or "-"
             if request.timeout_ms:
@@ -454,6 +468,8 @@ class Server:
             self._monitor.close(0)
         self._router.close(linger=1000)
         self._pull.close(0)
+        if self.regions is not None:
+            self.regions.close()
         if self._lock:
             self._lock.release()
         log.info("server closed")

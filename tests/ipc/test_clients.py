@@ -1,6 +1,7 @@
-"""ClientLimits' idle trim: free heap pages go back once the daemon has been quiet for
+"""ClientLimits' idle trim: free heap pages go back once no inference has finished for
 IDLE_TRIM_S, never between two requests of a steady client (that made each request
-fault its buffers in again); a status poll does not put it off."""
+fault its buffers in again, also one whose tensors are in shared memory); a status poll
+does not put it off."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.skipif(not malloc_trim(), reason="malloc_trim is glibc'
 
 
 def _ticket(i: int) -> Ticket:
-    return Ticket(i, "", 0.0, peer=b"a", size=TRIM_AFTER_BYTES)
+    return Ticket(i, "", 0.0, peer=b"a", size=TRIM_AFTER_BYTES, model="m")
 
 
 def test_no_trim_between_requests_of_a_steady_client() -> None:
@@ -34,7 +35,7 @@ def test_no_trim_between_requests_of_a_steady_client() -> None:
 def test_trim_once_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(clients, "IDLE_TRIM_S", 0.0)
     limits = ClientLimits(8, 2**40)
-    small = Ticket(0, "", 0.0, peer=b"a", size=10)
+    small = Ticket(0, "", 0.0, peer=b"a", size=10, model="m")
     limits.admit(small)
     limits.done(small)
     assert limits.trim_in() is None  # too little received to be worth a trim
@@ -46,19 +47,21 @@ def test_trim_once_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     assert limits.trims == 1 and limits.trim_in() is None
 
 
-def test_small_requests_do_not_put_the_trim_off() -> None:
+def test_only_inferences_put_the_trim_off() -> None:
     limits = ClientLimits(8, 2**40)
     t = _ticket(0)
     limits.admit(t)
     limits.done(t)
     first = limits.trim_in()
     for i in range(1, 20):  # a status poll while the daemon is otherwise quiet
-        ping = Ticket(i, "", 0.0, peer=b"b", size=200)
+        ping = Ticket(i, "", 0.0, peer=b"b", size=200)  # model None: not an inference
         limits.admit(ping)
-        assert limits.trim_in() is not None
+        assert limits.trim_in() is None  # in flight: not now
         limits.done(ping)
     wait = limits.trim_in()
     assert first is not None and wait is not None and wait <= first
-    big = _ticket(99)
-    limits.admit(big)  # work again: the trim waits for the next quiet moment
-    assert limits.trim_in() is None
+    shm = Ticket(99, "", 0.0, peer=b"a", size=300, model="m")  # tensors in a region
+    limits.admit(shm)
+    limits.done(shm)  # an inference finished: the quiet starts again
+    again = limits.trim_in()
+    assert again is not None and again >= wait
