@@ -10,7 +10,14 @@
    model runs called directly in one thread (the difference over the nodes and model
    calls), and a chain of 10 model nodes on a tiny model (a Relu on 1x4: the model run
    costs microseconds, so what is left is the executor: edges, threads, the model call's
-   queue and reply) vs 10 direct runs, per node.
+   queue and reply) vs 10 direct runs, per node;
+4. adaptive batching (issue 20 item 2): ocr-cls from 16 client processes through the
+   daemon (OpenVINO with static shapes, the engine whose cost per row falls with the
+   batch; onnxruntime, whose cost per row is flat) with batching off, adaptive and fixed
+   at 16, vs an application calling onnxruntime in-process at batch 1 (1 thread):
+   requests/s ratio (target >= 1.5), the batch limit adaptive batching chose, and the
+   CPU of each daemon thread and of the clients per request (where the time goes on a
+   machine with fewer cores than client processes).
 
 Run: .venv/bin/python bench/bench_pipeline.py
 """
@@ -242,15 +249,137 @@ def node_overhead() -> None:
             h.stop()
 
 
+CLIENTS = 16
+PER_CLIENT = 150
+
+
+def _thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid`` by name: the daemon's own threads from
+    ``names`` (native id -> name), the main thread as the I/O thread, libzmq's by their
+    kernel name, the rest as "other" (summed)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        tid = int(task.name)
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        name = names.get(tid) or ("I/O thread" if tid == pid else
+                                  comm if comm.startswith("ZMQ") else "other")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _through_daemon(toml: str, config: str = "") -> tuple[float, str, dict[str, float]]:
+    """req/s of ocr-cls from CLIENTS processes; the batching the daemon shows; CPU ms
+    per request by thread (and the clients')."""
+    import resource
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import DaemonProcess, cls_client, run_client_processes
+    from tests.links import link_tree
+
+    from inferd.ipc import Client
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        repo = Path(tmp) / "repo"
+        link_tree(MODELS / "ocr-cls" / "1", repo / "ocr-cls" / "1")
+        (repo / "ocr-cls" / "model.toml").write_text(toml)
+        (Path(tmp) / "inferd.toml").write_text(config)
+        d = DaemonProcess("--models", str(repo), "--preload", "ocr-cls",
+                          config=Path(tmp) / "inferd.toml")
+        x = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
+        try:
+            # a first round lets adaptive batching and the static compiles settle
+            run_client_processes(cls_client, [(d.endpoint, x, 50)] * CLIENTS)
+            with Client(d.endpoint, timeout=60) as c:
+                row = next(m for m in c.call("models", verbose=True)["models"]
+                           if m["name"] == "ocr-cls")
+            names = {p["native_id"]: p["thread"] for p in row.get("placement", [])}
+            before = _thread_cpu(d.proc.pid, names)
+            kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+            elapsed = run_client_processes(cls_client, [(d.endpoint, x, PER_CLIENT)] *
+                                           CLIENTS)
+            after = _thread_cpu(d.proc.pid, names)
+            kids2 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            with Client(d.endpoint, timeout=60) as c:
+                b = next(m for m in c.models() if m["name"] == "ocr-cls")["batching"]
+        finally:
+            d.stop()
+    n = CLIENTS * PER_CLIENT
+    cpu = {name: (after[name] - before.get(name, 0.0)) / n * 1000 for name in after
+           if after[name] - before.get(name, 0.0) > 0}
+    cpu["clients"] = ((kids2.ru_utime + kids2.ru_stime) - (kids.ru_utime + kids.ru_stime)) \
+        / n * 1000
+    shown = (f"adaptive, limit {b.get('limit')} ({b.get('why')})" if b.get("mode") ==
+             "adaptive" and b.get("max_batch", 1) > 1 else
+             "off" if b.get("max_batch", 1) <= 1 else f"fixed {b.get('max_batch')}")
+    return n / elapsed, shown, cpu
+
+
+def _inprocess(n: int = 2400) -> float:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    s = ort.InferenceSession(str(MODELS / "ocr-cls" / "1" / "model.onnx"), so,
+                             providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
+    for _ in range(20):
+        s.run(None, {"x": x})
+    t0 = time.perf_counter()
+    for _ in range(n):
+        s.run(None, {"x": x})
+    return n / (time.perf_counter() - t0)
+
+
+def batching() -> None:
+    ov = 'backends = ["openvino"]\n[openvino]\nstatic_shapes = 8\n'
+    arms = {
+        "openvino static, batching off": ov,
+        "openvino static, adaptive (max_batch 16)": "max_batch = 16\n" + ov,
+        "openvino static, fixed 16": 'max_batch = 16\nbatching = "fixed"\n' + ov,
+        "onnxruntime, adaptive (max_batch 16)": 'backends = ["onnxruntime"]\n'
+                                                 'max_batch = 16\n',
+    }
+    rates: dict[str, float] = {}
+    shown: dict[str, str] = {}
+    cpus: dict[str, dict[str, float]] = {}
+    base = 0.0
+    for _ in range(2):  # arms alternated, best of two (a noisy machine)
+        base = max(base, _inprocess())
+        for arm, toml in arms.items():
+            rate, how, cpu = _through_daemon(toml)
+            if rate > rates.get(arm, 0.0):
+                rates[arm], shown[arm], cpus[arm] = rate, how, cpu
+    print(f"ocr-cls, {CLIENTS} client processes x {PER_CLIENT} requests through the daemon "
+          f"vs in-process onnxruntime batch 1, 1 thread ({base:.0f} req/s); best of 2:")
+    for arm, rate in rates.items():
+        top = sorted(cpus[arm].items(), key=lambda kv: -kv[1])[:5]
+        print(f"  {arm:42s} {rate:6.0f} req/s  x{rate / base:.2f}  batching: {shown[arm]}")
+        print("      CPU per request: " + ", ".join(f"{k} {v:.3f} ms" for k, v in top))
+    best = max(rates, key=lambda a: rates[a])
+    ratio = rates[best] / base
+    print(f"  best: {best}: ratio {ratio:.2f} (target >= 1.5) "
+          f"{'MET' if ratio >= 1.5 else 'MISSED'}")
+
+
 if __name__ == "__main__":
     import os
 
     print(f"load average {os.getloadavg()[0]:.2f} at the start")
-    parts = set(sys.argv[1:]) or {"three_stage", "two_branches", "node_overhead"}
+    parts = set(sys.argv[1:]) or {"three_stage", "two_branches", "node_overhead", "batching"}
     if "three_stage" in parts:
         three_stage()
     if "two_branches" in parts:
         two_branches()
     if "node_overhead" in parts:
         node_overhead()
+    if "batching" in parts:
+        batching()
     print(f"load average {os.getloadavg()[0]:.2f} at the end")

@@ -8,10 +8,14 @@ third up to batch 8), so a fixed ``max_batch`` is wrong one way or the other. In
 batches grow only while that cost falls:
 
 - batches start at one request (no merging);
+- the cost of a batch is what it costs its inference thread, from the merge to the
+  last reply handed on (the run, merging and splitting, the replies);
 - when a batch fills its limit (more work is waiting), a *probe* compares the limit
   with the next size of the ladder (1, 2, 4, ... up to ``max_batch``): the next runs
   alternate between the two limits, and once each has :data:`MIN_SAMPLES` full runs the
-  larger one is kept if its median cost per row is at least :data:`MARGIN` lower;
+  larger one is kept if its cost per row is at least :data:`MARGIN` lower. The cost of
+  a size is the lowest of its samples: on a busy machine a run is only ever slowed
+  down (preempted), never sped up, so the fastest sample is the size's own cost;
 - the limit is checked again later in both directions (a smaller size, to shrink back
   when the larger no longer pays; a larger one, to grow when it starts to): the gap
   between probes doubles while nothing changes, from :data:`FIRST_PROBE` runs up to
@@ -26,7 +30,6 @@ batches grow only while that cost falls:
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 from enum import StrEnum
 from typing import Any
@@ -168,7 +171,7 @@ class BatchSizer:
             self._countdown = self._interval
             self._up = not self._up
             return
-        cost_s, cost_b = statistics.median(s), statistics.median(b)
+        cost_s, cost_b = min(s), min(b)  # preemption only adds time
         pays = cost_b <= cost_s * (1 - MARGIN)
         chosen = big if pays else small
         self._why = (f"{cost_b * 1e3:.3f} ms per row at {big} vs {cost_s * 1e3:.3f} ms at "

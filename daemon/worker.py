@@ -406,11 +406,10 @@ class Workers:
                 rows += _rows(job)
             self._run_group(chunk, limit)
 
-    def _timed_run(self, jobs: list[Job], inputs: dict[str, Any], wanted: list[str] | None,
-                   limit: int) -> dict[str, Any]:
+    def _timed_run(self, jobs: list[Job], inputs: dict[str, Any],
+                   wanted: list[str] | None) -> dict[str, Any]:
         """One run of the model on ``inputs`` for ``jobs``: noted as busy, measured for
-        the batch sizer and the metrics."""
-        rows = sum(_rows(j) for j in jobs)
+        the metrics."""
         first = jobs[0].item.request.id
         self.busy.begin("infer", f"running request {first}" if len(jobs) == 1 else
                         f"running a batch of {len(jobs)} requests ({first}, ...)",
@@ -421,7 +420,6 @@ class Workers:
             seconds = time.monotonic() - started
         finally:
             self.busy.end()
-        self.sizer.observe(rows, limit, seconds, self._waiting)
         if self._observe is not None:
             self._observe([j.item.ticket for j in jobs], started, seconds)
         return outputs
@@ -430,9 +428,10 @@ class Workers:
         if len(jobs) == 1:
             self._run_single(jobs[0], limit)
             return
+        began = time.monotonic()
         try:
             merged = {k: np.concatenate([j.values[k] for j in jobs]) for k in jobs[0].values}
-            outputs = self._timed_run(jobs, merged, None, limit)
+            outputs = self._timed_run(jobs, merged, None)
             counts = [_rows(j) for j in jobs]
             total = sum(counts)
             if any(v.ndim == 0 or v.shape[0] != total for v in outputs.values()):
@@ -450,15 +449,19 @@ class Workers:
             job.outputs = {k: v[start:start + n] for k, v in outputs.items()}
             start += n
             self._hand_on(job)
+        # what the batch cost this thread, merging and replies included
+        self.sizer.observe(total, limit, time.monotonic() - began, self._waiting)
 
     def _run_single(self, job: Job, limit: int) -> None:
         wanted = None if self.spec.post else job.item.request.outputs
+        began = time.monotonic()
         try:
-            job.outputs = self._timed_run([job], job.values, wanted, limit)
+            job.outputs = self._timed_run([job], job.values, wanted)
         except Exception as e:
             self._fail(job.item, e)
             return
         self._hand_on(job)
+        self.sizer.observe(_rows(job), limit, time.monotonic() - began, self._waiting)
 
     def _hand_on(self, job: Job) -> None:
         if self._post_q is not None:
