@@ -197,6 +197,8 @@ SCHEMA: dict[str, dict[str, Setting]] = {
                                         "a positive size in bytes, e.g. '128MiB'"),
         "max_replies_queued_per_client": Setting(1000, _int_upto(10**6),
                                                  "a positive integer up to 1000000"),
+        "max_connections": Setting(2048, _int_upto(10**6),
+                                   "a positive integer up to 1000000"),
         "shutdown_grace_s": Setting(10.0, _seconds, "a positive number of seconds"),
         "socket_group": Setting("", _group, "an existing group name, a group number, or "
                                 "\"\" to leave the daemon's own group"),

@@ -83,6 +83,7 @@ class Runtime:
                              max_bytes_per_client=config.server.max_bytes_per_client,
                              max_replies_queued_per_client=(
                                  config.server.max_replies_queued_per_client),
+                             max_connections=config.server.max_connections,
                              observe=self.metrics.count)
         self.server.on_stop = self._on_stop
         self.server.on_peer_gone = self._peer_gone

@@ -1,4 +1,5 @@
-"""What one client may hold in the daemon, and giving memory back when clients go.
+"""What one client may hold in the daemon, how many connections all of them may hold,
+and giving memory back when clients go.
 
 The I/O thread counts, per connection (the ZeroMQ routing id), the requests received
 and not yet answered and their bytes, as each request's ticket (its in-flight record,
@@ -14,7 +15,13 @@ finished for :data:`IDLE_TRIM_S` and enough had been received before, :meth:`tri
 calls ``malloc_trim(0)`` at a moment with nothing in flight to return the free pages to
 the system. Only then: a trim between two requests of a steady client would make the next
 request fault its buffers in again, page by page (the server's loop asks
-:meth:`ClientLimits.trim_in` how long it may sleep).
+:meth:`ClientLimits.trim_in` how long it may sleep). Closed connections count too: each
+left about :data:`CONNECTION_BYTES` of libzmq's buffers in the free lists.
+
+:class:`Connections` bounds the connections open at once (``server.max_connections``,
+and never more than the open-files limit leaves room for): libzmq accepts every
+connection itself and aborts the process when ``accept`` fails with EMFILE, so the
+server closes each connection past the bound as soon as libzmq reports it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,13 @@ from inferd.ipc.libc import malloc_trim
 from inferd.ipc.replies import Ticket
 
 log = logging.getLogger(__name__)
+
+CONNECTION_BYTES = 32 * 2**10
+"""What one closed connection leaves in malloc's free lists (libzmq's session, engine,
+pipes and buffers: 28 KiB measured)."""
+FD_RESERVE = 256
+"""Descriptors kept for everything but client connections (model files, plugin pipes,
+the daemon's own sockets), below the open-files limit."""
 
 TRIM_AFTER_BYTES = 32 * 2**20
 """Bytes received since the last trim that make an idle moment worth a malloc_trim."""
@@ -94,6 +108,12 @@ class ClientLimits:
         if ticket.model is not None:  # an inference (its tensors may be in shared memory)
             self._worked = time.monotonic()
 
+    def connection_closed(self) -> None:
+        """A client connection closed: its buffers are free memory now, trimmed once
+        the closing has settled (as after an inference)."""
+        self._since_trim += CONNECTION_BYTES
+        self._worked = time.monotonic()
+
     def trim_in(self) -> float | None:
         """Seconds until an idle trim is due (0: now), or None if none is waiting (too
         little received since the last one, or requests in flight: the next answer
@@ -118,3 +138,40 @@ class ClientLimits:
     def clients(self) -> int:
         """Clients with requests in flight."""
         return len(self._use)
+
+
+class Connections:
+    """The client connections open on the socket, by descriptor (I/O thread only; fed
+    by libzmq's monitor events), and their bound.
+
+    Args:
+        max_connections: ``server.max_connections``.
+        fd_limit: the soft limit of open files; the bound is lowered to leave
+            :data:`FD_RESERVE` descriptors (and half of the limit) for the rest.
+    """
+
+    def __init__(self, max_connections: int, fd_limit: int) -> None:
+        room = max(1, min(fd_limit - FD_RESERVE, fd_limit // 2))
+        self.configured = max_connections
+        self.max = min(max_connections, room)
+        self._open: set[int] = set()
+        self.refused = 0
+        self.peak = 0
+
+    def accepted(self, fd: int) -> bool:
+        """A connection was accepted on ``fd``; False if it is over the bound (the caller
+        closes it: it stays counted until libzmq reports it closed)."""
+        self._open.add(fd)
+        self.peak = max(self.peak, len(self._open))
+        if len(self._open) <= self.max:
+            return True
+        self.refused += 1
+        return False
+
+    def closed(self, fd: int) -> None:
+        """The connection on ``fd`` closed."""
+        self._open.discard(fd)
+
+    def count(self) -> int:
+        """Connections open now."""
+        return len(self._open)

@@ -11,9 +11,12 @@ period ends. Every wire reply passes :meth:`Server._deliver`, the one place wher
 counted: the per-client limits are given the ticket back and the observer (the request
 metrics) is told.
 
-A client that disconnects with requests in flight is told to :attr:`Server.on_peer_gone`
+Connections: libzmq's socket monitor reports each accepted and each closed connection
+by its file descriptor. Past ``server.max_connections``
+(:class:`~inferd.ipc.clients.Connections`) a new connection is shut down at once and
+logged (libzmq would abort the process when ``accept`` meets the open-files limit). A
+client that disconnects with requests in flight is told to :attr:`Server.on_peer_gone`
 (the daemon answers its queued requests CANCELLED instead of running them for nobody):
-libzmq's socket monitor reports each closed connection by its file descriptor, and
 :class:`~inferd.ipc.access.Peers` notes each client's descriptor from its first message
 (beside its credentials).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import signal
 import socket
 import struct
@@ -35,12 +39,12 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from inferd.ipc.access import Access, Peer, Peers
-from inferd.ipc.clients import ClientLimits
+from inferd.ipc.clients import ClientLimits, Connections
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ProtocolError, failure
 from inferd.ipc.protocol import Op, Reply, Request, decode_request, encode_reply, peek_request_id
 from inferd.ipc.replies import Observer, Ticket
 from inferd.ipc.shm import Regions, shm_path
-from inferd.ipc.socketfile import SocketLock, _chgrp
+from inferd.ipc.socketfile import Listener, SocketLock, _chgrp
 from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,21 @@ Handler = Callable[[Request, Ticket], Reply | None]
 RECEIVE_HWM = 1000
 """Requests libzmq may hold per client before the I/O thread reads them (ZMQ_RCVHWM);
 past it the client's sends wait (backpressure), nothing is dropped."""
+
+
+def _shut_down(fd: int) -> None:
+    """Shut down the connection on ``fd`` (libzmq's own): libzmq then sees it end and
+    closes it. No new descriptor is needed (none may be left)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return  # already gone
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closing
+    finally:
+        sock.detach()  # the descriptor stays libzmq's
 
 
 class Server:
@@ -72,6 +91,8 @@ class Server:
             core). Threads that the I/O thread starts inherit them.
         observe: told about every answered ticket, on the I/O thread, as its reply
             leaves (the request metrics).
+        max_connections: client connections open at once; past it new ones are closed
+            (lowered to what the open-files limit leaves room for).
     """
 
     def __init__(self, endpoint: str, handler: Handler, *, max_message_bytes: int,
@@ -79,10 +100,12 @@ class Server:
                  access: Access | None = None, cpu_affinity: Iterable[int] = (),
                  max_requests_per_client: int = 512, max_bytes_per_client: int = 128 * 2**20,
                  max_replies_queued_per_client: int = 1000,
-                 observe: Observer | None = None) -> None:
+                 observe: Observer | None = None, max_connections: int = 2048) -> None:
         self.endpoint = endpoint
         self._observe = observe
         self.clients = ClientLimits(max_requests_per_client, max_bytes_per_client)
+        self.connections = Connections(max_connections,
+                                       resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self._max_replies_queued = max_replies_queued_per_client
         self._handler = handler
         self._max_bytes = max_message_bytes
@@ -115,6 +138,8 @@ class Server:
         self._calls: deque[Callable[[], None]] = deque()
         self._stop = False
         self._lock: SocketLock | None = None
+        self._listener: Listener | None = None
+        self._poller = zmq.Poller()
         self.on_stop: Callable[[], None] | None = None
         # called on the I/O thread with the key of a client that disconnected while it
         # had requests in flight
@@ -140,33 +165,43 @@ class Server:
         # read, and requests libzmq holds before the I/O thread takes them.
         router.setsockopt(zmq.SNDHWM, self._max_replies_queued)
         router.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-        old = os.umask(0o777 & ~self._mode) if path else None
+        # Before the bind: no connection may be accepted unseen.
+        monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+
+        def undo() -> None:
+            router.disable_monitor()
+            monitor.close(0)
+            router.close(0)
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            if self._lock:
+                self._lock.release()  # removes the socket file too
+
         try:
+            if path is not None:  # the daemon's own listening socket (mode, group)
+                self._listener = Listener(path, self._mode, self._group)
+                router.setsockopt(zmq.USE_FD, self._listener.fd)
             router.bind(self.endpoint)
         except zmq.ZMQError as e:
-            router.close(0)
-            if self._lock:
-                self._lock.release()
+            undo()
             raise InferdError(f"cannot bind {self.endpoint}: {e}",
                               ErrorCode.UNAVAILABLE) from e
-        finally:
-            if old is not None:
-                os.umask(old)
-        if path is not None:
-            try:
-                os.chmod(path, self._mode)
-                if self._group:
-                    _chgrp(path, self._group)
-            except (OSError, InferdError):
-                router.close(0)
-                if self._lock:
-                    self._lock.release()  # removes the socket file too
-                raise
+        except (OSError, InferdError):
+            undo()
+            raise
+        if self._listener is not None:
+            self._listener.adopted()
         self._router = router
         if path is not None:
             self.regions = Regions(shm_path(path), self._mode, self._access)
             self.regions.bind(self._chgrp if self._group else None)
-        self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = monitor
+        limits = self.connections
+        if limits.max < limits.configured:
+            log.warning("server.max_connections = %d, but the open-files limit leaves room "
+                        "for %d connections: at most %d are served (raise LimitNOFILE)",
+                        limits.configured, limits.max, limits.max)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self._replies_addr)
 
@@ -276,7 +311,7 @@ class Server:
             except OSError as e:
                 log.warning("cannot pin the I/O thread to cores %s (server.cpu_affinity): "
                             "%s", self._cores, e.strerror)
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
@@ -310,11 +345,14 @@ class Server:
             if self._pull in events:
                 self._forward_replies()
             if self._monitor in events:
-                # Disconnections first: a closed connection's descriptor may be reused by
+                # Connections first: a closed connection's descriptor may be reused by
                 # the client whose message is read next. libzmq queues the event before
                 # that client's message, and the poll checks the monitor after the
                 # ROUTER (registration order), so the event is seen no later.
-                self._disconnections()
+                self._connection_events()
+            listener = self._listener
+            if listener is not None and listener.paused and listener.waiting_fd in events:
+                self._closed_new(listener.refuse_waiting())
             if self._router in events:
                 self._receive_request(refuse=stopping_since is not None)
         self._close()
@@ -360,22 +398,56 @@ class Server:
                 log.info("reply #%d not delivered: client gone or not reading (%s); %d "
                          "replies undelivered since start", seq, e, self.undelivered)
 
-    def _disconnections(self) -> None:
-        """Handle the monitor's disconnection events: tell :attr:`on_peer_gone` about
-        each client of the closed connection that still has requests in flight."""
+    def _connection_events(self) -> None:
+        """Handle the monitor's events: close each accepted connection past the bound;
+        for each closed one, tell :attr:`on_peer_gone` about its clients that still
+        have requests in flight."""
         assert self._monitor is not None  # called when the poll reports it
         while True:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            for key in self._peers.gone(int(event["value"])):
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                if not self.connections.accepted(fd):  # accepted before the pause
+                    _shut_down(fd)
+                    self._closed_new(1)
+                self._pace_accepting()
+                continue
+            self.connections.closed(fd)
+            self._pace_accepting()
+            self.clients.connection_closed()
+            for key in self._peers.gone(fd):
                 if self.on_peer_gone is None or not self.clients.holds(key):
                     continue
                 try:
                     self.on_peer_gone(key)
                 except Exception:  # noqa: BLE001  a bug there must not stop the I/O loop
                     log.exception("dropping the requests of a disconnected client failed")
+
+    def _pace_accepting(self) -> None:
+        """Pause libzmq's accepting at the bound; resume it once a few have closed."""
+        listener, limit = self._listener, self.connections
+        if listener is None:
+            return
+        open_now = limit.count()
+        if open_now >= limit.max and not listener.paused:
+            listener.pause()
+            self._poller.register(listener.waiting_fd, zmq.POLLIN)
+            log.warning("%d connections are open, the limit (server.max_connections = %d): "
+                        "new connections are closed until some close", open_now, limit.max)
+        elif listener.paused and open_now <= limit.max - max(1, limit.max // 16):
+            listener.resume()
+            self._poller.unregister(listener.waiting_fd)
+            log.info("%d connections are open, below the limit (server.max_connections = "
+                     "%d): accepting new connections again", open_now, limit.max)
+
+    def _closed_new(self, n: int) -> None:
+        if n:
+            log.warning("closed %d new connection(s): %d connections are open, the limit "
+                        "(server.max_connections = %d)", n, self.connections.count(),
+                        self.connections.max)
 
     def _receive_request(self, refuse: bool) -> None:
         frames = recv_frames(self._router)
@@ -466,10 +538,14 @@ class Server:
         if self._monitor is not None:
             self._router.disable_monitor()
             self._monitor.close(0)
+        if self._listener is not None:
+            self._listener.resume()  # libzmq's descriptor must be the one it watches
         self._router.close(linger=1000)
         self._pull.close(0)
         if self.regions is not None:
             self.regions.close()
+        if self._listener is not None:
+            self._listener.close()
         if self._lock:
             self._lock.release()
         log.info("server closed")

@@ -1,8 +1,11 @@
-"""The ipc socket file: an exclusive claim on its path, and its group.
+"""The ipc socket file: an exclusive claim on its path, its listening socket, its group.
 
 :class:`SocketLock` holds ``<path>.lock`` so that a second daemon refuses to start
-instead of libzmq silently taking over a live socket; :func:`_chgrp` gives the socket
-file the configured ``server.socket_group``. Used by :meth:`inferd.ipc.server.Server.bind`.
+instead of libzmq silently taking over a live socket. :class:`Listener` makes the
+listening socket itself (mode, group) and gives it to libzmq (``ZMQ_USE_FD``), so that
+the server can pause libzmq's accepting when the connections reach their bound: libzmq
+accepts every connection it can and aborts the process when ``accept`` meets the
+open-files limit (EMFILE). Used by :meth:`inferd.ipc.server.Server.bind`.
 The lock file is never written through a link planted beside the socket
 (:mod:`inferd.ipc.runfiles`), and a directory every user may write into without a
 sticky bit is refused.
@@ -10,10 +13,12 @@ sticky bit is refused.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import grp
 import logging
 import os
+import socket
 from pathlib import Path
 
 from inferd.ipc.errors import ErrorCode, InferdError
@@ -81,3 +86,94 @@ def _chgrp(path: Path, group: str) -> None:
     except (KeyError, OSError) as e:
         raise InferdError(f"cannot give {path} the group {group!r} (server.socket_group): "
                           f"{e}", ErrorCode.UNAVAILABLE) from e
+
+
+class Listener:
+    """The listening socket of an ipc endpoint, made here and adopted by libzmq.
+
+    libzmq accepts on descriptor :attr:`fd`. :meth:`pause` points that descriptor at a
+    listening socket nobody connects to (libzmq's next ``accept`` then finds nothing:
+    EAGAIN), and connections wait on the real one, which the server empties with
+    :meth:`refuse_waiting` (accept and close at once: one descriptor for a moment);
+    :meth:`resume` points it back. Connections already open are not touched.
+
+    Args:
+        path: the socket file (its directory exists, the lock is held).
+        mode: its file mode; group: its group ("" leaves the process's own).
+        backlog: connections the kernel may hold before they are accepted.
+    """
+
+    def __init__(self, path: Path, mode: int, group: str = "", backlog: int = 1024) -> None:
+        self.path = path
+        self.paused = False
+        real = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        real.setblocking(False)  # the description's flag: libzmq's accept never blocks
+        old = os.umask(0o777 & ~mode)
+        try:
+            real.bind(str(path))
+        except OSError as e:
+            real.close()
+            raise InferdError(f"cannot bind {path}: {e.strerror}", ErrorCode.UNAVAILABLE) from e
+        finally:
+            os.umask(old)
+        try:
+            os.chmod(path, mode)  # the directory is the daemon's alone (SocketLock)
+            if group:
+                _chgrp(path, group)
+            real.listen(backlog)
+            # A listener nobody knows: where libzmq's descriptor points while paused.
+            self._idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._idle.setblocking(False)
+            self._idle.bind(b"")  # an autobound abstract address
+            self._idle.listen(1)
+        except BaseException:
+            real.close()
+            raise
+        self._waiting = real  # kept to empty it while paused, and to resume
+        self.fd = os.dup(real.fileno())  # libzmq's; it closes it
+        self._handed_over = False
+
+    def adopted(self) -> None:
+        """libzmq has the descriptor (its ``bind`` succeeded): it closes it from now."""
+        self._handed_over = True
+
+    @property
+    def waiting_fd(self) -> int:
+        """The real listening socket: readable while connections wait (poll it while
+        paused)."""
+        return self._waiting.fileno()
+
+    def pause(self) -> None:
+        """Stop libzmq from accepting."""
+        if not self.paused:
+            os.dup2(self._idle.fileno(), self.fd)
+            self.paused = True
+
+    def resume(self) -> None:
+        """Let libzmq accept again."""
+        if self.paused:
+            os.dup2(self._waiting.fileno(), self.fd)
+            self.paused = False
+
+    def refuse_waiting(self) -> int:
+        """Accept and close every connection waiting (while paused); how many."""
+        n = 0
+        while True:
+            try:
+                conn, _ = self._waiting.accept()
+            except (BlockingIOError, InterruptedError):
+                return n
+            except OSError as e:  # EMFILE or worse: leave them waiting in the backlog
+                if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ECONNABORTED):
+                    log.warning("cannot refuse waiting connections on %s: %s", self.path,
+                                e.strerror)
+                return n
+            conn.close()
+            n += 1
+
+    def close(self) -> None:
+        """Close the daemon's own sockets (after libzmq closed its descriptor)."""
+        if not self._handed_over:
+            os.close(self.fd)
+        self._idle.close()
+        self._waiting.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from inferd.ipc import clients
-from inferd.ipc.clients import TRIM_AFTER_BYTES, ClientLimits
+from inferd.ipc.clients import TRIM_AFTER_BYTES, ClientLimits, Connections
 from inferd.ipc.libc import malloc_trim
 from inferd.ipc.replies import Ticket
 
@@ -65,3 +65,18 @@ def test_only_inferences_put_the_trim_off() -> None:
     limits.done(shm)  # an inference finished: the quiet starts again
     again = limits.trim_in()
     assert again is not None and again >= wait
+
+
+def test_connections_are_bounded_below_the_open_files_limit() -> None:
+    """Issue 18, defect 1: the bound leaves FD_RESERVE descriptors, and half the limit."""
+    assert Connections(2048, 65536).max == 2048
+    assert Connections(2048, 1024).max == 512
+    assert Connections(2048, 4096).max == 2048
+    assert Connections(10, 100).max == 1  # no room at all: one, never none
+    c = Connections(2, 65536)
+    assert c.accepted(7) and c.accepted(8)
+    assert not c.accepted(9)  # the third: over the bound, counted until it closes
+    assert (c.count(), c.refused, c.peak) == (3, 1, 3)
+    c.closed(9)
+    c.closed(7)
+    assert c.accepted(10) and c.count() == 2
