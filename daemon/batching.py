@@ -13,7 +13,8 @@ batches grow only while that cost falls:
 - when a batch fills its limit (more work is waiting), a *probe* compares the limit
   with the next size of the ladder (1, 2, 4, ... up to ``max_batch``): the next runs
   alternate between the two limits, and once each has :data:`MIN_SAMPLES` full runs the
-  larger one is kept if its cost per row is at least :data:`MARGIN` lower. The cost of
+  larger one is taken if its cost per row is at least :data:`MARGIN` lower (and kept
+  while it is at least half of that lower: no flapping between two sizes). The cost of
   a size is the lowest of its samples: on a busy machine a run is only ever slowed
   down (preempted), never sped up, so the fastest sample is the size's own cost;
 - the limit is checked again later in both directions (a smaller size, to shrink back
@@ -172,7 +173,9 @@ class BatchSizer:
             self._up = not self._up
             return
         cost_s, cost_b = min(s), min(b)  # preemption only adds time
-        pays = cost_b <= cost_s * (1 - MARGIN)
+        # hysteresis: growing needs the margin, keeping the larger size half of it, so
+        # two sizes that differ by about the margin do not take turns
+        pays = cost_b <= cost_s * (1 - (MARGIN if self._size == small else MARGIN / 2))
         chosen = big if pays else small
         self._why = (f"{cost_b * 1e3:.3f} ms per row at {big} vs {cost_s * 1e3:.3f} ms at "
                      f"{small}: {'pays' if pays else 'does not pay'}")

@@ -30,7 +30,7 @@ from numpy.typing import NDArray
 from inferd.daemon.memory import LoadFigures, WorkingMemory
 from inferd.daemon.model_entry import ModelEntry, ModelKey, State
 from inferd.ipc.errors import ErrorCode, InferdError
-from inferd.libbackends.contract import LoadedModel
+from inferd.libbackends.contract import BatchSizes, LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -341,6 +341,9 @@ class AdmittedModel(LoadedModel):
 
     def describe(self) -> dict[str, Any]:
         return self.inner.describe()
+
+    def batch_sizes(self) -> BatchSizes | None:
+        return self.inner.batch_sizes()  # adaptive batching asks the engine
 
     def __getattr__(self, name: str) -> Any:  # backend extras (metadata...) pass through
         return getattr(self.inner, name)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from inferd.libbackends.contract import LoadedModel
+from inferd.libbackends.contract import BatchSizes, LoadedModel
 
 Inputs = dict[str, NDArray[Any]]
 
@@ -152,6 +152,9 @@ class PlacedModel(LoadedModel):
 
     def describe(self) -> dict[str, Any]:
         return self._current.describe()
+
+    def batch_sizes(self) -> BatchSizes | None:
+        return self._current.batch_sizes()  # adaptive batching asks the engine
 
     def __getattr__(self, name: str) -> Any:  # backend extras (metadata...) pass through
         if name.startswith("_"):

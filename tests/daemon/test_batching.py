@@ -5,7 +5,10 @@ measure, and must settle on the size where the cost per row stops falling."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from inferd.daemon.batching import (
     FIRST_PROBE, MARGIN, MAX_INTERVAL, BatchMode, BatchSizer, ladder,
@@ -119,3 +122,47 @@ def test_the_first_probe_comes_after_a_few_runs_and_the_view_shows_the_costs() -
     assert set(limits[:FIRST_PROBE]) == {1}
     view = sizer.describe()
     assert view["probing"] == [1, 2] and view["cost_per_row_ms"]["1"] == 0.38
+
+
+def test_the_engines_switch_free_sizes_reach_the_workers_through_the_cache(
+        tmp_path: Path, models_dir: Path) -> None:
+    """The cache wraps a loaded model (working memory, placement): adaptive batching
+    must still see OpenVINO's static compiles, or every batch size would be compiled
+    (seen: x=3 and x=15 compiled through the daemon)."""
+    pytest.importorskip("openvino", reason="pip openvino is in the test extras")
+    from inferd.daemon.config import load_config
+    from inferd.daemon.models import ModelManager
+    from inferd.daemon.repository import Repository
+    from inferd.ipc.replies import ReplySink
+    from inferd.libbackends.openvino_backend import OpenVinoBackend
+    from inferd.libbackends.registry import Registry
+    from tests.links import link_file
+
+    link_file(models_dir / "ocr-cls" / "1" / "model.onnx", tmp_path / "m" / "1" / "model.onnx")
+    (tmp_path / "m" / "model.toml").write_text(
+        'backends = ["openvino"]\nmax_batch = 8\n[openvino]\nstatic_shapes = 4\n')
+    registry = Registry()
+    registry.register(OpenVinoBackend())
+    manager = ModelManager(Repository(tmp_path), registry,
+                           load_config(None, {"models.repository": str(tmp_path)}),
+                           ReplySink())
+    try:
+        entry = manager.load("m")
+        assert entry.workers is not None
+        sizes = entry.workers.model.batch_sizes()
+        assert isinstance(sizes, BatchSizes) and sizes.more + len(sizes.free) == 4, sizes
+        assert not entry.workers.sizer.allowed(3) and entry.workers.sizer.allowed(4)
+    finally:
+        assert manager.stop(30)
+
+
+def test_two_sizes_about_the_margin_apart_do_not_take_turns() -> None:
+    """Growing needs the margin (10 %), keeping the larger size half of it: a size 8 %
+    cheaper per row, once taken, is kept."""
+    sizer = BatchSizer("m", 2, model=_Sizes(None))
+    drive(sizer, per_row({1: 1.0, 2: 0.85}), 200)
+    assert sizer.describe()["limit"] == 2
+    drive(sizer, per_row({1: 1.0, 2: 0.92}), 20 * MAX_INTERVAL)
+    assert sizer.describe()["limit"] == 2
+    drive(sizer, per_row({1: 1.0, 2: 0.97}), 20 * MAX_INTERVAL)
+    assert sizer.describe()["limit"] == 1
