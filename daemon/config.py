@@ -244,7 +244,8 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "time_limit_s": Setting(60.0, _seconds, "a positive number of seconds"),
         "tolerance": Setting(1e-3, _tolerance, "a number from 0 to 1"),
         "directory": Setting("", _path_or_off, "an absolute directory path, or \"\" for "
-                             "$STATE_DIRECTORY (systemd's StateDirectory=; else none)"),
+                             "placement/ in $STATE_DIRECTORY (systemd's "
+                             "StateDirectory=; else none)"),
     },
     "ncnn": {
         "threads": Setting(1, positive_int, "a positive integer"),

@@ -9,8 +9,9 @@ that change what a candidate runs (its backend tables, ``threads``). When any of
 changes, the decision is measured again; ``inferctl reload --remeasure`` forgets it.
 
 The file is ``<directory>/decisions.json``, written whole (a temporary file renamed over
-it); ``[placement] directory`` names the directory, by default ``$STATE_DIRECTORY``
-(systemd's ``StateDirectory=inferd/placement``: ``/var/lib/inferd/placement``). Without
+it); ``[placement] directory`` names the directory, by default ``placement/`` in
+``$STATE_DIRECTORY`` (systemd's ``StateDirectory=inferd/state``:
+``/var/lib/inferd/state/placement``). Without
 one, decisions live only as long as the process. A file that cannot be read or written
 is logged once and the decisions stay in memory: measuring again is the only cost.
 """
@@ -93,7 +94,7 @@ class Decision:
         kind: its device kind.
         threads: the engine's thread count chosen with it (None: the backend's own).
         times_ms: each candidate that ran correctly, by label (``"openvino"``,
-            ``"openvino, 2 threads"``), with its time per sample set in milliseconds.
+            ``"openvino (2 threads)"``), with its milliseconds per run.
         rejected: each candidate that was not timed or cannot be chosen, with why.
         inputs: the input shapes it was measured on (``"x=1x3x48x192"``).
         measured_at: when (seconds since the epoch).
@@ -140,8 +141,8 @@ class Decision:
 
 
 def candidate_label(backend: str, threads: int | None) -> str:
-    """How a candidate is named in figures: ``openvino`` or ``openvino, 2 threads``."""
-    return backend if not threads or threads == 1 else f"{backend}, {threads} threads"
+    """How a candidate is named in figures: ``openvino`` or ``openvino (2 threads)``."""
+    return backend if not threads or threads == 1 else f"{backend} ({threads} threads)"
 
 
 class DecisionStore:

@@ -18,7 +18,8 @@ from inferd.daemon.catalog import Catalog, Settings
 from inferd.daemon.memory import METER, LoadFigures, model_cost
 from inferd.daemon.model_entry import ModelEntry
 from inferd.daemon.pipeline import PipelineSpec, parse_spec
-from inferd.daemon.placement import ModelPlacement, backend_options, place
+from inferd.daemon.placement import ModelPlacement, backend_options
+from inferd.daemon.placer import Placer
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.warmup import warm_up
 from inferd.ipc.errors import ErrorCode, ModelError
@@ -51,16 +52,22 @@ class ModelLoader:
         budget: the cache's memory budget.
         processors: the pre/post-processing steps model.toml may name.
         customops: the daemon's custom ops (None: none).
+        placer: places each load (daemon/placer.py); it loads the rivals it measures
+            later, on its own thread, through the same load function, which holds
+            ``_lock`` then too.
     """
 
     def __init__(self, catalog: Catalog, registry: Registry, budget: MemoryBudget,
-                 processors: ProcessorRegistry | None, customops: OpRegistry | None) -> None:
+                 processors: ProcessorRegistry | None, customops: OpRegistry | None,
+                 placer: Placer) -> None:
         self.catalog = catalog
         self.registry = registry
         self.budget = budget
         self.processors = processors
         self.customops = customops
-        self._lock = threading.Lock()  # one load at a time: its RSS delta is its own
+        self.placer = placer
+        # one load at a time, a rival being measured too: its RSS delta is its own
+        self._lock = threading.RLock()
 
     def load(self, entry: ModelEntry) -> Loaded:
         """Make room, load, warm up and measure ``entry``'s version (LOADING); the
@@ -107,13 +114,16 @@ class ModelLoader:
         tables = {b.id: backend_options(config, spec.settings, b.id) for b in fallbacks}
 
         def load_on(choice: Choice, options: LoadOptions) -> LoadedModel:
-            return load_planned(choice.backend, source.path, options, model=entry.label,
-                                model_dir=repo.root / entry.name, ops=self.customops,
-                                fallbacks=fallbacks, tables=tables,
-                                probe_timeout_s=config.backends.probe_timeout_s)
-        # The first entry of the plan that loads (daemon/placement.py); custom ops and
+            with self._lock:  # held already for the first load; taken for a rival
+                return load_planned(choice.backend, source.path, options,
+                                    model=entry.label, model_dir=repo.root / entry.name,
+                                    ops=self.customops, fallbacks=fallbacks, tables=tables,
+                                    probe_timeout_s=config.backends.probe_timeout_s)
+        # Where it is known to run best, else the first entry of the plan that loads
+        # (daemon/placer.py, which measures the plan's rivals later); custom ops and
         # nodes the backend lacks make a partitioned plan (libbackends/customops).
-        placement, model = place(entry.name, plan, spec.settings, config, load_on)
+        placement, model = self.placer.place(entry, source.path, plan, spec.settings,
+                                             config, load_on, repo.root)
         try:
             warm_up(entry.label, model, source.path, spec.settings, config.cache.warmup_dim)
             rss = METER.rss() - before

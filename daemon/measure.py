@@ -9,10 +9,11 @@ Pure functions over loaded models; loading, memory and the decision are the plac
   shapes; float outputs may differ by at most ``tolerance`` times the larger of 1 and
   the reference output's largest magnitude, other outputs not at all. One sample beyond
   it and the candidate is never chosen (:func:`difference` says why).
-- **Time.** The candidates run in turns (one run of each on every sample, then again),
-  so that a change in the machine's load falls on all of them alike; each sample's time
-  is the median of its runs, a candidate's time the sum over the samples. Runs stop at
-  ``rounds`` or at the deadline, whichever comes first (at least one round).
+- **Time.** The candidates run in turns (each replays the samples in their order, then
+  the next candidate, then again), so that a change in the machine's load falls on all
+  of them alike; each sample's time is the median of its runs, a candidate's time per
+  run the mean over the samples. Runs stop at ``rounds`` or at the deadline, whichever
+  comes first (at least one round).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 import numpy as np
 
 from inferd.daemon.placed_model import Inputs, shapes_text
@@ -48,13 +50,16 @@ class Trial:
     """Per sample, the seconds of each timed run."""
     why_not: str | None = None
     """Why it cannot be chosen (failed to load, wrong results, too slow), else None."""
+    figures: Any = None
+    """Its load's memory figures (a LoadFigures), once loaded."""
 
     @property
     def seconds(self) -> float:
-        """The sum over samples of each sample's median run (inf before any run)."""
+        """Seconds per run: the mean over the samples of each one's median (inf before
+        any run)."""
         if not self.times or any(not t for t in self.times):
             return math.inf
-        return sum(statistics.median(t) for t in self.times)
+        return statistics.fmean(statistics.median(t) for t in self.times)
 
 
 def signature_difference(reference: LoadedModel, candidate: LoadedModel) -> str | None:
@@ -171,7 +176,7 @@ def stage_threads(share: float, cores: int) -> int:
 
 
 def times_ms(trials: list[Trial]) -> dict[str, float]:
-    """Each timed trial's milliseconds per sample set, by label."""
+    """Each timed trial's milliseconds per run, by label."""
     return {t.label: round(t.seconds * 1000, 3) for t in trials
             if t.why_not is None and not math.isinf(t.seconds)}
 
@@ -182,5 +187,10 @@ def untimed(trials: list[Trial]) -> dict[str, str]:
 
 
 def describe_samples(samples: list[Inputs]) -> tuple[str, ...]:
-    """The samples' input shapes, for the decision and the journal."""
-    return tuple(shapes_text(s) for s in samples)
+    """The samples' input shapes, each once, with how many samples had it
+    (``x=1x3x48x192 (3 runs)``), for the decision and the journal."""
+    counts: dict[str, int] = {}
+    for s in samples:
+        text = shapes_text(s)
+        counts[text] = counts.get(text, 0) + 1
+    return tuple(f"{t} ({n} run{'s' if n > 1 else ''})" for t, n in counts.items())

@@ -193,14 +193,18 @@ class ModelEntry:
             self.in_flight -= len(items)
             return items
 
+    def _placed(self) -> dict[str, Any]:
+        """Backend, device and why, as the placement says now (measuring may move it)."""
+        p = self.placement.to_json() if self.placement else {}
+        return {"backend": p.get("backend"), "device": p.get("device"),
+                "device_kind": p.get("kind"), "chosen": p.get("why"),
+                "engine_threads": p.get("threads"), "placement_status": p.get("status")}
+
     def describe(self) -> dict[str, Any]:
         m = self.model
         return {
             "name": self.name, "state": str(self.state), "version": self.version,
-            "backend": self.backend, "error": self.error,
-            "device": self.placement.device if self.placement else None,
-            "device_kind": str(self.placement.kind) if self.placement else None,
-            "chosen": self.placement.why if self.placement else None,
+            "error": self.error, **self._placed(),
             "inputs": [s.to_json() for s in m.inputs] if m else [],
             "outputs": [s.to_json() for s in m.outputs] if m else [],
             "requests": self.served, "failed_requests": self.failed_requests,
@@ -210,7 +214,9 @@ class ModelEntry:
                        if self.state is State.READY and not self.in_flight else None),
             "keep_alive_s": None if math.isinf(self.keep_alive) else self.keep_alive,
             "threads": [t.name for t in self.workers.threads] if self.workers else [],
-            "placement": self.workers.placement() if self.workers else [],
+            # each thread's backend as it runs now (measuring may have moved the model)
+            "placement": [{**p, "backend": self.backend if p.get("backend") else None}
+                          for p in self.workers.placement()] if self.workers else [],
             "batching": self.workers.batching() if self.workers else None,
             "plan": m.describe().get("plan") if m else None,
         }

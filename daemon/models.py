@@ -43,6 +43,7 @@ from inferd.daemon.loading import ModelLoader
 from inferd.daemon.memory import METER
 from inferd.daemon.model_entry import ModelEntry, ModelKey, State
 from inferd.daemon.pipeline import unpin_current_thread
+from inferd.daemon.placer import Placer
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import Repository, check_name
@@ -79,8 +80,9 @@ class ModelManager:
         self.registry = registry
         self.catalog = Catalog(repo, config)
         self.budget = MemoryBudget(self)
+        self.placer = Placer(config, self.budget)
         self._loader = ModelLoader(self.catalog, registry, self.budget, processors,
-                                   customops)
+                                   customops, self.placer)
         self._sink = sink
         self._observer = observer
         self._entries: dict[ModelKey, ModelEntry] = {}
@@ -348,6 +350,7 @@ class ModelManager:
         """Take a new configuration and re-read the repository, failing no request
         (see :func:`inferd.daemon.reload.reload_catalog`). Returns what changed."""
         with self._reload_lock:
+            self.placer.use_config(config)
             return reload_catalog(self, config)
 
     # Used by reload_catalog: each step keeps every request answered.
@@ -528,10 +531,11 @@ class ModelManager:
         """Finish queued work and unload every model; True if all threads ended."""
         self._stopping.set()
         deadline = time.monotonic() + timeout
+        placed = self.placer.stop(timeout)  # measuring first: it loads rivals
         for entry in self.entries():
             left = max(0.1, deadline - time.monotonic())
             self._unload_wait(entry, "daemon stopping", left)
-        ok = not any(t.is_alive() for w in self.left_running for t in w.threads)
+        ok = not any(t.is_alive() for w in self.left_running for t in w.threads) and placed
         self._loads.shutdown(wait=False, cancel_futures=True)
         self._evictor.shutdown(wait=False, cancel_futures=True)
         if self._idle_thread is not None:

@@ -1,5 +1,7 @@
 """A loaded model that can move to another backend between two runs, and that keeps the
-inputs of its first runs and its busy time for the placement's measuring.
+inputs of its first runs (in the order they came, repeats too: a dynamic-shape engine
+pays for a change of shape, and traffic brings both) and its busy time for the
+placement's measuring.
 
 The cache's workers run a :class:`PlacedModel` like any loaded model. When the
 background measuring finds a faster candidate, :meth:`PlacedModel.switch` makes the
@@ -22,6 +24,14 @@ from inferd.libbackends.contract import BatchSizes, LoadedModel
 
 Inputs = dict[str, NDArray[Any]]
 
+SAMPLE_BYTES = 64 * 2**20
+"""At most this many bytes of inputs are kept for measuring (a run that would go over
+is not kept)."""
+SAMPLE_SECONDS = 1.0
+"""Runs stop being kept once the kept ones took this long: one replay of the samples
+costs each candidate about this much (a detector's few large images, a classifier's
+many small batches)."""
+
 
 def shapes_text(inputs: Inputs) -> str:
     """``x=1x3x48x192`` (several inputs comma-separated), for figures and the journal."""
@@ -34,7 +44,7 @@ class PlacedModel(LoadedModel):
 
     Args:
         model: the engine the placement loaded first.
-        on_sample: called (without arguments) after a sample was kept.
+        on_sample: called (without arguments) after a run whose inputs were kept.
         on_unload: called with this model once it is unloaded.
     """
 
@@ -52,7 +62,8 @@ class PlacedModel(LoadedModel):
         self._on_unload = on_unload
         self._closed = False
         self._samples: list[Inputs] = []
-        self._seen: set[tuple[Any, ...]] = set()
+        self._kept_bytes = 0
+        self._kept_s = 0.0
         self.first_sample_at: float | None = None
         self.busy_s = 0.0
         """Seconds spent inside the engines since the load (every run)."""
@@ -67,9 +78,8 @@ class PlacedModel(LoadedModel):
         with self._lock:
             engine = self._current
             self._active[id(engine)] = self._active.get(id(engine), 0) + 1
-            keep = len(self._samples) < self._want
-        if keep:
-            self._sample(inputs)
+            keep = len(self._samples) < self._want and self._kept_s < SAMPLE_SECONDS
+        kept = keep and self._sample(inputs)
         started = time.perf_counter()
         try:
             return engine.run(inputs, outputs)
@@ -77,6 +87,8 @@ class PlacedModel(LoadedModel):
             took = time.perf_counter() - started
             with self._lock:
                 self.busy_s += took
+                if kept:
+                    self._kept_s += took
                 self.runs += 1
                 left = self._active[id(engine)] = self._active[id(engine)] - 1
                 done = engine in self._retired and left == 0
@@ -85,34 +97,43 @@ class PlacedModel(LoadedModel):
                     del self._active[id(engine)]
             if done:
                 engine.unload()
+            if kept and self._on_sample is not None:
+                self._on_sample()
 
     def run_unsampled(self, inputs: Inputs) -> Inputs:
         """One run that is not kept as a sample nor counted as busy (the warm-up)."""
         return self._current.run(inputs)
 
-    def _sample(self, inputs: Inputs) -> None:
-        shapes = tuple(sorted((n, a.shape, str(a.dtype)) for n, a in inputs.items()))
+    def _sample(self, inputs: Inputs) -> bool:
+        size = sum(a.nbytes for a in inputs.values())
         with self._lock:
-            if shapes in self._seen or len(self._samples) >= self._want:
-                return
-            self._seen.add(shapes)
+            if len(self._samples) >= self._want or self._kept_bytes + size > SAMPLE_BYTES:
+                return False
+            self._kept_bytes += size
             # copies: a request's arrays are views of its message frames
             self._samples.append({n: np.array(a, copy=True) for n, a in inputs.items()})
             if self.first_sample_at is None:
                 self.first_sample_at = time.monotonic()
-        if self._on_sample is not None:
-            self._on_sample()
+        return True
+
+    @property
+    def sampled(self) -> bool:
+        """Whether as many runs as wanted are kept, or the kept ones took
+        ``SAMPLE_SECONDS``."""
+        with self._lock:
+            return len(self._samples) >= self._want or self._kept_s >= SAMPLE_SECONDS
 
     def samples(self) -> list[Inputs]:
-        """The inputs kept so far, one dict per distinct shape, in the order seen."""
+        """The inputs of the runs kept so far, in the order they ran."""
         with self._lock:
             return list(self._samples)
 
     def resample(self, samples: int) -> None:
-        """Keep the inputs of the next ``samples`` distinct shapes (measuring again)."""
+        """Keep the inputs of the next ``samples`` runs (at most ``SAMPLE_BYTES`` in
+        all), dropping those kept before."""
         with self._lock:
             self._want = samples
-            self._samples, self._seen = [], set()
+            self._samples, self._kept_bytes, self._kept_s = [], 0, 0.0
             self.first_sample_at = None
 
     def switch(self, engine: LoadedModel) -> bool:
@@ -142,6 +163,7 @@ class PlacedModel(LoadedModel):
             engines = [self._current, *self._retired]
             self._retired, self._active = [], {}
             self._want, self._samples, self._closed = 0, [], True
+            self._kept_bytes = 0
         for engine in engines:
             engine.unload()
         if self._on_unload is not None:

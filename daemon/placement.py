@@ -84,14 +84,18 @@ class ModelPlacement:
 
 
 class Room(Protocol):
-    """What measuring needs of the cache's memory budget."""
+    """What measuring needs of the cache's memory budget
+    (:class:`~inferd.daemon.budget.MemoryBudget`)."""
 
     def measured(self, key: tuple[str, int]) -> int | None:
-        """The cost measured at the model's last load, if any."""
+        """What the model version cost at its last load, if known."""
 
     def reserve(self, label: str, need: int) -> AbstractContextManager[None]:
         """Count ``need`` bytes as used while the block runs; raise InferdError
         (RESOURCE_EXHAUSTED) at once if they do not fit (evicting nothing)."""
+
+    def recost(self, entry: Any, figures: Any) -> None:
+        """``entry``'s engine changed: it counts ``figures`` (a LoadFigures) now."""
 
 
 def backend_options(config: Any, settings: Any, backend_id: str) -> dict[str, Any]:
@@ -189,10 +193,11 @@ def threads_fixed(settings: Any, backend_ids: list[str]) -> bool:
 
 
 def state_directory(config: Any) -> Path | None:
-    """Where decisions are kept: ``[placement] directory``, else ``$STATE_DIRECTORY``
-    (set by systemd's ``StateDirectory=``), else None (kept in memory only)."""
+    """Where decisions are kept: ``[placement] directory``, else ``placement/`` in
+    ``$STATE_DIRECTORY`` (set by the unit's ``StateDirectory=inferd/state``), else None
+    (kept in memory only: a daemon run by hand measures again at each start)."""
     configured = config.placement.directory
     if configured:
         return Path(configured)
     env = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
-    return Path(env) if env else None
+    return Path(env) / "placement" if env else None

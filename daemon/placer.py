@@ -22,6 +22,7 @@ from typing import Any
 
 from inferd.daemon import measure
 from inferd.daemon.budget import estimate_cost
+from inferd.daemon.memory import METER, LoadFigures, model_cost
 from inferd.daemon.decisions import (
     Decision, DecisionKey, DecisionStore, candidate_label, cpu_model, file_sha256,
 )
@@ -33,15 +34,15 @@ from inferd.daemon.placement import (
 from inferd.daemon.units import PROCESS_CORES
 from inferd.daemon.warmup import warmup_inputs
 from inferd.ipc.errors import ErrorCode, InferdError
-from inferd.libbackends.contract import LoadedModel
+from inferd.libbackends.contract import DeviceKind, LoadedModel
 from inferd.libbackends.registry import Choice
 
 log = logging.getLogger("inferd.daemon.placement")
 
-SAMPLES = 3
-"""Runs of distinct input shapes a model keeps as its measuring inputs."""
+SAMPLES = 6
+"""Runs whose inputs a model keeps to be measured on (its first requests)."""
 SETTLE_S = 2.0
-"""After its first request, how long a model waits for more input shapes to measure."""
+"""After its first request, how long a model waits for more runs to measure on."""
 RETRY_S = 30.0
 """How long measuring waits before it tries again when the cache is short of memory."""
 GRAPH_FILE = "graph.toml"
@@ -68,8 +69,8 @@ def graphs_of(repo_root: Path, model: str) -> list[tuple[str, list[str]]]:
 class Job:
     """One model version whose rivals are (to be) measured."""
 
-    name: str
-    version: int
+    entry: Any
+    """The cache entry (a ModelEntry): what the budget recosts after a move."""
     path: Path
     plan: list[Choice]
     """The rivals, reference (the plan's first of this kind) first."""
@@ -83,8 +84,16 @@ class Job:
     not_before: float = 0.0
 
     @property
+    def name(self) -> str:
+        return str(self.entry.name)
+
+    @property
+    def version(self) -> int:
+        return int(self.entry.version)
+
+    @property
     def label(self) -> str:
-        return f"{self.name} version {self.version}"
+        return str(self.entry.label)
 
     @property
     def samples_wanted(self) -> int:
@@ -121,46 +130,49 @@ class Placer:
 
     # ----------------------------------------------------------------- the loader's call
 
-    def place(self, name: str, version: int, path: Path, plan: list[Choice],
-              settings: Any, config: Any, load: Load, repo_root: Path
-              ) -> tuple[ModelPlacement, PlacedModel]:
-        """Load ``name`` ``version`` (file ``path``) where it is known to run best (a
-        kept decision's winner), else on the plan's first that loads; where the plan
-        has rivals of the kind that loaded and ``placement = "measured"``, measure them
-        in the background. ``load`` is called again later, on the placement thread,
-        for each rival.
+    def place(self, entry: Any, path: Path, plan: list[Choice], settings: Any,
+              config: Any, load: Load, repo_root: Path) -> tuple[ModelPlacement, PlacedModel]:
+        """Load ``entry``'s version (a ModelEntry; file ``path``) where it is known to
+        run best (a kept decision's winner), else on the plan's first that loads; where
+        the plan has rivals of the kind that loaded and ``placement = "measured"``,
+        measure them in the background. ``load`` is called again later, on the
+        placement thread, for each rival; the budget recosts ``entry`` after a move.
 
         Raises:
             InferdError: as :func:`inferd.daemon.placement.place`.
         """
-        label = f"{name} version {version}"
+        name, version = entry.name, entry.version
         mode = Mode(settings.placement or config.placement.mode)
         threads = set_threads(settings)
-        decision = None
+        decision = key = None
         order = plan
-        if mode is Mode.MEASURED and len(rivals(plan, plan[0].kind)) > 1:
-            decision = self.store.get(name, version, self._key(
-                path, rivals(plan, plan[0].kind), settings, config, repo_root, name))
+        first = rivals(plan, plan[0].kind)
+        if mode is Mode.MEASURED and len(first) > 1:
+            key = self._key(path, first, settings, config, repo_root, name)
+            decision = self.store.get(name, version, key)
             if decision is not None:
                 won = (decision.backend, decision.kind)
                 order = sorted(plan, key=lambda c: (c.backend.id, str(c.kind)) != won)
                 threads = decision.threads if threads is None else threads
-        placement, engine = place(label, order, settings, config, load, threads)
+        placement, engine = place(name, order, settings, config, load, threads)
         model = PlacedModel(engine, on_sample=self._wake, on_unload=self._closed)
         with self._cond:
             self._models[(name, version)] = model
         found = rivals(plan, placement.kind)
-        if decision is not None and placement.backend == decision.backend:
-            placement.settled(Status.KEPT, f"{decision.text()}; {self._kept(decision)}")
-            return placement, model
         if mode is Mode.FIRST or len(found) < 2:
             if len(found) > 1:
                 placement.settled(Status.FIRST, f'{placement.why}; placement = "first"')
             return placement, model
+        if found != first or key is None:
+            key = self._key(path, found, settings, config, repo_root, name)
         fixed = all(isinstance(d, int) and d >= 0 for s in engine.inputs for d in s.shape)
-        job = Job(name, version, path, found, settings, load,
-                  self._key(path, found, settings, config, repo_root, name), model,
-                  placement, fixed, graphs_of(repo_root, name))
+        job = Job(entry, path, found, settings, load, key, model, placement, fixed,
+                  graphs_of(repo_root, name))
+        if decision is not None and placement.backend == decision.backend:
+            # measured before: nothing to do unless `inferctl reload --remeasure`
+            placement.settled(Status.KEPT, f"{decision.text()}; {self._kept(decision)}")
+            self._submit(job, queued=False)
+            return placement, model
         model.resample(job.samples_wanted)
         placement.settled(Status.MEASURING, f"{placement.why}; measuring "
                           f"{', '.join(c.backend.id for c in found)} in the background")
@@ -187,15 +199,22 @@ class Placer:
 
     # ----------------------------------------------------------------- the thread
 
-    def _submit(self, job: Job) -> None:
+    def _submit(self, job: Job, queued: bool = True) -> None:
+        """Know ``job`` (for :meth:`remeasure`) and, if ``queued``, measure it."""
         with self._cond:
             self._jobs[(job.name, job.version)] = job
+            if not queued:
+                return
             self._queue.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="inferd-placement",
-                                                daemon=True)
-                self._thread.start()
+            self._start()
             self._cond.notify_all()
+
+    def _start(self) -> None:
+        """Start the placement thread if it is not running (caller holds ``_cond``)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="inferd-placement",
+                                            daemon=True)
+            self._thread.start()
 
     def _wake(self) -> None:
         with self._cond:
@@ -217,8 +236,7 @@ class Placer:
         if not job.samples_wanted:
             return True
         first = job.model.first_sample_at
-        return len(job.model.samples()) >= SAMPLES or (
-            first is not None and now - first >= SETTLE_S)
+        return first is not None and (job.model.sampled or now - first >= SETTLE_S)
 
     def _loop(self) -> None:
         while True:
@@ -267,6 +285,8 @@ class Placer:
                                       f"again (inferctl reload --remeasure)")
                 self._queue.append(job)
                 again.append(job.label)
+            if again:
+                self._start()
             self._cond.notify_all()
         return again
 
@@ -303,10 +323,20 @@ class Placer:
                     job.not_before = time.monotonic() + RETRY_S
                     self._queue.append(job)
 
-    def _load(self, job: Job, choice: Choice, threads: int | None) -> LoadedModel:
-        """A fresh engine of ``choice`` for measuring; raises InferdError (logged by
-        :func:`place`, like a load's fallback)."""
-        _, engine = place(job.label, [choice], job.settings, self.config, job.load, threads)
+    def _load(self, job: Job, trial: measure.Trial, choice: Choice) -> LoadedModel:
+        """A fresh engine of ``choice`` for measuring, its load's figures on ``trial``
+        (the RSS delta across the call: more than its own if another load ran while it
+        waited for the loader's lock, which errs on the safe side); raises InferdError
+        (logged by :func:`place`, like a load's fallback)."""
+        METER.trim()
+        before = METER.rss()
+        _, engine = place(job.name, [choice], job.settings, self.config, job.load,
+                          trial.threads)
+        rss = METER.rss() - before
+        reported = engine.memory_bytes()
+        trial.figures = LoadFigures(model_cost(rss, reported,
+                                               choice.kind is not DeviceKind.CPU),
+                                    rss, reported)
         return engine
 
     def _trial(self, job: Job, choice: Choice, threads: int | None, samples: list[Inputs],
@@ -318,7 +348,7 @@ class Placer:
             trial.why_not = f"not measured within the time limit ({limit:g} s)"
             return trial
         try:
-            trial.model = self._load(job, choice, threads)
+            trial.model = self._load(job, trial, choice)
         except InferdError as e:
             trial.why_not = f"it failed to load: {e.message}"
             return trial
@@ -364,8 +394,10 @@ class Placer:
             if more > 1:
                 choice = next(c for c in job.plan if c.backend.id == best.backend)
                 wide = self._trial(job, choice, more, samples, reference, deadline)
+                # everyone again, in turns with it: one machine state for all figures
+                measure.time_trials(trials + [wide], samples, deadline, stop=self._stopping)
+                best = measure.fastest(trials) or ref
                 trials.append(wide)
-                measure.time_trials([best, wide], samples, deadline, stop=self._stopping)
                 if wide.seconds <= best.seconds * measure.THREADS_PAY:
                     best = wide
                 elif wide.why_not is None:
@@ -397,7 +429,7 @@ class Placer:
         for label, why in decision.rejected.items():
             if not why.startswith(("it failed to load", "not measured")):
                 log.warning("model %s: %s is never chosen for it: %s", job.label, label,
-                            why, extra={"MODEL": job.name, "BACKEND": label.split(",")[0]})
+                            why, extra={"MODEL": job.name, "BACKEND": label.split(" ")[0]})
         text = decision.text()
         log.info("model %s: placement measured on %s: chosen: %s", job.label,
                  "; ".join(decision.inputs), text,
@@ -412,6 +444,8 @@ class Placer:
         assert engine is not None
         if not job.model.switch(engine):
             return  # unloaded meanwhile; the decision serves its next load
+        if winner.figures is not None:
+            self._room.recost(job.entry, winner.figures)
         job.placement.moved(decision.backend, job.plan[0].kind,
                             getattr(engine, "device", "") or serving["device"],
                             decision.threads, text)

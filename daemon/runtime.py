@@ -51,6 +51,23 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     VERSION = "0+unknown"
 
 
+def remeasure_names(value: Any) -> list[str] | bool:
+    """The reload op's ``remeasure`` parameter: absent or false -> False (nothing),
+    true -> True (every model), a list of model names -> that list.
+
+    Raises:
+        InferdError (INVALID_ARGUMENT): anything else.
+    """
+    if value is None or value is False:
+        return False
+    if value is True:
+        return True
+    if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+        return list(value)
+    raise InferdError(f"reload: remeasure = {value!r}: expected true or a list of model "
+                      f"names", ErrorCode.INVALID_ARGUMENT)
+
+
 class Runtime:
     """A daemon instance: call :meth:`start`, then :meth:`serve` on the main thread.
 
@@ -371,8 +388,15 @@ class Runtime:
             self._control.submit(self._control_op, request, ticket)
             return None
         if op is Op.RELOAD:
-            self.reloads.request(lambda result, error: self.server.send_reply(
-                ticket, self._control_reply(request, result, error)))
+            names = remeasure_names(request.params.get("remeasure"))
+
+            def answer(result: Any, error: BaseException | None) -> None:
+                if error is None and names is not False:
+                    # after the reload: a changed model.toml already applies
+                    result = {**result, "remeasured": self.models.placer.remeasure(
+                        None if names is True else names)}
+                self.server.send_reply(ticket, self._control_reply(request, result, error))
+            self.reloads.request(answer)
             return None
         raise InferdError(f"op {op} is not supported by this daemon", ErrorCode.UNSUPPORTED)
 

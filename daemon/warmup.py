@@ -17,6 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from inferd.daemon.model_settings import ModelSettings
+from inferd.daemon.placed_model import PlacedModel
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.libbackends.contract import LoadedModel, TensorSpec, check_inputs
 
@@ -70,7 +71,8 @@ def warm_up(label: str, model: LoadedModel, model_path: Path, settings: ModelSet
     inputs = warmup_inputs(label, model, model_path, settings, dynamic)
     try:
         check_inputs(label, model.inputs, inputs)
-        model.run(inputs)
+        # not one of the first requests whose inputs measuring waits for
+        model.run_unsampled(inputs) if isinstance(model, PlacedModel) else model.run(inputs)
     except InferdError as e:
         raise ModelError(f"model {label}: warm-up failed: {e.message}",
                          ErrorCode.INTERNAL) from e

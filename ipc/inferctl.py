@@ -94,8 +94,10 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
     if verbose:
         for m in models:
             if m.get("inputs"):
+                threads = (f", {m['engine_threads']} engine threads"
+                           if m.get("engine_threads") else "")
                 out += (f"\n\n{m['name']}\n  placement: backend {m.get('backend')}, device "
-                        f"{m.get('device')}; chosen: {m.get('chosen')}"
+                        f"{m.get('device')}{threads}; chosen: {m.get('chosen')}"
                         f"\n  inputs:  {_tensors(m['inputs'])}"
                         f"\n  outputs: {_tensors(m['outputs'])}"
                         f"\n  threads: {', '.join(m.get('threads', [])) or '-'}")
@@ -135,7 +137,8 @@ def _batching(b: dict[str, Any] | None) -> str:
 
 def show_reload(r: dict[str, Any]) -> str:
     lines = [f"{kind}: {', '.join(r[kind])}" for kind in
-             ("added", "removed", "changed", "failed", "graphs_retired", "needs_restart")
+             ("added", "removed", "changed", "failed", "graphs_retired", "needs_restart",
+              "remeasured")
              if r.get(kind)]
     return "\n".join(lines) or "reloaded: nothing changed"
 
@@ -321,8 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--verbose", "-v", action="store_true", help="tensors and threads too")
     sub.add_parser("backends", help="every backend candidate, its stage and reason")
     sub.add_parser("ping", help="check the daemon answers")
-    sub.add_parser("reload", help="re-read the config and the model repository "
-                   "(like SIGHUP)")
+    r = sub.add_parser("reload", help="re-read the config and the model repository "
+                       "(like SIGHUP)")
+    r.add_argument("--remeasure", nargs="*", metavar="MODEL", default=None,
+                   help="forget the measured placement of these models (none named: of "
+                   "every model) and measure the loaded ones again")
     for name in ("load", "unload"):
         c = sub.add_parser(name, help=f"{name} a model")
         c.add_argument("model")
@@ -400,7 +406,9 @@ def _main(argv: list[str] | None) -> int:
                 result = c.ping()
                 text = "pong" + ("" if result["ready"] else " (not ready)")
             elif args.cmd == "reload":
-                result = c.call("reload")
+                remeasure = args.remeasure
+                result = c.call("reload", remeasure=None if remeasure is None
+                                else (remeasure or True))
                 text = show_reload(result) if not args.json else ""
             elif args.cmd == "load":
                 result = c.load(args.model, args.version)

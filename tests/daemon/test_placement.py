@@ -25,6 +25,7 @@ import pytest
 from inferd.daemon.config import load_config
 from inferd.daemon.decisions import Decision, DecisionKey, DecisionStore, cpu_model
 from inferd.daemon.measure import Trial, difference, fastest, stage_threads
+from inferd.daemon.model_entry import ModelEntry
 from inferd.daemon.model_settings import ModelSettings, check_settings
 from inferd.daemon.placed_model import PlacedModel
 from inferd.daemon.placer import Placer
@@ -91,8 +92,12 @@ class RecordingRoom:
 
     def __init__(self) -> None:
         self.reserved: list[tuple[str, int]] = []
+        self.recosted: list[tuple[Any, Any]] = []
         self.refuse = False
         self.held = 0
+
+    def recost(self, entry: Any, figures: Any) -> None:
+        self.recosted.append((entry, figures))
 
     def measured(self, key: tuple[str, int]) -> int | None:
         return 1000
@@ -132,7 +137,8 @@ def place(placer: Placer, registry: Registry, repo: Path,
           settings: ModelSettings | None = None) -> tuple[Any, PlacedModel]:
     path = repo / "m" / "1" / "model.onnx"
     plan = registry.plan("m", path, settings.backends if settings else None)
-    return placer.place("m", 1, path, plan, settings or ModelSettings(), placer.config,
+    return placer.place(ModelEntry("m", 1, 8), path, plan, settings or ModelSettings(),
+                        placer.config,
                         lambda choice, options: choice.backend.load(path, options), repo)
 
 
@@ -169,9 +175,11 @@ def test_the_faster_backend_takes_over_and_the_slower_is_unloaded(repo: Path) ->
         assert all(m.unloaded for m in slow.models) and slow.models
         assert [m.unloaded for m in fast.models] == [True] * (len(fast.models) - 1) + [False]
         serve(model, 1)
-        # the candidates were counted in the budget while they were measured
+        # the candidates were counted in the budget while they were measured, and the
+        # model's cost is the winner's load from now on
         assert room.reserved == [("measuring the placement of m version 1", 3000)]
         assert room.held == 0
+        assert [e.label for e, _ in room.recosted] == ["m version 1"]
     finally:
         placer.stop()
         model.unload()
@@ -346,7 +354,7 @@ def test_within_a_graph_the_slowest_stage_gets_the_idle_cores(repo: Path,
         # "other" never ran: m did all of the graph's work, so it earns both cores, and
         # the sleeping backend really is faster on two threads
         assert (now["backend"], now["threads"]) == ("fast", 2), now
-        assert now["why"].startswith("fast, 2 threads, ")
+        assert now["why"].startswith("fast (2 threads), ")
         assert "threads: 100% of graph g's busy time on 2 cores earns 2" in now["why"]
         assert fast.loads[-1].threads == 2 and fast.loads[-1].intra_op_threads == 2
     finally:

@@ -85,6 +85,8 @@ PROVOKERS = {
     "inferctl: UNAVAILABLE: model ocr-det: unloaded, but a stage did not end": "stuck",
     "stopping: stuck stages left to end with the process": "stuck",
     "inferd exited cleanly; model threads still running": "sigterm",
+    "model ocr-cls version 1: off-by-half is never chosen": "placement",
+    "model ocr-cls version 1: measuring its placement postponed": "placement",
 }
 
 
@@ -360,3 +362,35 @@ def test_stuck(start_daemon, short_tmp: Path, models_dir: Path) -> None:
         ids = c._prefix  # the stuck requests' ids, written as the page writes them
     assert d.stop() == 0
     _check("stuck", "\n".join(out) + d.log_path.read_text(), **{ids: "6f0c9d2e"})
+
+
+@pytest.mark.slow
+def test_placement(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    """Measured placement: a candidate with wrong results (a plugin off by 0.5), and a
+    cache too small to measure in."""
+    from tests.e2e.test_placement import WRONG_PLUGIN
+
+    plugins = short_tmp / "plugins"
+    plugins.mkdir()
+    (plugins / "offbyhalf.py").write_text(WRONG_PLUGIN)
+    repo = short_tmp / "repo"
+    _model(repo, models_dir, "ocr-cls", "ocr-cls")
+    out = []
+    for budget in ("unlimited", "48MiB"):
+        config = short_tmp / f"inferd-{budget}.toml"
+        config.write_text(f'[cache]\nmax_memory = "{budget}"\n')
+        workdir = short_tmp / budget
+        workdir.mkdir()
+        d = start_daemon("--config", str(config), "--backends-dir", str(plugins),
+                         "--models", str(repo), "--preload", "ocr-cls", workdir=workdir)
+        with Client(d.endpoint, timeout=120) as c:
+            for b in (1, 6, 3):
+                c.infer("ocr-cls", {"x": np.zeros((b, 3, 48, 192), np.float32)})
+        want = "never chosen" if budget == "unlimited" else "postponed"
+        deadline = time.monotonic() + 300
+        while want not in d.log():
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.1)
+        out.append(d.log())
+        d.stop()
+    _check("placement", "\n".join(out))

@@ -242,7 +242,7 @@ import errno, os, sys
 wrote, refused = [], []
 for d in ["/", "/etc", "/etc/inferd", "/usr/lib/inferd", "/var/lib/inferd",
           "/var/lib/inferd/models", "/var/tmp", "/var/log", "/root", "/home", "/srv", "/opt",
-          "/run", "/dev/shm", "/run/inferd", "/tmp"]:
+          "/run", "/dev/shm", "/run/inferd", "/tmp", "/var/lib/inferd/state"]:
     path = os.path.join(d, ".inferd-sandbox-probe")
     try:
         with open(path, "w") as f:
@@ -272,9 +272,10 @@ def check_sandbox(c: Container, offline: float) -> None:
     wrote, refused = (out.stdout.splitlines() + ["", ""])[:2]
     # /tmp and /var/tmp are the unit's own (PrivateTmp=yes); /dev/shm stays the system's
     # (PrivateDevices= is off for the GPU/NPU nodes) and RemoveIPC=yes empties it on stop
-    assert set(wrote.split()) <= {"/run/inferd", "/tmp", "/var/tmp", "/dev/shm"}, \
+    assert set(wrote.split()) <= {"/run/inferd", "/tmp", "/var/tmp", "/dev/shm",
+                                  "/var/lib/inferd/state"}, (wrote, refused)
+    assert {"/run/inferd", "/var/lib/inferd/state"} <= set(wrote.split()), \
         (wrote, refused)
-    assert "/run/inferd" in wrote.split(), (wrote, refused)
     # a file in the unit's /tmp or /var/tmp is not in the system's
     for tmp in ("/tmp", "/var/tmp"):
         c.run("nsenter", "-t", str(pid), "-m", "--", "setpriv", "--reuid=inferd",

@@ -43,6 +43,9 @@ def test_unit_keeps_devices_reachable_and_psutil_working():
     assert {"/dev/rknpu rw", "/dev/mali0 rw"} <= set(s["DeviceAllow"])
     assert s["SupplementaryGroups"] == ["render video"]
     assert s["RuntimeDirectory"] == ["inferd"] and s["RuntimeDirectoryMode"] == ["0750"]
+    # the daemon's state ($STATE_DIRECTORY: converted models, placement decisions); not
+    # StateDirectory=inferd, which would hand /var/lib/inferd/models to the daemon's user
+    assert s["StateDirectory"] == ["inferd/state"] and s["StateDirectoryMode"] == ["0750"]
     assert s["User"] == ["inferd"] and s["CapabilityBoundingSet"] == [""]
     assert "PrivateDevices" not in s  # would hide /dev/dri, /dev/rknpu
     assert "ProcSubset" not in s  # ProcSubset=pid breaks psutil
