@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from enum import StrEnum
 from typing import Any
 
@@ -50,6 +51,8 @@ FIRST_PROBE = 16
 """Runs before the first probe, and after a change."""
 MAX_INTERVAL = 4096
 """The longest gap between two probes, in runs."""
+RECENT = 16
+"""Runs of each size kept for the view (its lowest cost per row is shown)."""
 
 
 class BatchMode(StrEnum):
@@ -94,7 +97,8 @@ class BatchSizer:
         self._interval = FIRST_PROBE
         self._countdown = FIRST_PROBE
         self._up = True  # the direction of the next probe
-        self._cost: dict[int, float] = {}  # rows -> last cost per row measured (s)
+        # rows -> the costs per row of its last runs (s): the view shows the lowest
+        self._cost: dict[int, deque[float]] = {}
         self._why = "not measured yet" if self.mode is BatchMode.ADAPTIVE else \
             ("batching off" if max_batch == 1 else "fixed (model.toml batching)")
 
@@ -122,7 +126,7 @@ class BatchSizer:
         if self.mode is BatchMode.FIXED or rows <= 0:
             return
         with self._lock:
-            self._cost[rows] = seconds / rows
+            self._cost.setdefault(rows, deque(maxlen=RECENT)).append(seconds / rows)
             if self._probe is not None:
                 if rows == limit and limit in self._samples:
                     self._samples[limit].append(seconds / rows)
@@ -201,6 +205,6 @@ class BatchSizer:
         with self._lock:
             return {"mode": str(self.mode), "max_batch": self.max_batch,
                     "limit": self._size, "probing": list(self._probe) if self._probe else None,
-                    "cost_per_row_ms": {str(n): round(c * 1e3, 4)
+                    "cost_per_row_ms": {str(n): round(min(c) * 1e3, 4)
                                         for n, c in sorted(self._cost.items())},
                     "why": self._why}

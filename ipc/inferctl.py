@@ -67,6 +67,8 @@ def show_status(s: dict[str, Any]) -> str:
                                       for b in s["backends"])]
     if s.get("repository_problem"):
         lines.append(f"warning:  {s['repository_problem']}")
+    for owner, stages in (s.get("stuck") or {}).items():  # daemon/watch.py
+        lines.append(f"stuck:    {owner}: {'; '.join(stages)}")
     return "\n".join(lines)
 
 
@@ -107,6 +109,8 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
                         f"\n  inputs:  {', '.join(m['graph_inputs'])}"
                         f"\n  outputs: {', '.join(m['graph_outputs'])}"
                         f"\n  threads: {', '.join(m['threads'])}")
+            if m.get("stuck") and (m.get("inputs") or m.get("threads")):  # daemon/watch.py
+                out += f"\n  stuck: {'; '.join(m['stuck'])}"
             if m.get("plan"):
                 out += f"\n  plan: {len(m['plan']['steps'])} steps, {m['plan']['cuts']} cuts"
                 for k, s in enumerate(m["plan"]["steps"]):

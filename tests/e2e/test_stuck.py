@@ -136,6 +136,9 @@ def test_a_stuck_stage_holds_no_deadline_no_control_operation_and_no_shutdown(
         row = next(m for m in c.models() if m["name"] == target)
         stage = "inferd-hang-sleep" if target == "hang" else "inferd-stuckmodel-infer-0"
         assert stage in stuck[0] and row["stuck"] and stage in row["stuck"][0], row
+        shown = _inferctl(d.endpoint, "status").stdout
+        assert f"stuck:    {target}: {stage} (" in shown, shown
+        assert f"  stuck: {stage} (" in _inferctl(d.endpoint, "models", "-v").stdout
         samples = c.call("metrics")["samples"]
         assert sample_value(samples, "inferd_stuck_stages", model=target) == 1
         warnings = [line for line in d.log().splitlines() if "stage stuck:" in line]
