@@ -285,6 +285,8 @@ class NcnnBackend(Backend):
                             "allow_software_vulkan": "true or false"}[key]
                 raise ModelError(f"{where}: expected {expected}", ErrorCode.INTERNAL)
             out[key] = value
+        if options.threads:  # the placement's choice (model.toml threads, or measured)
+            out["threads"] = options.threads
         return out
 
     def _vulkan_device(self, settings: dict[str, Any]) -> VulkanDevice:

@@ -354,3 +354,11 @@ def test_gpu_loads_refuse_a_software_device_unless_allowed(backend, cache: Path)
     assert info.value.code is ErrorCode.UNAVAILABLE
     assert "ncnn: no Vulkan device 7 (model.toml [ncnn] device); there are vulkan:0 " in \
         info.value.message
+
+
+def test_the_placements_threads_win_over_the_ncnn_table(backend) -> None:
+    """LoadOptions.threads (model.toml threads, or measured within a graph) is the
+    engine's thread count; without it the [ncnn] table's (default 1)."""
+    assert backend._settings(LoadOptions(threads=3, options={"threads": 2}))["threads"] == 3
+    assert backend._settings(LoadOptions(options={"threads": 2}))["threads"] == 2
+    assert backend._settings(LoadOptions())["threads"] == 1
