@@ -362,3 +362,28 @@ def test_the_placements_threads_win_over_the_ncnn_table(backend) -> None:
     assert backend._settings(LoadOptions(threads=3, options={"threads": 2}))["threads"] == 3
     assert backend._settings(LoadOptions(options={"threads": 2}))["threads"] == 2
     assert backend._settings(LoadOptions())["threads"] == 1
+def test_ncnns_threads_run_on_the_cores_of_the_thread_that_runs_the_model(
+        backend, cache: Path) -> None:
+    # the daemon pins a model's infer threads (model.toml cpu_affinity); ncnn's OpenMP
+    # threads are started from them and must keep to those cores
+    import os
+
+    model = backend.load(_model("ocr-cls"), _options(cache, threads=2))
+    core = max(os.sched_getaffinity(0))
+    before = set(os.listdir("/proc/self/task"))
+    seen: dict[str, str] = {}
+
+    def work() -> None:
+        os.sched_setaffinity(threading.get_native_id(), {core})
+        model.run({"x": RNG.random((1, 3, 48, 192), dtype=np.float32)})
+        for tid in set(os.listdir("/proc/self/task")) - before:
+            status = Path(f"/proc/self/task/{tid}/status").read_text()
+            seen[tid] = next(line.split(":", 1)[1].strip() for line in status.splitlines()
+                             if line.startswith("Cpus_allowed_list"))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    model.unload()
+    assert len(seen) >= 2, seen  # the runner and at least one OpenMP thread
+    assert set(seen.values()) == {str(core)}, seen
