@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from numpy.typing import NDArray
 
-from inferd.daemon.memory import LoadFigures, WorkingMemory
+from inferd.daemon.memory import Estimate, LoadFigures, WorkingMemory
 from inferd.daemon.model_entry import ModelEntry, ModelKey, State
 from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.libbackends.contract import BatchSizes, LoadedModel
@@ -246,34 +246,41 @@ class MemoryBudget:
                 f"pinned: {names(pinned)}; busy, loading or being replaced: "
                 f"{names(busy)}")
 
-    def admit_run(self, entry: ModelEntry, need: int, new: bool, reliable: bool) -> None:
-        """Before a run of ``entry`` that needs ``need`` bytes of working memory: a need
-        that cannot fit beside the model's load cost is refused if it is measured, or
-        estimated reliably; before a class's first run, room is made for the estimate
-        (every idle model if it does not fit).
+    def admit_run(self, entry: ModelEntry, estimate: Estimate) -> None:
+        """Before a run of ``entry`` expected to need ``estimate`` bytes of working
+        memory: a need beyond what the model counts already has room made for it (idle
+        models evicted, on the cache's thread) and counts from now on; one that cannot
+        fit beside the model's load cost, or for which no room can be made, is refused
+        when the estimate is reliable (unreliable: the run goes ahead and is measured).
 
         Raises:
             InferdError (RESOURCE_EXHAUSTED): the run cannot fit, with the figures.
         """
-        budget = self._cache.max_memory
+        working = entry.memory.working
         load = entry.memory.load
+        budget = self._cache.max_memory
+        need = estimate.bytes
         if budget is None or load is None or need <= 0:
+            if need > 0:
+                working.admit(estimate)
             return
-        if reliable and load.cost + need > budget:
-            how = "measured" if not new else "estimated from a measured run"
+        if estimate.reliable and load.cost + need > budget:
             raise InferdError(f"model {entry.label}: inputs of this size need "
-                              f"{format_bytes(need)} of working memory ({how}) beside its "
-                              f"{format_bytes(load.cost)}, over the cache budget of "
-                              f"{format_bytes(budget)}", ErrorCode.RESOURCE_EXHAUSTED)
-        if not new:
-            return  # a measured need is in the model's cost already
-        for wanted in (load.cost + need, budget):  # the estimate, else all the room there is
+                              f"{format_bytes(need)} of working memory ({estimate.how}) "
+                              f"beside its {format_bytes(load.cost)}, over the cache "
+                              f"budget of {format_bytes(budget)}",
+                              ErrorCode.RESOURCE_EXHAUSTED)
+        if need > working.peak:  # more than the model counts: make room first
             try:
-                self.make_room(entry, min(wanted, budget), "working memory")
-                return
-            except InferdError as e:  # busy or pinned models: run anyway, measured after
+                self.make_room(entry, load.cost + need,
+                               f"{format_bytes(need)} of it working memory, "
+                               f"{estimate.how}")
+            except InferdError as e:
+                if estimate.reliable:
+                    raise
                 log.debug("model %s: no room made for its working memory: %s",
                           entry.label, e.message, extra={"MODEL": entry.name})
+        working.admit(estimate)
 
     def grew(self, entry: ModelEntry) -> None:
         """A run of ``entry`` needed more working memory than any before: it counts now;
@@ -323,13 +330,15 @@ class AdmittedModel(LoadedModel):
     def run(self, inputs: dict[str, NDArray[Any]],
             outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
         working = self._working
-        key = working.needs_measuring(inputs)  # None: a known class
-        need, reliable = working.estimate(inputs)
-        self._budget.admit_run(self._entry, need, key is not None, reliable)
-        if key is None:
+        estimate = working.estimate(inputs)
+        self._budget.admit_run(self._entry, estimate)  # may refuse it, before it runs
+
+        def run() -> dict[str, NDArray[Any]]:
             return self.inner.run(inputs, outputs)
-        result, grew = working.measure(key, inputs, lambda: self.inner.run(inputs, outputs))
-        if grew:
+        if not estimate.measure:
+            return working.run(run)  # type: ignore[no-any-return]
+        result, changed = working.measure(estimate.key, inputs, run)
+        if changed:
             self._budget.grew(self._entry)
         return result  # type: ignore[no-any-return]
 

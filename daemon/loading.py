@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
+from inferd.daemon.activations import Activations
 from inferd.daemon.budget import AdmittedModel, MemoryBudget, estimate_cost
 from inferd.daemon.catalog import Catalog, Settings
 from inferd.daemon.memory import METER, LoadFigures, model_cost
@@ -40,6 +42,8 @@ class Loaded:
     settings: Settings
     pipeline: PipelineSpec
     figures: LoadFigures
+    graph: Activations | None
+    """The model's graph, to estimate each run's working memory (None: not ONNX)."""
 
 
 class ModelLoader:
@@ -127,6 +131,11 @@ class ModelLoader:
         try:
             warm_up(entry.label, model, source.path, spec.settings, config.cache.warmup_dim)
             rss = METER.rss() - before
+            # Read after the load is measured: parsing the file leaves freed heap behind
+            # (trimmed here), and what stays (a skeleton without weights, 0.2-2 MiB) is
+            # not the engine's.
+            graph = _graph(entry, source.path)
+            METER.trim()
             reported = model.memory_bytes()
             figures = LoadFigures(model_cost(rss, reported,
                                              placement.kind is not DeviceKind.CPU),
@@ -140,4 +149,18 @@ class ModelLoader:
             METER.trim()
             raise
         return Loaded(AdmittedModel(model, entry, self.budget), placement, settings,
-                      pipeline, figures)
+                      pipeline, figures, graph)
+
+
+def _graph(entry: ModelEntry, path: Path) -> Activations | None:
+    """The activations of the model file, or None (logged) if it cannot be read as
+    ONNX (its working memory is then known from measured runs only)."""
+    if path.suffix != ".onnx":
+        return None
+    try:
+        return Activations(path)
+    except Exception as e:  # noqa: BLE001  onnx's parse errors have no common base
+        log.info("model %s: its graph cannot be read for memory estimates (%s); its "
+                 "working memory is measured only", entry.label, e,
+                 extra={"MODEL": entry.name})
+        return None

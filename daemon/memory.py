@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 import psutil
 from numpy.typing import NDArray
 
+from inferd.daemon.activations import Activations
 from inferd.ipc.libc import malloc_trim
 
 log = logging.getLogger(__name__)
@@ -45,8 +47,30 @@ GROWTH = 1.1
 measured again."""
 
 RELIABLE_SCALE = 4
-"""An estimate scaled from a measured class at most this many times smaller is trusted
-enough to refuse a run that cannot fit (a warm-up's tiny class is not)."""
+"""Without the model's graph, an estimate scaled from a measured class at most this many
+times smaller is trusted enough to refuse a run that cannot fit."""
+
+FACTORS = {"onnxruntime": 1.9, "openvino": 2.0}
+"""Working memory per byte of peak activations, by backend: what a run of a new size
+needs (measured by the daemon on the demo models, each size in a fresh process after one
+tiny run: tests/e2e/test_memory_bound.py). onnxruntime with the shipped arena settings:
+ocr-det 1.80 (640² to 1280²), ocr-rec 2.5-2.7, ocr-cls 2.5-2.6, vad 1.2-1.5; 1.9 keeps
+the three OCR models within 30 % and errs high on vad. OpenVINO: ocr-det 1.83-1.98,
+ocr-rec 1.88, ocr-cls 2.63 (bench/bench_memory.py). A model's own measurements raise it
+where they find more, never lower it: a run that reuses memory another model's runs left
+resident measures low, and both may need it at once."""
+DEFAULT_FACTOR = 1.9
+"""The factor of a backend not measured (onnxruntime's)."""
+MAX_FACTOR = 10.0
+"""The most a model's own measurements may raise its factor to (beyond: a bad one)."""
+CALIBRATE_FROM = 1 << 20
+"""A class calibrates the model's own factor if its activations are at least this big
+(below, fixed costs swamp the ratio)."""
+TRIES = 3
+"""Measurements of a class taken beside other runs before it is no longer measured."""
+KNOWN_VALUES = 16
+"""Integer inputs of at most this many elements are given to the graph by value (a
+sample rate may choose a branch); the class keeps the first run's values."""
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
@@ -60,6 +84,9 @@ class MemoryMeter:
         self._proc = psutil.Process()
         self.lock = threading.Lock()
         self.resettable = True
+        self._runs_lock = threading.Lock()
+        self._active = 0  # model runs in progress
+        self._started = 0  # model runs begun
 
     @staticmethod
     def trim() -> None:
@@ -97,6 +124,40 @@ class MemoryMeter:
         rss, hwm = self.read()
         return hwm if self.resettable else rss
 
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Count a model run that is not measured while the block runs."""
+        with self._runs_lock:
+            self._active += 1
+            self._started += 1
+        try:
+            yield
+        finally:
+            with self._runs_lock:
+                self._active -= 1
+
+    def measure(self, run: Callable[[], Any]) -> tuple[Any, int, bool]:
+        """Call ``run()`` (a model run) with the peak reset; returns its result, the peak
+        above the resident size before it, and whether it ran alone (no other model run
+        was in progress or began meanwhile: only then is the figure its own)."""
+        with self.lock:  # one measured run at a time
+            with self._runs_lock:
+                alone = self._active == 0
+                self._active += 1
+                self._started += 1
+                started = self._started
+            try:
+                # Freed heap would be reused unseen: the run's growth must be all of it
+                self.trim()
+                before = self.reset_peak()
+                result = run()
+                used = max(0, self.peak_since_reset() - before)
+            finally:
+                with self._runs_lock:
+                    self._active -= 1
+                    alone = alone and self._started == started
+        return result, used, alone
+
 
 METER = MemoryMeter()
 """The process's meter."""
@@ -127,6 +188,10 @@ class LoadFigures:
     reported: int | None
 
 
+def format_mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 def shape_class(inputs: dict[str, NDArray[Any]]) -> tuple[Any, ...]:
     """Every input's dimensions rounded up to a power of two."""
     return tuple(sorted((name, tuple(1 << max(0, int(d) - 1).bit_length() for d in a.shape))
@@ -137,8 +202,64 @@ def _elements(inputs: dict[str, NDArray[Any]]) -> int:
     return sum(int(math.prod(a.shape)) for a in inputs.values())
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """The working memory a run is expected to need.
+
+    Attributes:
+        bytes: the figure.
+        reliable: sure enough to refuse a run that cannot fit (measured, or from the
+            model's graph with every tensor sized).
+        how: how it was found, for messages.
+        key: the run's shape class.
+        measure: whether this run is to be measured.
+        graph: whether it came from the model's graph.
+    """
+
+    bytes: int
+    reliable: bool
+    how: str
+    key: tuple[Any, ...]
+    measure: bool
+    graph: bool
+
+
+@dataclass
+class _Class:
+    """One shape class: the largest run seen in it (elements), its figure measured alone
+    (or beside other runs, when the graph gives no estimate), its peak of activations,
+    the largest figure admitted before a run, and the largest estimate from the graph
+    (a floor: a measurement can be low when the run reuses memory that another model's
+    runs left resident, in the shared arena or the heap, and both may need it at once)."""
+
+    elements: int = 0
+    measured: int | None = None
+    tries: int = 0
+    activations: tuple[int, int] | None = None  # (elements, bytes) of a run sized
+    complete: bool = False
+    admitted: int = 0
+    floor: int = 0
+
+    def counted(self) -> int:
+        return max(self.measured if self.measured is not None else self.admitted,
+                   self.floor)
+
+
 class WorkingMemory:
     """The working memory of one model version, per shape class, kept across its loads.
+
+    A run's need is estimated from the model's graph
+    (:class:`~inferd.daemon.activations.Activations`): the peak of live activations for
+    the run's shapes times the backend's factor (:data:`FACTORS`), raised by what the
+    model's own runs measured when they needed more. Without a graph the bytes per
+    element of the largest class measured are scaled (trusted up to
+    :data:`RELIABLE_SCALE`).
+
+    A class counts the larger of its estimate and its measurement. A measurement counts
+    only if no other model ran meanwhile (the peak is the process's: beside the OCR
+    graph the recogniser measured 84.9 MiB, alone 20.8); one taken beside others is
+    dropped and the class is measured again at its next run, up to :data:`TRIES` times;
+    a model without a graph keeps the smallest such figure.
 
     Args:
         label: the model's label, for logs.
@@ -149,59 +270,157 @@ class WorkingMemory:
         self.label = label
         self._meter = meter
         self._lock = threading.Lock()
-        self.classes: dict[tuple[Any, ...], tuple[int, int]] = {}  # class -> (elements, bytes)
-        self.peak = 0
+        self.classes: dict[tuple[Any, ...], _Class] = {}
+        self.peak = 0  # the largest figure counted
+        self._graph: Activations | None = None
+        self._factor = DEFAULT_FACTOR
+        self._backend = ""
 
-    def needs_measuring(self, inputs: dict[str, NDArray[Any]]) -> tuple[Any, ...] | None:
-        """The class of ``inputs`` if this run should be measured, else None."""
+    def use(self, graph: Activations | None, backend: str) -> None:
+        """The model (re)loaded on ``backend``; ``graph``: its activations, if its file
+        could be read as ONNX. Classes measured before stay."""
+        with self._lock:
+            self._graph = graph
+            self._backend = backend
+            self._factor = FACTORS.get(backend, DEFAULT_FACTOR)
+            for c in self.classes.values():  # another engine, another file: size anew
+                c.activations = None
+
+    # ----------------------------------------------------------------- estimate
+
+    def estimate(self, inputs: dict[str, NDArray[Any]]) -> Estimate:
+        """What a run on ``inputs`` is expected to need (see the class docstring)."""
         key = shape_class(inputs)
-        known = self.classes.get(key)
-        if known is None or _elements(inputs) > known[0] * GROWTH:
-            return key
-        return None
-
-    def estimate(self, inputs: dict[str, NDArray[Any]]) -> tuple[int, bool]:
-        """Working memory expected for ``inputs``, and whether that is reliable: its
-        class's measured figure (reliable), else the bytes per element of the largest
-        class measured times its elements (reliable if that class is at most
-        ``RELIABLE_SCALE`` times smaller); (0, False) if nothing is known."""
-        known = self.classes.get(shape_class(inputs))
         elements = _elements(inputs)
-        if known is not None and elements <= known[0] * GROWTH:
-            return known[1], True
-        if not self.classes:
-            return 0, False
-        most, used = max(self.classes.values())
-        scaled = max(known[1] if known else 0, int(used / max(1, most) * elements))
-        return scaled, most * RELIABLE_SCALE >= elements
+        with self._lock:
+            c = self.classes.get(key)
+            if c is None:
+                c = self.classes[key] = _Class()
+            again = c.measured is None or elements > c.elements * GROWTH
+            measure = again and c.tries < TRIES
+            if c.measured is not None and not again:
+                return Estimate(c.counted(), True, "measured", key, False, False)
+            graph = self._graph
+        if graph is not None:
+            sized = self._activations(c, graph, inputs, elements)
+            if sized is not None:
+                live, complete = sized
+                factor, whose = self._model_factor()
+                need = max(int(live * factor), c.measured or 0)
+                return Estimate(need, complete, f"estimated from its graph: "
+                                f"{format_mib(live)} of activations x {factor:.2f} "
+                                f"({whose})", key, measure, True)
+        return self._scaled(c, key, elements, measure)
+
+    def _activations(self, c: _Class, graph: Activations, inputs: dict[str, NDArray[Any]],
+                     elements: int) -> tuple[int, bool] | None:
+        """The class's peak of activations scaled to ``elements`` (sized once per class,
+        at its first run's shapes); None if the graph could not be sized at all."""
+        if c.activations is None:
+            try:
+                peak = graph.peak({n: a.shape for n, a in inputs.items()},
+                                  {n: a for n, a in inputs.items()
+                                   if a.dtype.kind in "iub" and a.size <= KNOWN_VALUES})
+            except Exception as e:  # noqa: BLE001  shape inference's own errors: no estimate
+                log.info("model %s: no estimate from its graph for %s: %s", self.label,
+                         {n: list(a.shape) for n, a in inputs.items()}, e)
+                return None
+            with self._lock:
+                c.activations, c.complete = (elements, peak.bytes), peak.complete
+        sized_elements, live = c.activations
+        return int(live * elements / max(1, sized_elements)), c.complete
+
+    def _model_factor(self) -> tuple[float, str]:
+        """The backend's factor, or the ratio of measured working memory to activations
+        on this model's own runs where that is larger."""
+        with self._lock:
+            ratios = [c.measured / (c.activations[1] * c.elements / max(1, c.activations[0]))
+                      for c in self.classes.values()
+                      if c.measured is not None and c.activations is not None
+                      and c.activations[1] >= CALIBRATE_FROM]
+            factor, backend = self._factor, self._backend
+        own = min(max(ratios, default=0.0), MAX_FACTOR)
+        if own > factor:
+            return own, "measured on its runs"
+        return factor, f"{backend or 'the backend'}'s"
+
+    def _scaled(self, c: _Class, key: tuple[Any, ...], elements: int,
+                measure: bool) -> Estimate:
+        """The bytes per element of the largest class measured, times ``elements``."""
+        with self._lock:
+            measured = [(k.elements, k.measured) for k in self.classes.values()
+                        if k.measured is not None]
+        if not measured:
+            return Estimate(0, False, "not known before its first run", key, measure,
+                            False)
+        most, used = max(measured)
+        scaled = max(c.measured or 0, int(used / max(1, most) * elements))
+        return Estimate(scaled, most * RELIABLE_SCALE >= elements,
+                        "estimated from a measured run", key, measure, False)
+
+    # ----------------------------------------------------------------- figures
+
+    def admit(self, estimate: Estimate) -> bool:
+        """A run is let in on ``estimate``: its class counts it (until measured, or for
+        good if it came from the graph). True if that raised the model's largest
+        figure."""
+        with self._lock:
+            c = self.classes.setdefault(estimate.key, _Class())
+            c.admitted = max(c.admitted, estimate.bytes)
+            if estimate.graph:
+                c.floor = max(c.floor, estimate.bytes)
+            return self._recount()
+
+    def run(self, run: Callable[[], Any]) -> Any:
+        """Call ``run()`` (a model run not measured), counted as running: a measurement
+        meanwhile is not taken as its model's own."""
+        with self._meter.running():
+            return run()
 
     def measure(self, key: tuple[Any, ...], inputs: dict[str, NDArray[Any]],
                 run: Callable[[], Any]) -> tuple[Any, bool]:
         """Call ``run()`` and measure its working memory as class ``key``'s; returns its
-        result and whether the measurement raised this model's largest figure."""
-        with self._meter.lock:
-            before = self._meter.reset_peak()
-            result = run()
-            used = max(0, self._meter.peak_since_reset() - before)
-        return result, self.record(key, _elements(inputs), used)
+        result and whether the figures counted for this model changed."""
+        result, used, alone = self._meter.measure(run)
+        return result, self.record(key, _elements(inputs), used, alone)
 
-    def record(self, key: tuple[Any, ...], elements: int, used: int) -> bool:
-        """Note ``used`` bytes for class ``key``; True if that raised the peak."""
+    def record(self, key: tuple[Any, ...], elements: int, used: int,
+               alone: bool = True) -> bool:
+        """Note a measurement of ``used`` bytes for class ``key``; True if the model's
+        largest figure changed."""
         with self._lock:
-            old = self.classes.get(key, (0, 0))
-            self.classes[key] = (max(old[0], elements), max(old[1], used))
-            grew = used > self.peak
-            if grew:
-                self.peak = used
+            c = self.classes.setdefault(key, _Class())
+            c.tries += 1
+            if not alone and (self._graph is not None or c.tries < TRIES):
+                log.debug("model %s: working memory of shape class %s measured beside "
+                          "other runs (%d bytes): dropped", self.label, key, used)
+                return False
+            if alone or c.measured is None:
+                c.measured = max(c.measured or 0, used) if alone else used
+            else:
+                c.measured = min(c.measured, used)
+            c.elements = max(c.elements, elements)
+            c.tries = 0 if alone else c.tries
+            changed = self._recount()
         log.debug("model %s: working memory %d bytes for shape class %s", self.label,
                   used, key)
-        return grew
+        return changed
+
+    def _recount(self) -> bool:
+        peak = max((c.counted() for c in self.classes.values()), default=0)
+        changed, self.peak = peak != self.peak, peak
+        return changed
 
     def describe(self) -> list[dict[str, Any]]:
-        """One row per shape class measured: its dimensions and its working bytes."""
+        """One row per shape class run: its dimensions, what it counts, its measured
+        working bytes (None: not measured alone yet), the estimate it was admitted on,
+        and its peak of activations."""
         with self._lock:
-            return [{"shapes": {n: list(s) for n, s in key}, "bytes": b}
-                    for key, (_, b) in sorted(self.classes.items())]
+            return [{"shapes": {n: list(s) for n, s in key}, "counted_bytes": c.counted(),
+                     "bytes": c.measured, "admitted_bytes": c.admitted or None,
+                     "activations_bytes": c.activations[1] if c.activations else None}
+                    for key, c in sorted(self.classes.items())
+                    if c.measured is not None or c.admitted]
 
 
 class ModelMemory:
@@ -212,9 +431,13 @@ class ModelMemory:
         self.load: LoadFigures | None = None
         self.working = WorkingMemory(label, meter)
 
-    def loaded(self, figures: LoadFigures) -> None:
-        """A load was measured (or, after the engine changed, measured again)."""
+    def loaded(self, figures: LoadFigures, graph: Activations | None = None,
+               backend: str | None = None) -> None:
+        """A load was measured (or, after the engine changed, measured again); with
+        ``backend``, the model now runs there and ``graph`` gives its activations."""
         self.load = figures
+        if backend is not None:
+            self.working.use(graph, backend)
 
     def total(self) -> int | None:
         """Load cost plus the largest working memory; None before the first load."""

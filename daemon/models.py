@@ -272,7 +272,7 @@ class ModelManager:
                           spec=loaded.pipeline, backend=loaded.placement.backend,
                           observe=self._observer.for_model(entry.name)
                           if self._observer is not None else None)
-        entry.memory.loaded(loaded.figures)
+        entry.memory.loaded(loaded.figures, loaded.graph, loaded.placement.backend)
         entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive)
         workers.start()
         if self._observer is not None:
@@ -560,10 +560,7 @@ class ModelManager:
             if spec and (name, spec.default) not in entries:
                 rows.append(ModelEntry(name, spec.default, 1))
             for e in rows:
-                with e.lock:
-                    info = e.describe()
-                    info["pinned"] = self.pinned(e)
-                    info.update(self.budget.describe(e))
+                info = self.describe_entry(e)
                 if spec is None:
                     info["error"] = info["error"] or "removed from the repository"
                 elif spec.error:
@@ -579,6 +576,15 @@ class ModelManager:
                 info["default"] = bool(spec and spec.default == e.version)
                 out.append(info)
         return out
+
+    def describe_entry(self, entry: ModelEntry) -> dict[str, Any]:
+        """One version's row (the reply to a load or unload): its state, pin and
+        memory."""
+        with entry.lock:
+            info = entry.describe()
+            info["pinned"] = self.pinned(entry)
+            info.update(self.budget.describe(entry))
+        return info
 
     def cache_status(self) -> dict[str, Any]:
         """Budget and use, for the status op."""

@@ -431,8 +431,7 @@ class Runtime:
             entry = self.models.load(name, request.version)
         else:
             entry = self.models.unload(name, request.version)
-        with entry.lock:
-            return entry.describe()
+        return self.models.describe_entry(entry)
 
     def status(self) -> dict[str, Any]:
         mem = self._proc.memory_info()

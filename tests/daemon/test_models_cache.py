@@ -417,3 +417,27 @@ def test_reload_swaps_a_new_version_in_under_load(
     assert h.state("vad") is State.READY  # pinned
     replaced = "versions 1 and 2 do not fit together" in caplog.text
     assert replaced is not fits_both
+
+
+def test_room_for_a_new_input_size_is_made_off_the_worker_thread(
+        models_dir: Path, short_tmp: Path, harness: Callable[..., Harness],
+        caplog: pytest.LogCaptureFixture) -> None:
+    repo = make_repo(short_tmp / "repo", models_dir,
+                     {"ocr-det": {1: "ocr-det"}, "ocr-cls": {1: "ocr-cls"}})
+    h = harness(repo, max_memory="unlimited")
+    m = h.manager
+    assert h.infer("ocr-det").ok and h.infer("ocr-cls").ok
+    wait_for(lambda: h.row("ocr-det")["in_flight"] == 0 == h.row("ocr-cls")["in_flight"])
+    det, cls = h.row("ocr-det")["memory_bytes"], h.row("ocr-cls")["memory_bytes"]
+    # A larger detector input: its graph's estimate (~18 MiB) fits beside the detector,
+    # not beside both models, so the idle classifier must go first.
+    h.inputs["ocr-det"] = {"x": np.zeros((1, 3, 320, 320), np.float32)}
+    need = m.entry("ocr-det").memory.working.estimate(h.inputs["ocr-det"]).bytes
+    m.config.cache.max_memory = det + need + cls // 2
+    caplog.set_level(logging.INFO, "inferd.daemon.models")
+    assert h.infer("ocr-det").ok
+    assert h.state("ocr-cls") is State.UNLOADED
+    [evicted] = [r for r in caplog.records if "ocr-cls version 1 unloaded: evicted" in
+                 r.getMessage()]
+    assert evicted.threadName.startswith("inferd-cache-evict"), evicted.threadName
+    assert m.cache_status()["used_bytes"] <= m.config.cache.max_memory
