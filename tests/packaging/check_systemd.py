@@ -18,7 +18,9 @@ what it measured:
    status line says the model is warm;
 4. ``journalctl -u inferd MODEL=ocr-cls`` finds the load line with its fields;
 5. a user in group inferd gets an inference from the installed inferctl; a user outside
-   it is refused (client message and the kernel's EACCES);
+   it is refused (client message and the kernel's EACCES); the member's input and output
+   travel through a memfd registered over the ``.shm`` socket (SCM_RIGHTS) under the
+   unit's sandbox;
 6. ``systemctl reload inferd``: systemd's own log shows RELOADING=1, the unit in state
    reload, then READY=1 and running again;
 7. the sandbox holds: in the service's mount namespace, as its user, every write outside
@@ -208,6 +210,32 @@ def check_clients(c: Container) -> None:
     assert "PermissionError" in raw.stderr, raw.stderr
     step("member of group inferd: inference served; user outside the group: refused "
          "(client message and kernel EACCES)")
+
+
+SHM_CLIENT = """
+import numpy as np
+from inferd.ipc import Client, Region
+with Client("ipc:///run/inferd/inferd.sock", timeout=60) as c:
+    region = c.register(Region(1 << 20))
+    x = region.ndarray((1, 3, 48, 192), np.float32)
+    x[...] = 0.5
+    by_socket = c.infer("ocr-cls", {"x": np.full((1, 3, 48, 192), 0.5, np.float32)})
+    out = c.infer("ocr-cls", {"x": x}, outputs_into=region)
+    (name, y), = out.items()
+    assert region.locate(y) is not None, "the output is not in the region"
+    assert y.tobytes() == by_socket[name].tobytes(), (y, by_socket[name])
+    print("shm ok", region.token[:3], list(y.shape))
+"""
+
+
+def check_shm(c: Container) -> None:
+    """Shared-memory tensors under the real unit (PrivateTmp=, ProtectProc=invisible):
+    the group member's memfd, passed over /run/inferd/inferd.sock.shm, carries an
+    ocr-cls input in and its output out, the same bits as by the socket."""
+    out = c.run("python3", "-c", SHM_CLIENT, user=MEMBER)
+    assert out.stdout.startswith("shm ok r"), out.stdout + out.stderr
+    step("member of group inferd: an input and its output through a registered memfd "
+         "(SCM_RIGHTS) under the unit's sandbox, same bits as by the socket")
 
 
 def check_reload(c: Container) -> None:
@@ -424,6 +452,7 @@ def main(argv: list[str]) -> int:
                 check_journal(c)
                 add_users(c)
                 check_clients(c)
+                check_shm(c)
                 check_reload(c)
                 check_sandbox(c, offline)
                 check_watchdog(c)
