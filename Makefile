@@ -7,17 +7,18 @@ PNNX   := pnnx==20261020
 RUNDIR ?= $(or $(XDG_RUNTIME_DIR),/tmp/inferd-$(shell id -u))
 SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
 
-# Debian packages the build and the tests need (libzmq3-dev, libjansson-dev and g++:
-# libinferd, its C++ header and the C client example; fonts: the OCR tests render their
-# images; pocl + OpenCL headers and loader: the OpenCL custom op example and its tests;
-# Mesa's Vulkan drivers, lavapipe among them, and the loader: the ncnn backend's Vulkan
-# tests). Installed by `make setup` when run as root.
-SYSTEM_PACKAGES := python3-venv gcc g++ libc6-dev libzmq3-dev libjansson-dev fonts-dejavu-core \
+# Debian packages the build and the tests need (libzmq3-dev, libjansson-dev, g++ and
+# pkg-config: libinferd, its C++ header and the C client example; fonts: the OCR tests
+# render their images; pocl + OpenCL headers and loader: the OpenCL custom op example and
+# its tests; Mesa's Vulkan drivers, lavapipe among them, and the loader: the ncnn
+# backend's Vulkan tests). Installed by `make setup` when run as root.
+SYSTEM_PACKAGES := python3-venv gcc g++ libc6-dev libzmq3-dev libjansson-dev pkg-config \
+	fonts-dejavu-core \
 	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev \
 	mesa-vulkan-drivers vulkan-tools libvulkan1
 
 .PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint libinferd \
-        venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64 wheels
+        venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64 wheels apt-repo
 
 setup: system-packages $(STAMP) models/.complete
 
@@ -137,9 +138,24 @@ DEB_SOURCES := $(shell git ls-files --cached --others --exclude-standard 2>/dev/
 
 deb: build/deb/$(ARCH)/.built
 
-build/deb/%/.built: $(DEB_SOURCES) | $(STAMP)
+# Its build dependencies first (before the venv, which needs python3-venv): installed when
+# run as root, else the apt-get line is printed and make stops (packaging/build_deps.py).
+build/deb/%/.built: $(DEB_SOURCES) | deb-build-deps-% $(STAMP)
 	packaging/build-deb.sh $*
 	touch $@
+
+deb-build-deps-%:
+	@$(PYTHON) packaging/build_deps.py $*
+.SECONDARY: deb-build-deps-amd64 deb-build-deps-arm64
+
+# A signed apt repository in build/apt/ of make deb's packages for APT_ARCHS (docs/install.md,
+# "Installing from an apt repository"): GPG_KEY names the signing key in gpg's keyring.
+# Older versions already in build/apt/pool stay (rm -rf build/apt to start over).
+APT_ARCHS ?= amd64 arm64
+apt-repo: $(APT_ARCHS:%=build/deb/%/.built)
+	@test -n "$(GPG_KEY)" || { echo "make apt-repo: give the signing key: make apt-repo" \
+	    "GPG_KEY=<key id or fingerprint> (a secret key in gpg's keyring)" >&2; exit 2; }
+	APT_ARCHS="$(APT_ARCHS)" packaging/apt-repo.sh build/apt "$(GPG_KEY)" $(APT_ARCHS:%=build/deb/%)
 
 # The onnxruntime-gpu wheel (x86_64, this Python) in .cache/wheels/onnxruntime-gpu/: the GPU
 # backend's tests run it up to the hardware boundary (tests/libbackends/test_onnxruntime_gpu.py).

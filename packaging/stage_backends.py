@@ -33,12 +33,15 @@ add-on whose control does not list ARCH, or whose upstream publishes no wheel fo
 (pip finds none), is skipped with the reason printed; any other pip failure (network,
 typo) fails the build.
 
+``$INFERD_DEB_BACKENDS`` (space-separated ids), when set, stages only those add-ons.
+
 Usage: stage_backends.py ARCH SOURCE_TREE CACHE PIP_PYTHON
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -210,7 +213,11 @@ def main(argv: list[str]) -> int:
     (debian / "vendor").mkdir(parents=True, exist_ok=True)
     (debian / "vendor" / "backends.json").write_text("{}\n")
     staged = 0
+    only = os.environ.get("INFERD_DEB_BACKENDS")
     for backend in sorted(p for p in BACKENDS.iterdir() if (p / "control").exists()):
+        if only is not None and backend.name not in only.split():
+            say(f"skip inferd-backend-{backend.name}: not in $INFERD_DEB_BACKENDS ({only})")
+            continue
         result = stage(backend, arch, debian, cache.resolve(), pip_python)
         staged += not result.startswith("skip ")
         say(result)

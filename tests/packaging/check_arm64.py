@@ -9,13 +9,15 @@ are built once and cached, tests/packaging/make_root.sh). Steps:
    direction classifier acts) and nearly square (cheap to detect under qemu);
 2. amd64 reference: the amd64 packages in the amd64 root, booted with systemd as PID 1,
    the probe (tests/packaging/probe_results.py) as a user in group inferd;
-3. arm64: the arm64 packages in the arm64 root, booted with systemd as PID 1 under
+3. arm64: the arm64 packages (and libinferd0) in the arm64 root, booted with systemd as PID 1 under
    qemu-user (a bind holding only ``possible``/``present`` over
    /sys/devices/system/cpu, see container.py), installed with apt-get, started by
    systemd with one drop-in, PrivateNetwork=no (qemu-user cannot emulate systemd's
    network namespace setup; see QEMU_DROPIN), the same probe;
-4. the two results agree: ocr-cls outputs, OCR boxes and scores within 1e-4, the same
-   texts. The largest differences are printed.
+4. on each, the example libinferd-dev ships, built for that architecture against that
+   package (pkg-config), is served by the daemon through libinferd0;
+5. the two results agree: ocr-cls outputs, OCR boxes and scores, and the libinferd
+   example's scores within 1e-4, the same texts. The largest differences are printed.
 
 Usage: check_arm64.py BUILD_ROOT MODELS_DIR (make deb-test-arm64 passes build/deb, which
 holds amd64/ and arm64/, and models).
@@ -34,6 +36,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
+from apt_cycle import build_against_dev  # noqa: E402
 from check_systemd import MEMBER, PACKAGES, SHARE, add_users, install, make_share  # noqa: E402
 from container import Container, cached_root  # noqa: E402
 
@@ -67,8 +70,10 @@ def make_inputs(path: Path) -> None:
 
 def results(arch: str, build: Path, models: Path, inputs: Path) -> dict[str, np.ndarray]:
     # inferd and the CPU add-on: the subject here (the amd64 check installs every add-on)
-    share = make_share(build / arch, models, MODELS, list(PACKAGES))
+    share = make_share(build / arch, models, MODELS, [*PACKAGES, "libinferd0"])
     try:
+        # the example libinferd-dev ships, built for ARCH against that package (issue 23)
+        build_against_dev(build / arch, arch, EXAMPLE, share / "inferd_client")
         shutil.copy2(inputs, share / "inputs.npz")
         (share / "out").mkdir(mode=0o777)
         (share / "out").chmod(0o777)
@@ -94,10 +99,26 @@ def results(arch: str, build: Path, models: Path, inputs: Path) -> dict[str, np.
             print(out.stdout, end="", flush=True)
             step(f"{arch}: probe took {time.monotonic() - probe_started:.1f} s; whole "
                  f"{arch} stage {time.monotonic() - started:.0f} s")
+            scores = libinferd_scores(c, arch)
         with np.load(share / "out" / "results.npz") as z:
-            return {k: z[k] for k in z.files}
+            return {**{k: z[k] for k in z.files}, "libinferd_cls_scores": scores}
     finally:
         shutil.rmtree(share, ignore_errors=True)
+
+
+EXAMPLE = "usr/share/doc/libinferd-dev/examples/inferd_client.c"
+
+
+def libinferd_scores(c: Container, arch: str) -> np.ndarray:
+    """The libinferd example (ocr-cls on a zero image, then four calls in flight) run
+    against the daemon as a member of group inferd, with the libinferd0 of ARCH."""
+    out = c.run(f"{SHARE}/inferd_client", "ipc:///run/inferd/inferd.sock", user=MEMBER,
+                timeout=600)
+    assert out.stdout.count("reply ") == 4, out.stdout + out.stderr
+    scores = np.array([float(v) for v in out.stdout.split("scores:")[1].split()[:2]])
+    step(f"{arch}: the libinferd example, built against libinferd-dev for {arch}, served: "
+         f"scores {scores.tolist()}")
+    return scores
 
 
 def check_boot_units(c: Container, arch: str) -> None:

@@ -21,7 +21,9 @@ what it did at the end, also after a failure, so it can be run again. Steps:
 6. SIGHUP gives RELOADING=1 then READY=1, and a reloaded [access] allow-list refuses
    the group member with PERMISSION_DENIED;
 7. SIGTERM gives STOPPING=1 and exit status 0;
-8. ``dpkg --purge`` leaves no file of either package behind;
+8. ``dpkg --purge`` leaves no file of either package behind (libinferd0 and
+   libinferd-dev too: installed, the example they ship built with pkg-config and served
+   by the installed daemon, purged);
 9. the onnxruntime-gpu add-on (built where PyPI has its wheel): its fields replace
    inferd-backend-onnxruntime, it installs in its place, its GPU plugin's probe gives
    the no-GPU reason and its CPU plugin runs the model on the GPU build; then purged.
@@ -477,6 +479,7 @@ def main() -> int:
         check_rknn_unavailable()
         check_openvino(tmp)
         check_ncnn(tmp)
+        check_libinferd_dev(build, tmp)
         if journal is not None:
             check_journal(journal)
 
@@ -568,6 +571,36 @@ def check_clients(daemon: InstalledDaemon, tmp: Path, status: str) -> None:
               f"s.connect({str(SOCKET)!r})", user=OUTSIDER, check=False)
     assert "PermissionError" in raw.stderr, raw.stderr
     step("user outside group inferd: refused (client message and kernel EACCES)")
+
+
+LIB_PACKAGES = ("libinferd0", "libinferd-dev")
+
+
+def check_libinferd_dev(build: Path, tmp: Path) -> None:
+    """libinferd0 and libinferd-dev installed: the example they ship builds with
+    `pkg-config --cflags --libs inferd` alone and is served by the installed daemon;
+    then both purged, nothing of theirs left (issue 23)."""
+    debs = [str(sorted(build.glob(f"{p}_*.deb"))[-1]) for p in LIB_PACKAGES]
+    run("dpkg", "-i", *debs)
+    files = [f for p in LIB_PACKAGES for f in run("dpkg-query", "-L", p).stdout.splitlines()
+             if f not in ("", "/.")]
+    try:
+        flags = run("pkg-config", "--cflags", "--libs", "inferd").stdout.split()
+        assert flags == ["-linferd"], flags  # /usr/include and the multiarch libdir
+        example = tmp / "c-client"
+        shutil.copytree("/usr/share/doc/libinferd-dev/examples", example)
+        os.chmod(example, 0o755)
+        run("make", "-C", str(example))
+        out = run(str(example / "build" / "inferd_client"), f"ipc://{SOCKET}", user=MEMBER)
+        assert "scores:" in out.stdout and out.stdout.count("reply ") == 4, out.stdout
+    finally:
+        run("dpkg", "--purge", *reversed(LIB_PACKAGES))
+    left = [f for f in files if os.path.lexists(f) and
+            run("dpkg-query", "-S", f, check=False).returncode != 0]
+    assert not left, f"dpkg --purge libinferd0 libinferd-dev left {left}"
+    step(f"libinferd-dev: its example built with pkg-config ({' '.join(flags)}) and served "
+         f"by the installed daemon ({out.stdout.split('scores:')[1].split(chr(10))[0].strip()}); "
+         "purged clean")
 
 
 def check_ml_dtypes_refused(sock: str) -> None:

@@ -9,10 +9,11 @@ what it measured:
 
 1. boot; the distribution's systemd-sysusers and systemd-tmpfiles-setup units ran (or
    why not: the "Failed to set up credentials" question, see docs/install.md);
-2. ``apt-get install ./inferd_*_all.deb ./inferd-backend-*_amd64.deb`` (every add-on
-   built but onnxruntime-gpu, which replaces the CPU one): user and group inferd made
-   by the package's sysusers.d file, the unit
-   enabled and started;
+2. ``apt-get install inferd inferd-backend-...`` (every add-on built but
+   onnxruntime-gpu, which replaces the CPU one) from a signed apt repository of the
+   built packages (packaging/apt-repo.sh, a throwaway key; the board's inferd.sources
+   with Signed-By, as docs/install.md shows): user and group inferd made by the
+   package's sysusers.d file, the unit enabled and started;
 3. with ocr-cls in /var/lib/inferd/models and preloaded (a conf.d drop-in),
    ``systemctl restart inferd`` returns once READY=1 came: ``active (running)``, the
    status line says the model is warm;
@@ -30,7 +31,18 @@ what it measured:
 8. SIGSTOP of the daemon: the watchdog (WatchdogSec=30s) kills it and systemd restarts
    it within WatchdogSec x 2, measured from systemd's journal;
 9. SIGKILL: Restart=on-failure brings it back (measured);
-10. ``apt-get purge``: no file of the packages left, the unit gone.
+10. ``apt-get purge``: no file of the packages left, the unit gone;
+
+then, in a second container, the upgrade cycle (inferd, the CPU add-on, libinferd0 and
+libinferd-dev): installed from the repository at make deb's version; a newer version
+built on the spot (build-deb.sh with INFERD_DEB_VERSION) joins the repository and
+``apt-get upgrade`` installs it while a libinferd client (tests/packaging/serving_client.c,
+built against the libinferd-dev package) keeps four calls in flight: the conffile edit,
+the model repository and the user inferd are kept, the daemon restarts once and cleanly
+(no failure, NRestarts unchanged, READY), every call is answered (OK, or UNAVAILABLE
+around the restart, none lost), results unchanged; ``apt-get install --allow-downgrades``
+back to the first version; ``apt-get purge`` and ``apt-get install`` again (a pristine
+conffile, the same user); a last purge leaves nothing.
 
 Usage: check_systemd.py BUILD_DIR MODELS_DIR (make deb-test-systemd passes build/deb/amd64
 and models).
@@ -39,8 +51,10 @@ and models).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,6 +112,12 @@ def install(c: Container, models: list[str], preload: list[str],
     debs = sorted(c.run("sh", "-c", f"ls {SHARE}/debs/*.deb").stdout.split())
     out = c.run("apt-get", "install", "-y", "--no-install-recommends", *debs, timeout=900)
     assert "Setting up inferd " in out.stdout, out.stdout
+    return serve_models(c, models, preload)
+
+
+def serve_models(c: Container, models: list[str], preload: list[str]) -> float:
+    """MODELS copied into the installed repository, PRELOAD preloaded (a conf.d drop-in),
+    the daemon restarted; the seconds `systemctl restart` took (until READY=1)."""
     for name in models:
         c.run("cp", "-r", f"{SHARE}/models/{name}", "/var/lib/inferd/models/")
     c.run("chmod", "-R", "a+rX", "/var/lib/inferd/models")
@@ -416,7 +436,6 @@ def check_purge(c: Container, packages: list[str]) -> None:
 
 
 def offline_exposure(build: Path) -> float:
-    import subprocess
     tmp = Path(tempfile.mkdtemp(prefix="inferd-unit-"))
     try:
         deb = sorted(build.glob("inferd_*_all.deb"))[-1]
@@ -430,7 +449,8 @@ def offline_exposure(build: Path) -> float:
 
 
 def main(argv: list[str]) -> int:
-    import os
+    from apt_cycle import Repository, build_serving_client, check_upgrade_cycle, install_from_repo
+
     if os.geteuid() != 0:
         print("deb-test-systemd: needs root (systemd-nspawn)", file=sys.stderr)
         return 2
@@ -442,11 +462,14 @@ def main(argv: list[str]) -> int:
     share = make_share(build, models, ["ocr-cls"], packages)
     np.save(share / "x.npy", np.zeros((1, 3, 48, 192), np.float32))
     (share / "x.npy").chmod(0o644)
+    repo = Repository(share)
+    repo.add(build)
+    build_serving_client(build, share)
     try:
         with Container(root, share) as c:
             try:
                 check_boot_units(c)
-                restart_s = install(c, ["ocr-cls"], ["ocr-cls"])
+                restart_s = install_from_repo(c, packages, ["ocr-cls"], ["ocr-cls"])
                 check_installed(c)
                 check_running(c, restart_s)
                 check_journal(c)
@@ -462,7 +485,9 @@ def main(argv: list[str]) -> int:
                 print("--- journal of inferd ---\n" + c.journal("-u", UNIT, "-n", "80"),
                       file=sys.stderr)
                 raise
+        check_upgrade_cycle(root, share, repo, build)
     finally:
+        repo.close()
         shutil.rmtree(share, ignore_errors=True)
     for key, value in figures.items():
         step(f"FIGURE {key}: {value}")
@@ -471,4 +496,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    # run as the module `check_systemd`, the one apt_cycle.py and check_arm64.py import,
+    # so that there is one `figures` for all of them
+    import check_systemd
+
+    sys.exit(check_systemd.main(sys.argv))

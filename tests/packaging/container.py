@@ -149,6 +149,15 @@ class Container:
                                  f"{out.returncode}:\n{out.stdout}{out.stderr}")
         return out
 
+    def popen(self, *cmd: str, user: str | None = None) -> subprocess.Popen[str]:
+        """Start CMD inside the container (as USER) without waiting: its stdin and stdout
+        are pipes, its stderr goes to the test's."""
+        assert self.leader, "the container is not running"
+        inner = ["runuser", "-u", user, "--", *cmd] if user else list(cmd)
+        full = ["nsenter", "-t", str(self.leader), "-a", "--", "env", "-i",
+                *(f"{k}={v}" for k, v in ENV.items()), *inner]
+        return subprocess.Popen(full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
     def show(self, unit: str, *props: str) -> dict[str, str]:
         out = self.run("systemctl", "show", unit, *(f"--property={p}" for p in props)).stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)

@@ -41,6 +41,12 @@ void ifd_call_rearm(inferd_call *call)
     ifd_settle_call(call);
     if (call->client)
         ifd_done_remove(call->client, call);
+    if (call->aligned) {
+        for (size_t i = 0; i < call->reply.n_outputs; i++)
+            free(call->aligned[i]);
+        free(call->aligned);
+        call->aligned = NULL;
+    }
     ifd_reply_clear(&call->reply);
     if (call->frames)
         ifd_close_frames(call->frames, call->n_frames);

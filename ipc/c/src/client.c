@@ -21,6 +21,8 @@ int64_t ifd_now_ns(void)
 
 inferd_code ifd_fail(inferd_client *c, inferd_code code, const char *fmt, ...)
 {
+    if (c == NULL)  /* a call whose client was freed: the code alone */
+        return code;
     va_list ap;
     va_start(ap, fmt);
     ifd_text_vset(&c->error, fmt, ap);

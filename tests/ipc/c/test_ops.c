@@ -244,7 +244,20 @@ static void check_deadlines(inferd_client *c, const float *image)
     inferd_call_free(lost);
     inferd_call_free(other);
     free(borrowed);
+
+    /* calls outlive their client: in flight they end CANCELLED, unsent they refuse */
+    inferd_call *pending = inferd_call_new(silent, INFERD_OP_PING, NULL);
+    inferd_call *unsent = inferd_call_new(silent, INFERD_OP_INFER, "ocr-cls");
+    CHECK_CODE(INFERD_OK, inferd_submit(pending), inferd_client_error(silent));
     inferd_client_free(silent);
+    CHECK(inferd_call_client(pending) == NULL && inferd_call_client(unsent) == NULL);
+    CHECK_CODE(INFERD_CANCELLED, inferd_wait(pending, -1), inferd_call_message(pending));
+    CHECK_CONTAINS(inferd_call_message(pending), "the client was closed");
+    inferd_tensor bad = {"x", INFERD_FLOAT32, 0, NULL, image, 3, NULL, NULL};
+    CHECK_CODE(INFERD_INVALID_ARGUMENT, inferd_call_add_input(unsent, &bad), "no client");
+    CHECK_CODE(INFERD_CANCELLED, inferd_submit(unsent), "no client");
+    inferd_call_free(pending);
+    inferd_call_free(unsent);
     unlink(path);
 }
 
