@@ -463,9 +463,9 @@ def main(argv: list[str]) -> int:
     np.save(share / "x.npy", np.zeros((1, 3, 48, 192), np.float32))
     (share / "x.npy").chmod(0o644)
     repo = Repository(share)
-    repo.add(build)
-    build_serving_client(build, share)
     try:
+        repo.add(build)
+        build_serving_client(build, share)
         with Container(root, share) as c:
             try:
                 check_boot_units(c)
