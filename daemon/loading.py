@@ -27,7 +27,6 @@ from inferd.daemon.warmup import warm_up
 from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
 from inferd.libbackends.customops.contract import OpRegistry
-from inferd.libbackends.customops.plan import load_planned
 from inferd.libbackends.registry import Choice, Registry
 
 log = logging.getLogger(__name__)
@@ -118,6 +117,9 @@ class ModelLoader:
         tables = {b.id: backend_options(config, spec.settings, b.id) for b in fallbacks}
 
         def load_on(choice: Choice, options: LoadOptions) -> LoadedModel:
+            # the planner reads ONNX graphs: onnx comes in with the first model
+            from inferd.libbackends.customops.plan import load_planned
+
             with self._lock:  # held already for the first load; taken for a rival
                 return load_planned(choice.backend, source.path, options,
                                     model=entry.label, model_dir=repo.root / entry.name,

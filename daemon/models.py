@@ -53,7 +53,6 @@ from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failu
 from inferd.ipc.protocol import Reply, Request
 from inferd.ipc.replies import AnyTicket, ReplySink
 from inferd.libbackends.customops.contract import OpRegistry
-from inferd.libbackends.customops.plan import plan_note
 from inferd.libbackends.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -277,6 +276,8 @@ class ModelManager:
         workers.start()
         if self._observer is not None:
             self._observer.loaded(entry.name, time.monotonic() - started, True)
+        from inferd.libbackends.customops.plan import plan_note  # loaded with the model
+
         where = loaded.placement
         log.info("model %s loaded on %s, device %s, in %.0f ms, %s%s; chosen: %s",
                  entry.label, where.backend, where.device,

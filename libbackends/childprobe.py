@@ -13,6 +13,7 @@ import; the custom-op loader runs its own child with :func:`child_setup` and
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import selectors
@@ -183,6 +184,22 @@ def child_json(code: str, module_file: str, timeout_s: float,
         return json.loads(lines[-1])
     except ValueError:
         raise RuntimeError(f"the process listing them printed {lines[-1][:200]!r}") from None
+
+
+def engine_facts(code: str, module: str, timeout_s: float) -> Any:
+    """What ``code`` (Python that imports the engine ``module`` and prints one JSON value
+    as its last line) prints, run in a child process (:func:`child_json`) that finds the
+    same copy of the module, without importing it here: an engine comes into the daemon
+    only when a model is loaded on it, and one whose import crashes or hangs is
+    reported, never fatal.
+
+    Raises:
+        RuntimeError: the module is not installed, or the child failed (the reason).
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"python module {module} is not installed")
+    return child_json(code, spec.origin, timeout_s)
 
 
 def child_setup(parent: int) -> bool:

@@ -191,11 +191,17 @@ class Loader:
     def _builtin(self, c: Candidate, builtin: Builtin) -> tuple[Backend, Probe]:
         b = builtin
         c.stage = Stage.OPENED
+        # Found, not imported: the engine comes into the daemon with the first model
+        # loaded on it, and its probe imports it in a child process.
         try:
-            importlib.import_module(b.module)
-        except Exception as e:
+            found = importlib.util.find_spec(b.module) is not None
+        except (ImportError, ValueError) as e:
             raise CandidateError(Stage.OPENED, f"python module {b.module} cannot be "
                                                f"imported: {_exc(e)}") from e
+        if not found:
+            raise CandidateError(Stage.OPENED, f"python module {b.module} cannot be "
+                                               f"imported: ModuleNotFoundError: No module "
+                                               f"named '{b.module}'")
         c.stage = Stage.CONTRACT_CHECKED
         return self._checked(c, _call_factory(b.factory, f"built-in {b.name}"))
 

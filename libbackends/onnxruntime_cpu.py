@@ -20,6 +20,9 @@ onnxruntime arena"):
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib.metadata
+import importlib.util
 import logging
 import sys
 import threading
@@ -32,6 +35,7 @@ from numpy.typing import NDArray
 
 from inferd.ipc.dtypes import PACKED, numpy_dtype, pack, unpack
 from inferd.ipc.errors import BackendError, ErrorCode, ModelError
+from inferd.libbackends.childprobe import engine_facts
 from inferd.libbackends.contract import (
     Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec, aligned,
 )
@@ -124,6 +128,29 @@ def _size(value: Any, key: str, where: str) -> int:
             pass
     raise ModelError(f"{where}: [onnxruntime] {key} = {value!r}: expected a size such as "
                      f"'256MiB', or 'unlimited'")
+
+
+PROBE_TIMEOUT_S = 60.0
+"""How long the child process that imports onnxruntime for the probe may take."""
+ENGINE_FACTS = ("import json, os, onnxruntime as o; print(json.dumps({'version': "
+                "o.__version__, 'location': os.path.dirname(o.__file__), "
+                "'providers': o.get_available_providers()}))")
+
+
+@functools.cache
+def ort_facts() -> dict[str, Any]:
+    """onnxruntime's version and execution providers, asked once per process of a child
+    (both onnxruntime backends probe with it)."""
+    return engine_facts(ENGINE_FACTS, "onnxruntime", PROBE_TIMEOUT_S)  # type: ignore[no-any-return]
+
+
+def installed_version(distribution: str) -> str:
+    """A package's version from its metadata, without importing it ("" where an add-on
+    vendored it without metadata: the probe's child says it)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 THREAD_KEYS = ("intra_op_threads", "inter_op_threads", "allow_spinning")
@@ -232,21 +259,30 @@ class OnnxRuntimeCpuBackend(Backend):
 
     def __init__(self) -> None:
         self._kernel_table: dict[tuple[str, str], list[tuple[int, int]]] | None = None
-        try:
-            import onnxruntime
-        except ImportError:
-            self._ort = None
-            self.version = "unavailable"
-        else:
-            self._ort = onnxruntime
-            self.version = onnxruntime.__version__
+        # onnxruntime is imported when the first model loads on it (19 MiB); until then
+        # the probe asks a child process (libbackends/childprobe.py: engine_facts)
+        self._module: Any = None
+        self._installed = importlib.util.find_spec("onnxruntime") is not None
+        self.version = installed_version("onnxruntime") if self._installed else "unavailable"
         self._shared_lock = threading.Lock()
         self._shared_cap: int | None = None  # the shared arena's cap, once set up
 
+    @property
+    def _ort(self) -> Any:
+        if self._module is None:
+            import onnxruntime
+
+            self._module = onnxruntime
+        return self._module
+
     def probe(self) -> Probe:
-        if self._ort is None:
+        if not self._installed:
             return Probe(False, "python module onnxruntime is not installed")
-        providers = self._ort.get_available_providers()
+        try:
+            facts = ort_facts()
+        except RuntimeError as e:
+            return Probe(False, f"onnxruntime cannot be imported: {e}")
+        self.version, providers = facts["version"], facts["providers"]
         if "CPUExecutionProvider" not in providers:
             return Probe(False, f"CPUExecutionProvider missing (have {providers})")
         return Probe(True, devices=("cpu",))
@@ -285,14 +321,14 @@ class OnnxRuntimeCpuBackend(Backend):
         return answer
 
     def _kernels(self) -> dict[tuple[str, str], list[tuple[int, int]]] | None:
-        if self._ort is not None and \
+        if self._installed and \
                 "CUDAExecutionProvider" in self._ort.get_available_providers():
             # onnxruntime-gpu's get_all_opkernel_def() loads the CUDA provider library
             # and crashes the process (SIGSEGV, 1.31) where CUDA is missing: not asked.
             return None
         if self._kernel_table is None:
             table: dict[tuple[str, str], list[tuple[int, int]]] = {}
-            if self._ort is not None:
+            if self._installed:
                 from onnxruntime.capi import onnxruntime_pybind11_state as C
 
                 for k in C.get_all_opkernel_def():
@@ -303,7 +339,7 @@ class OnnxRuntimeCpuBackend(Backend):
         return self._kernel_table
 
     def load(self, model_path: Path, options: LoadOptions) -> LoadedModel:
-        if self._ort is None:
+        if not self._installed:
             raise BackendError("onnxruntime is not installed")
         so = self._ort.SessionOptions()
         so.intra_op_num_threads = options.intra_op_threads

@@ -32,7 +32,10 @@ from inferd.ipc.errors import BackendError, ErrorCode, ModelError
 from inferd.libbackends.contract import (
     Backend, DeviceKind, LoadedModel, LoadOptions, Probe,
 )
-from inferd.libbackends.onnxruntime_cpu import OrtModel
+from inferd.libbackends.childprobe import engine_facts
+from inferd.libbackends.onnxruntime_cpu import (
+    PROBE_TIMEOUT_S, OrtModel, installed_version, ort_facts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,15 @@ def _probe_model() -> bytes:
     return bytes(model.SerializeToString())
 
 
+GPU_FACTS = (
+    "import json\n"
+    "from inferd.libbackends.onnxruntime_gpu import OnnxRuntimeGpuBackend\n"
+    "b = OnnxRuntimeGpuBackend()\n"
+    "p = b.probe_here()\n"
+    "print(json.dumps({'version': b._ort.__version__, 'available': p.available,\n"
+    "                  'reason': p.reason, 'devices': list(p.devices)}))\n")
+
+
 class OnnxRuntimeGpuBackend(Backend):
     """onnxruntime with the CUDA (or TensorRT) execution provider."""
 
@@ -103,10 +115,18 @@ class OnnxRuntimeGpuBackend(Backend):
     kind = DeviceKind.GPU
 
     def __init__(self) -> None:
-        import onnxruntime
+        # onnxruntime is imported when the first model loads on it; the probe (a CUDA
+        # session) runs in a child process (libbackends/childprobe.py: engine_facts)
+        self._module: Any = None
+        self.version = installed_version("onnxruntime-gpu") or installed_version("onnxruntime")
 
-        self._ort = onnxruntime
-        self.version = onnxruntime.__version__
+    @property
+    def _ort(self) -> Any:
+        if self._module is None:
+            import onnxruntime
+
+            self._module = onnxruntime
+        return self._module
 
     def _session(self, model: str | bytes, providers: list[Any], threads: int = 1
                  ) -> tuple[Any, str]:
@@ -119,6 +139,24 @@ class OnnxRuntimeGpuBackend(Backend):
         return session, printed[0]
 
     def probe(self) -> Probe:
+        if importlib.util.find_spec("onnxruntime") is None:
+            return Probe(False, "python module onnxruntime is not installed")
+        try:
+            ort = ort_facts()
+            providers = ort["providers"]
+            if "CUDAExecutionProvider" not in providers:  # no second child needed
+                return Probe(False, f"onnxruntime {ort['version']} ({ort['location']}) is "
+                                    f"a build without CUDA (providers: "
+                                    f"{', '.join(providers)}); the GPU backend needs "
+                                    f"onnxruntime-gpu in its place")
+            facts = engine_facts(GPU_FACTS, "onnxruntime", PROBE_TIMEOUT_S)
+        except RuntimeError as e:
+            return Probe(False, f"onnxruntime cannot be imported: {e}")
+        self.version = facts["version"]
+        return Probe(facts["available"], facts["reason"], tuple(facts["devices"]))
+
+    def probe_here(self) -> Probe:
+        """The probe itself, in this process (the child's side of :meth:`probe`)."""
         ort = self._ort
         available = ort.get_available_providers()
         if "CUDAExecutionProvider" not in available:

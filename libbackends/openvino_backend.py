@@ -29,6 +29,8 @@ other shapes run on the dynamic compile.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import logging
 import queue
 import re
@@ -40,7 +42,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from inferd.ipc.errors import BackendError, ErrorCode, ModelError
-from inferd.libbackends.childprobe import child_json
+from inferd.libbackends.childprobe import engine_facts
 from inferd.libbackends.contract import (
     BatchSizes, Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
 )
@@ -227,18 +229,30 @@ def _shapes_text(key: ShapeKey) -> str:
     return ", ".join(f"{n}={'x'.join(map(str, shape)) or 'scalar'}" for n, shape in key)
 
 
-def list_devices(timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
-    """OpenVINO's ``available_devices``, listed by a child process (see the module's
-    docstring) that imports the same ``openvino`` as this process. Raises RuntimeError
-    with the child's reason."""
-    import openvino
+def _release(version: str) -> str:
+    return version.split("-", 1)[0]
 
-    code = ("import json, openvino; "
-            "print(json.dumps(list(openvino.Core().available_devices)))")
-    devices = child_json(code, openvino.__file__, timeout_s)
-    if not isinstance(devices, list):
-        raise RuntimeError(f"the process listing them printed {devices!r:.200}")
-    return [str(d) for d in devices]
+
+def _installed_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""  # vendored without metadata: the probe's child says
+
+
+DEVICE_FACTS = ("import json, openvino; print(json.dumps({'version': openvino.__version__, "
+                "'devices': list(openvino.Core().available_devices)}))")
+
+
+def list_devices(timeout_s: float = PROBE_TIMEOUT_S) -> tuple[str, list[str]]:
+    """OpenVINO's version and ``available_devices``, from a child process (see the
+    module's docstring) that finds the same ``openvino`` as this process would (the
+    Debian add-on's is vendored: not on a child's default path). Raises RuntimeError
+    with the child's reason."""
+    facts = engine_facts(DEVICE_FACTS, "openvino", timeout_s)
+    if not isinstance(facts, dict) or not isinstance(facts.get("devices"), list):
+        raise RuntimeError(f"the process listing them printed {str(facts)[:200]!r}")
+    return str(facts["version"]), [str(d) for d in facts["devices"]]
 
 
 class OpenVinoBackend(Backend):
@@ -248,25 +262,30 @@ class OpenVinoBackend(Backend):
     kind = DeviceKind.CPU
 
     def __init__(self) -> None:
-        import openvino
-
-        self._ov = openvino
-        self.version = openvino.__version__.split("-", 1)[0]
+        # openvino is imported when the first model loads on it (18 MiB); the probe asks
+        # a child process (its GPU plugin, OpenCL and pocl stay out of the daemon too)
+        if importlib.util.find_spec("openvino") is None:
+            raise ImportError("python module openvino is not installed")
+        self.version = _release(_installed_version("openvino"))
         self._core: Any = None
 
     def _get_core(self) -> Any:
         if self._core is None:
-            self._core = self._ov.Core()
+            import openvino
+
+            self._core = openvino.Core()
         return self._core
 
     def probe(self) -> Probe:
+        try:
+            version, found = list_devices()
+        except Exception as e:  # noqa: BLE001  probe() must say why, never raise
+            return Probe(False, f"openvino cannot list its devices: {_reason(e)}")
+        self.version = _release(version)
         if parse_version(self.version) < MIN_VERSION:
             return Probe(False, f"openvino {self.version} is older than "
                                 f"{'.'.join(map(str, MIN_VERSION))}, which this backend needs")
-        try:
-            devices = tuple(list_devices())
-        except Exception as e:  # noqa: BLE001  probe() must say why, never raise
-            return Probe(False, f"openvino cannot list its devices: {_reason(e)}")
+        devices = tuple(found)
         kinds = tuple(k for k in (DeviceKind.CPU, DeviceKind.GPU, DeviceKind.NPU)
                       if any(kind_of(d) is k for d in devices))
         if not kinds:

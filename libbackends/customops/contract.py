@@ -13,13 +13,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
-from onnx import NodeProto, helper
 
 from inferd.ipc.errors import ErrorCode, ModelError
+
+if TYPE_CHECKING:  # onnx is imported when an op is bound, not with the registry
+    from onnx import NodeProto
 
 STANDARD_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
 """Domains whose ops an engine may know; any other domain is custom by definition."""
@@ -41,6 +43,8 @@ def get_attr(node: NodeProto, name: str, default: Any = _MISSING) -> Any:
     """
     for attr in node.attribute:
         if attr.name == name:
+            from onnx import helper
+
             value = helper.get_attribute_value(attr)
             if isinstance(value, bytes):
                 return value.decode("utf-8", "replace")

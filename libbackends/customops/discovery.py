@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from inferd.libbackends.customops import pyops
 from inferd.libbackends.customops.contract import OpRegistry, Skipped
 from inferd.libbackends.searchpath import CUSTOMOPS, list_folder
 
@@ -44,6 +43,8 @@ def load_folders(dirs: Sequence[Path], registry: OpRegistry,
             if name.startswith((".", "_")):
                 continue
             if name.endswith(".py"):
+                from inferd.libbackends.customops import pyops  # imports onnx
+
                 pyops.load_file(path, registry)
             elif NATIVE_NAME.fullmatch(name):
                 natives.append(path)

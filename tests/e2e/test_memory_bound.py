@@ -143,3 +143,24 @@ def test_the_estimate_is_within_30_percent_of_the_measured_peak(
                                  else not r[2] <= r[3] <= 2 * r[2])]
     assert not off, f"estimate off (model, shapes, measured MiB, estimated MiB): {off}; " \
         f"all: {report}"
+
+
+def _mapped(pid: int) -> set[str]:
+    return {line.rsplit("/", 1)[-1] for line in Path(f"/proc/{pid}/maps").read_text()
+            .splitlines() if ".so" in line}
+
+
+def test_an_idle_daemon_holds_no_engine_until_a_model_loads_on_it(
+        start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
+    d = start_daemon("--models", str(_repo(short_tmp, models_dir, graph=False)))
+    with d.client(timeout=120) as c:
+        backends = {b["id"]: b["status"] for b in c.backends()["backends"]}
+        idle = _mapped(d.proc.pid)
+        c.load("ocr-cls")  # onnxruntime: the first backend of its plan
+        loaded = _mapped(d.proc.pid)
+    # probed in child processes: registered, but not in the daemon
+    assert backends["onnxruntime"] == "registered"
+    engines = ("onnxruntime_pybind11_state", "libopenvino.so", "onnx_cpp2py_export")
+    assert not [so for so in idle if so.startswith(engines)], sorted(idle)
+    assert any(so.startswith("onnxruntime_pybind11_state") for so in loaded)
+    assert not any(so.startswith("libopenvino.so") for so in loaded)  # not used
