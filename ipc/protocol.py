@@ -378,7 +378,7 @@ def encode_request(request: Request, locate: Locator | None = None) -> list[Fram
 
 def peek_request_id(frames: Sequence[Frame]) -> str | None:
     """The request id of a message, if it can be read without parsing the header: the
-    header's first key must be ``"id"`` (see :func:`inferd.ipc.hdr.first_key_id`).
+    header's first key must be ``"id"`` (see :func:`inferd.ipc.header.first_key_id`).
     Used to address replies to messages that are refused unread."""
     if len(frames) < 2:
         return None
