@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from numpy.typing import NDArray
 
-from inferd.daemon.memory import Estimate, LoadFigures, WorkingMemory
+from inferd.daemon.memory import METER, Estimate, LoadFigures, WorkingMemory
 from inferd.daemon.model_entry import ModelEntry, ModelKey, State
 from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.libbackends.contract import BatchSizes, LoadedModel
@@ -111,6 +111,7 @@ class MemoryBudget:
         self._holding: dict[int, int] = {}  # reservations (reserve) by token
         self._tokens = itertools.count()
         self._held: set[ModelKey] = set()
+        self._engines: dict[str, int] = {}  # engines imported: what each added
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- accounting
@@ -125,10 +126,29 @@ class MemoryBudget:
         return 0
 
     def used(self) -> int:
-        """What the cache's models and the reservations count now."""
+        """What the cache's models, the engines they brought in and the reservations
+        count now."""
+        return self._fixed() + sum(self.cost(e) for e in self._cache.entries())
+
+    def _fixed(self) -> int:
+        """What counts whatever is loaded: reservations, and the engines imported (they
+        stay in the process once a model brought them in)."""
         with self._lock:
-            held = sum(self._holding.values())
-        return held + sum(self.cost(e) for e in self._cache.entries())
+            return sum(self._holding.values()) + sum(self._engines.values())
+
+    def engine(self, name: str) -> int | None:
+        """What importing engine ``name`` added, or None if no load imported it yet."""
+        return self._engines.get(name)
+
+    def engine_imported(self, name: str, added: int) -> None:
+        """Engine ``name`` was imported for a load and added ``added`` bytes."""
+        with self._lock:
+            self._engines[name] = added
+
+    def engines(self) -> dict[str, int]:
+        """Every engine imported, and what it added (``inferctl status``)."""
+        with self._lock:
+            return dict(self._engines)
 
     def measured(self, key: ModelKey) -> int | None:
         """What the model version ``key`` cost at its last load (its working memory
@@ -177,7 +197,10 @@ class MemoryBudget:
         with self._lock:
             self._holding[token] = need
         try:
-            yield
+            # what runs meanwhile (loads and runs of engines on trial) is no model's
+            # working memory: a measurement taken then is dropped
+            with METER.running():
+                yield
         finally:
             with self._lock:
                 del self._holding[token]
@@ -207,9 +230,7 @@ class MemoryBudget:
             if budget is None:
                 return need
             others = [e for e in self._cache.entries() if e is not entry]
-            with self._lock:
-                held = sum(self._holding.values())
-            used = held + sum(self.cost(e) for e in others)
+            used = self._fixed() + sum(self.cost(e) for e in others)
             if used + need <= budget:
                 return need
             candidates = [Evictable(e, self.cost(e), e.used_at) for e in others

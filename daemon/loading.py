@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from inferd.daemon.activations import Activations
-from inferd.daemon.budget import AdmittedModel, MemoryBudget, estimate_cost
+from inferd.daemon.budget import AdmittedModel, MemoryBudget, estimate_cost, format_bytes
 from inferd.daemon.catalog import Catalog, Settings
 from inferd.daemon.memory import METER, LoadFigures, model_cost
 from inferd.daemon.model_entry import ModelEntry
@@ -82,6 +84,22 @@ class ModelLoader:
         with self._lock:
             return self._load(entry)
 
+    def _engine(self, name: str, bring_in: Callable[[], Any]) -> int:
+        """Import engine ``name`` (once) before a model's load is measured: what it adds
+        to the daemon counts in the budget as the engine's while the daemon runs, not as
+        the first model's that brought it in. Returns the bytes it added now."""
+        if self.budget.engine(name) is not None:
+            return 0
+        METER.trim()
+        before = METER.rss()
+        bring_in()
+        METER.trim()
+        added = max(0, METER.rss() - before)
+        self.budget.engine_imported(name, added)
+        log.info("engine %s imported: %s resident, counted in the cache budget from now "
+                 "on", name, format_bytes(added), extra={"BACKEND": name})
+        return added
+
     def _load(self, entry: ModelEntry) -> Loaded:
         spec = self.catalog.get(entry.name)
         if spec is None or entry.version not in spec.versions:
@@ -111,16 +129,21 @@ class ModelLoader:
         config = self.catalog.config
         METER.trim()
         before = METER.rss()
+        engines = [0]  # what importing engines added during this load: not the model's
         fallbacks = self.registry.available()
         # a fallback backend's sub-graphs get the same options it would get as the
         # model's own backend: its config section under its model.toml table
         tables = {b.id: backend_options(config, spec.settings, b.id) for b in fallbacks}
 
         def load_on(choice: Choice, options: LoadOptions) -> LoadedModel:
-            # the planner reads ONNX graphs: onnx comes in with the first model
-            from inferd.libbackends.customops.plan import load_planned
-
             with self._lock:  # held already for the first load; taken for a rival
+                # the planner reads ONNX graphs: onnx comes in with the first model
+                engines[0] += self._engine("onnx", _import_planner)
+                bring_in = getattr(choice.backend, "import_engine", None)
+                if callable(bring_in):
+                    engines[0] += self._engine(choice.backend.id, bring_in)
+                from inferd.libbackends.customops.plan import load_planned
+
                 return load_planned(choice.backend, source.path, options,
                                     model=entry.label, model_dir=repo.root / entry.name,
                                     ops=self.customops, fallbacks=fallbacks, tables=tables,
@@ -132,7 +155,7 @@ class ModelLoader:
                                              config, load_on, repo.root)
         try:
             warm_up(entry.label, model, source.path, spec.settings, config.cache.warmup_dim)
-            rss = METER.rss() - before
+            rss = METER.rss() - before - engines[0]
             # Read after the load is measured: parsing the file leaves freed heap behind
             # (trimmed here), and what stays (a skeleton without weights, 0.2-2 MiB) is
             # not the engine's.
@@ -152,6 +175,10 @@ class ModelLoader:
             raise
         return Loaded(AdmittedModel(model, entry, self.budget), placement, settings,
                       pipeline, figures, graph)
+
+
+def _import_planner() -> None:
+    import inferd.libbackends.customops.plan  # noqa: F401  (and onnx with it)
 
 
 def _graph(entry: ModelEntry, path: Path) -> Activations | None:

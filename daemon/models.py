@@ -591,7 +591,7 @@ class ModelManager:
         """Budget and use, for the status op."""
         entries = self.entries()
         return {"max_memory_bytes": self.config.cache.max_memory,
-                "used_bytes": self.budget.used(),
+                "used_bytes": self.budget.used(), "engines_bytes": self.budget.engines(),
                 "loads": sum(e.loads for e in entries)}
 
     def loaded(self) -> list[str]:

@@ -186,20 +186,34 @@ def child_json(code: str, module_file: str, timeout_s: float,
         raise RuntimeError(f"the process listing them printed {lines[-1][:200]!r}") from None
 
 
-def engine_facts(code: str, module: str, timeout_s: float) -> Any:
-    """What ``code`` (Python that imports the engine ``module`` and prints one JSON value
-    as its last line) prints, run in a child process (:func:`child_json`) that finds the
-    same copy of the module, without importing it here: an engine comes into the daemon
-    only when a model is loaded on it, and one whose import crashes or hangs is
-    reported, never fatal.
+class EngineImportError(ImportError):
+    """An engine's module is installed but does not import (the loader reports it at
+    the candidate's stage ``opened``)."""
+
+
+def engine_facts(module: str, code: str, timeout_s: float) -> Any:
+    """What ``code`` prints (Python that uses the engine ``module``, imported before it
+    runs, and prints one JSON value as its last line), run in a child process
+    (:func:`child_json`) that finds the same copy of the module, without importing it
+    here: an engine comes into the daemon only when a model is loaded on it, and one
+    whose import crashes or hangs is reported, never fatal.
 
     Raises:
-        RuntimeError: the module is not installed, or the child failed (the reason).
+        EngineImportError: the module is not installed, or its import raised.
+        RuntimeError: the child failed otherwise (the reason).
     """
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
-        raise RuntimeError(f"python module {module} is not installed")
-    return child_json(code, spec.origin, timeout_s)
+        raise EngineImportError(f"python module {module} cannot be imported: "
+                                f"ModuleNotFoundError: No module named '{module}'")
+    child = (f"import json, sys\ntry:\n    import {module}\nexcept Exception as e:\n"
+             f"    print(json.dumps({{'import_error': f'{{type(e).__name__}}: {{e}}'}}))\n"
+             f"    sys.exit(0)\n{code}")
+    facts = child_json(child, spec.origin, timeout_s)
+    if isinstance(facts, dict) and "import_error" in facts:
+        raise EngineImportError(f"python module {module} cannot be imported: "
+                                f"{facts['import_error']}")
+    return facts
 
 
 def child_setup(parent: int) -> bool:

@@ -34,7 +34,7 @@ from inferd.ipc.errors import BackendError
 from inferd.libbackends.contract import (
     API_VERSION, BACKEND_ID, REQUIRED_ATTRIBUTES, REQUIRED_METHODS, Backend, DeviceKind, Probe,
 )
-from inferd.libbackends.childprobe import ChildReport, probe_in_children
+from inferd.libbackends.childprobe import ChildReport, EngineImportError, probe_in_children
 from inferd.libbackends.discovery import _check_readable, discover
 from inferd.libbackends.native import StageHook, _no_step, open_native, version_problem
 from inferd.libbackends.searchpath import BACKENDS
@@ -245,6 +245,9 @@ class Loader:
             if callable(configure):
                 configure(dict(self.settings.get(backend.id.replace("-", "_"), {})))
             probe = backend.probe()
+        except EngineImportError as e:  # its engine's module, imported by a child:
+            c.backend = None  # as if the module itself had not imported
+            raise CandidateError(Stage.OPENED, str(e)) from e
         except Exception as e:
             raise CandidateError(Stage.PROBED, f"probe() raised {_exc(e)}", c.backend) from e
         if not isinstance(probe, Probe):

@@ -132,8 +132,8 @@ def _size(value: Any, key: str, where: str) -> int:
 
 PROBE_TIMEOUT_S = 60.0
 """How long the child process that imports onnxruntime for the probe may take."""
-ENGINE_FACTS = ("import json, os, onnxruntime as o; print(json.dumps({'version': "
-                "o.__version__, 'location': os.path.dirname(o.__file__), "
+ENGINE_FACTS = ("import os, onnxruntime as o\nprint(json.dumps({'version': o.__version__, "
+                "'location': os.path.dirname(o.__file__), "
                 "'providers': o.get_available_providers()}))")
 
 
@@ -141,7 +141,7 @@ ENGINE_FACTS = ("import json, os, onnxruntime as o; print(json.dumps({'version':
 def ort_facts() -> dict[str, Any]:
     """onnxruntime's version and execution providers, asked once per process of a child
     (both onnxruntime backends probe with it)."""
-    return engine_facts(ENGINE_FACTS, "onnxruntime", PROBE_TIMEOUT_S)  # type: ignore[no-any-return]
+    return engine_facts("onnxruntime", ENGINE_FACTS, PROBE_TIMEOUT_S)  # type: ignore[no-any-return]
 
 
 def installed_version(distribution: str) -> str:
@@ -274,6 +274,11 @@ class OnnxRuntimeCpuBackend(Backend):
 
             self._module = onnxruntime
         return self._module
+
+    def import_engine(self) -> None:
+        """Import onnxruntime now (the loader measures what it adds, once)."""
+        if self._installed:
+            self._ort  # noqa: B018  the property imports it
 
     def probe(self) -> Probe:
         if not self._installed:

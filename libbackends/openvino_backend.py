@@ -42,7 +42,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from inferd.ipc.errors import BackendError, ErrorCode, ModelError
-from inferd.libbackends.childprobe import engine_facts
+from inferd.libbackends.childprobe import EngineImportError, engine_facts
 from inferd.libbackends.contract import (
     BatchSizes, Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
 )
@@ -240,7 +240,7 @@ def _installed_version(distribution: str) -> str:
         return ""  # vendored without metadata: the probe's child says
 
 
-DEVICE_FACTS = ("import json, openvino; print(json.dumps({'version': openvino.__version__, "
+DEVICE_FACTS = ("print(json.dumps({'version': openvino.__version__, "
                 "'devices': list(openvino.Core().available_devices)}))")
 
 
@@ -249,7 +249,7 @@ def list_devices(timeout_s: float = PROBE_TIMEOUT_S) -> tuple[str, list[str]]:
     module's docstring) that finds the same ``openvino`` as this process would (the
     Debian add-on's is vendored: not on a child's default path). Raises RuntimeError
     with the child's reason."""
-    facts = engine_facts(DEVICE_FACTS, "openvino", timeout_s)
+    facts = engine_facts("openvino", DEVICE_FACTS, timeout_s)
     if not isinstance(facts, dict) or not isinstance(facts.get("devices"), list):
         raise RuntimeError(f"the process listing them printed {str(facts)[:200]!r}")
     return str(facts["version"]), [str(d) for d in facts["devices"]]
@@ -276,9 +276,16 @@ class OpenVinoBackend(Backend):
             self._core = openvino.Core()
         return self._core
 
+    def import_engine(self) -> None:
+        """Import openvino and make its Core now (the loader measures what they add,
+        once)."""
+        self._get_core()
+
     def probe(self) -> Probe:
         try:
             version, found = list_devices()
+        except EngineImportError:
+            raise  # the loader reports it at the stage 'opened'
         except Exception as e:  # noqa: BLE001  probe() must say why, never raise
             return Probe(False, f"openvino cannot list its devices: {_reason(e)}")
         self.version = _release(version)

@@ -234,6 +234,7 @@ def test_limits(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     d0 = start_daemon("--models", str(repo), workdir=_dir(short_tmp / "d0"))
     with d0.client(timeout=120) as c:
         vad, cls = c.load("vad")["memory_bytes"], c.load("ocr-cls")["memory_bytes"]
+        engines = sum(c.status()["cache"]["engines_bytes"].values())  # onnx, onnxruntime
         x = np.zeros((1, 3, 640, 640), np.float32)
         for p in [c.submit(Op.INFER, "ocr-det", inputs={"x": x}) for _ in range(8)]:
             r = p.reply()
@@ -265,7 +266,7 @@ def test_limits(start_daemon, short_tmp: Path, models_dir: Path) -> None:
             out.append(f"{e.value.code}: {e.value.message}")
     # 3. Room for either small model, not both: the second evicts the first.
     config = short_tmp / "budget.toml"
-    config.write_text(f"[cache]\nmax_memory = {max(vad, cls) + min(vad, cls) // 2}\n")
+    config.write_text(f"[cache]\nmax_memory = {engines + max(vad, cls) + min(vad, cls) // 2}\n")
     d2 = start_daemon("--config", str(config), "--models", str(repo),
                       workdir=_dir(short_tmp / "d2"))
     with d2.client(timeout=60) as c:
