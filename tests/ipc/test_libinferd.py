@@ -208,6 +208,7 @@ def test_a_daemon_restart_under_a_connected_client(programs, limited, kind, shor
     assert slow[0] == "slow" and slow[1] in ("OK", "UNAVAILABLE"), slow
     print(f"the call in flight at the restart: {' '.join(slow).strip()}")
     assert rest.splitlines()[0].startswith("queued OK"), rest
+    assert "region registered again" in rest, rest
     assert rest.rstrip().endswith("ok"), rest
 
 
@@ -222,3 +223,17 @@ def test_the_cxx_header(programs, daemon, kind):
         labels = c.infer("labels", {"x": x}, outputs=["topk_labels"])["topk_labels"]
     assert [np.float32(v) for v in got["scores"].split()] == list(ref[0])  # bit for bit
     assert got["labels"] == " ".join(f"[{s}]" for s in labels.reshape(-1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shared_memory_tensors(programs, daemon, kind):
+    out = run(programs, kind, "test_shm", daemon.endpoint).stdout
+    assert out.rstrip().endswith("ok"), out
+    got = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    x = (np.arange(1 * 3 * 48 * 192, dtype=np.int64) * 7919 % 1000).astype(np.float32) / 1000
+    with Client(daemon.endpoint) as c:
+        ref = next(iter(c.infer("ocr-cls", {"x": x.reshape(1, 3, 48, 192)}).values()))
+    for way in ("framed", "shared", "into"):  # bit for bit, every way
+        assert got[way] == ref.tobytes().hex(), way
+    assert "the outputs need more" in got["small"]
+    assert got["regions"].startswith("63 more, then at most 64 regions per connection")

@@ -1,14 +1,20 @@
 """libinferd's reply handling against a fake ROUTER (a Python ROUTER socket plays the
 daemon): a bounded fuzz of random and mutated replies, each judged by the C library and
 by the Python client's ``decode_reply`` and required to agree; out-of-order replies;
-the client's in-flight limit. Run as built and under ASan + UBSan (fast group)."""
+the client's in-flight limit; shared-memory tensors as docs/protocol.md describes them
+(the router serves the registration socket too). Run as built and under ASan + UBSan
+(fast group)."""
 
 from __future__ import annotations
 
+import array
 import json
+import mmap
+import os
 import random
 import re
 import struct
+import socket
 import subprocess
 import threading
 from collections.abc import Callable
@@ -359,3 +365,79 @@ def test_no_more_calls_in_flight_than_the_client_allows(peer, short_tmp):
         router.close()
     assert out.strip() == f"flow ok {n} {k}"
     assert seen == {"received": n, "most": k}
+
+
+class Registrations:
+    """The daemon's registration socket (ENDPOINT's path + ".shm"), in a thread: each
+    register message with one fd is mapped and named; REGIONS holds the mappings."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.path = endpoint[len("ipc://"):] + ".shm"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(self.path)
+        self.listener.listen(4)
+        self.regions: dict[str, mmap.mmap] = {}
+        self.messages: list[dict[str, Any]] = []
+        self.thread = threading.Thread(target=self._serve, name="fake-shm", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            while True:
+                data, anc, _, _ = conn.recvmsg(4096, socket.CMSG_SPACE(16))
+                if not data:
+                    return
+                fds = array.array("i")
+                for level, kind, payload in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+                msg = json.loads(data)
+                self.messages.append(msg)
+                if msg["op"] == "register":
+                    assert len(fds) == 1, msg
+                    size = os.fstat(fds[0]).st_size
+                    token = f"r{len(self.regions):04d}"
+                    self.regions[token] = mmap.mmap(fds[0], size)
+                    os.close(fds[0])
+                    conn.send(json.dumps({"region": token, "size": size}).encode())
+                else:
+                    conn.send(b'{"ok":true}')
+
+    def close(self) -> None:
+        self.thread.join(10)
+        self.listener.close()
+        os.unlink(self.path)
+
+
+def test_shared_memory_on_the_wire(peer, short_tmp):
+    kind, program = peer
+    seen: list[dict[str, Any]] = []
+    holder: dict[str, Registrations] = {}
+
+    def handle(sock: zmq.Socket, ident: bytes, frames: list[bytes]) -> None:
+        head = json.loads(frames[1])
+        seen.append(head)
+        (spec,) = head["inputs"]
+        assert len(frames) == 2, "an input in a region has no frame"
+        token = spec["region"]
+        assert spec == {"name": "x", "dtype": "uint8", "shape": [16], "region": token,
+                        "offset": 64}, spec
+        assert head["outputs_into"] == {"region": token, "offset": 4096, "size": 1024}, head
+        mm = holder["r"].regions[token]
+        mm[4096:4112] = bytes(reversed(mm[64:80]))
+        out = {"name": "y", "dtype": "uint8", "shape": [16],
+               "region": token if len(seen) == 1 else "r9999", "offset": 4096}
+        sock.send_multipart([ident, TAG, json.dumps(
+            {"id": head["id"], "status": "ok", "outputs": [out]}).encode()])
+
+    router = Router(short_tmp, handle)
+    holder["r"] = Registrations(router.endpoint)
+    try:
+        out = run_peer(program, kind, router.endpoint, "shm")
+    finally:
+        router.close()
+        holder["r"].close()
+    assert out.strip() == "shm ok"
+    assert [m["op"] for m in holder["r"].messages] == ["register", "unregister"]
+    assert len(seen) == 2

@@ -269,6 +269,35 @@ const void *inferd_output_aligned(inferd_call *call, size_t index);
 inferd_code inferd_output_string(const inferd_call *call, size_t index, uint64_t elem,
                                  const char **data, size_t *len);
 
+/* ----------------------------------------------------------------- shared memory */
+
+/* A shared-memory region (docs/protocol.md, "Shared memory"): a memfd sealed against
+ * shrinking and growing, mapped here and registered with the daemon over the
+ * registration socket beside the client's ipc:// endpoint (its path + ".shm"; one
+ * connection per client, opened with the first region). Input tensors whose bytes lie
+ * in it travel by reference: the socket carries only the header (string tensors
+ * excepted). Place float inputs at 64-byte offsets: the daemon copies one that is not.
+ * Do not write bytes a call in flight uses. The library registers the region again by
+ * itself when the daemon has restarted (a restart forgets every region). */
+typedef struct inferd_region inferd_region;
+
+/* A region of SIZE bytes (1 byte to 4 GiB; at most 64 per client). INFERD_UNSUPPORTED
+ * for an endpoint that is not ipc://; the daemon's code otherwise (PERMISSION_DENIED,
+ * RESOURCE_EXHAUSTED), with the message in inferd_client_error. */
+inferd_code inferd_region_new(inferd_client *client, size_t size, inferd_region **region);
+/* Its memory (page-aligned) and size. */
+void *inferd_region_data(const inferd_region *region);
+size_t inferd_region_size(const inferd_region *region);
+/* Unregisters and unmaps it; no call in flight may use it, and outputs read from it are
+ * gone. inferd_client_free frees the regions left. */
+void inferd_region_free(inferd_region *region);
+/* The daemon writes CALL's numeric outputs into SIZE bytes of REGION from OFFSET, each at
+ * the next 64-byte boundary, and they come back as outputs pointing there (string and
+ * 4-bit outputs still come as frames). A slot too small for them is answered
+ * INFERD_RESOURCE_EXHAUSTED. */
+inferd_code inferd_call_set_outputs_into(inferd_call *call, inferd_region *region,
+                                         uint64_t offset, uint64_t size);
+
 /* ----------------------------------------------------------------- one call, waited */
 
 /* Runs MODEL on N_INPUTS inputs and waits: *CALL is the completed call (its outputs, or

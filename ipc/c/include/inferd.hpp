@@ -136,6 +136,34 @@ private:
     std::size_t index_;
 };
 
+// A shared-memory region of a client (see inferd.h); owns its inferd_region. Inputs
+// placed in data() travel by reference; Call::outputs_into has outputs written here.
+class Region {
+public:
+    Region(inferd_client *client, std::size_t size) {
+        inferd_code rc = inferd_region_new(client, size, &region_);
+        if (rc != INFERD_OK)
+            throw Error(rc, inferd_client_error(client));
+    }
+    Region(Region &&other) noexcept : region_(std::exchange(other.region_, nullptr)) {}
+    Region &operator=(Region &&other) noexcept {
+        if (this != &other) {
+            inferd_region_free(region_);
+            region_ = std::exchange(other.region_, nullptr);
+        }
+        return *this;
+    }
+    Region(const Region &) = delete;
+    Region &operator=(const Region &) = delete;
+    ~Region() { inferd_region_free(region_); }
+    void *data() const noexcept { return inferd_region_data(region_); }
+    std::size_t size() const noexcept { return inferd_region_size(region_); }
+    inferd_region *get() const noexcept { return region_; }
+
+private:
+    inferd_region *region_ = nullptr;
+};
+
 // One request and its reply; owns its inferd_call.
 class Call {
 public:
@@ -180,6 +208,11 @@ public:
     }
     Call &version(std::int64_t v) {
         check(inferd_call_set_version(call_, v), "version");
+        return *this;
+    }
+    // The numeric outputs written into SIZE bytes of REGION from OFFSET.
+    Call &outputs_into(Region &region, std::uint64_t offset, std::uint64_t size) {
+        check(inferd_call_set_outputs_into(call_, region.get(), offset, size), "outputs_into");
         return *this;
     }
     Call &param(const std::string &key, const std::string &json) {
@@ -287,6 +320,7 @@ public:
         return ready != 0;
     }
     bool connected() { return inferd_client_connected(client_) != 0; }
+    Region region(std::size_t size) { return Region(client_, size); }
     inferd_client *get() const noexcept { return client_; }
 
 private:

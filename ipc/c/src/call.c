@@ -163,7 +163,10 @@ inferd_code inferd_call_add_input(inferd_call *call, const inferd_tensor *t)
     json_decref(spec);
     if (bad)
         return ifd_fail(c, INFERD_NO_MEMORY, "out of memory for input '%s'", t->name);
-    call->inputs[call->n_inputs++] = (ifd_input){t->data, t->size, t->release == NULL};
+    ifd_input in = {t->data, t->size, t->release == NULL, NULL, 0};
+    if (t->dtype != INFERD_STRING)  /* bytes in a region of the client: by reference */
+        in.region = ifd_region_of(c, t->data, t->size, &in.offset);
+    call->inputs[call->n_inputs++] = in;
     call->hold->items[call->hold->n++] = (struct ifd_release){(void *)t->data, t->release,
                                                               t->hint};
     call->borrowed |= t->release == NULL;

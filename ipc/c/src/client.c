@@ -183,6 +183,7 @@ inferd_code inferd_client_new(inferd_client **out, const char *endpoint, void *z
         return INFERD_NO_MEMORY;
     c->timeout_ms = IFD_DEFAULT_TIMEOUT_MS;
     c->max_in_flight = IFD_DEFAULT_MAX_IN_FLIGHT;
+    c->shm_fd = -1;
     if (endpoint == NULL || *endpoint == '\0')
         endpoint = getenv(INFERD_SOCKET_ENV);
     if (endpoint == NULL || *endpoint == '\0')
@@ -228,6 +229,7 @@ void inferd_client_free(inferd_client *c)
         call->in_done_list = 0;
         call->next_done = NULL;
     }
+    ifd_regions_free(c);
     if (c->own_ctx && c->ctx)
         zmq_ctx_term(c->ctx);
     free(c->flight);
@@ -384,7 +386,7 @@ static void deliver(inferd_client *c, zmq_msg_t *frames, size_t n)
         views[i].size = zmq_msg_size(&frames[i]);
     }
     ifd_reply r;
-    inferd_code code = ifd_reply_parse(views, n, &r);
+    inferd_code code = ifd_reply_parse(views, n, ifd_region_bytes, c, &r);
     if (views != stack)
         free(views);
     inferd_call *call = find_call(c, r.id);

@@ -61,10 +61,16 @@ typedef struct ifd_reply {
     uint64_t **string_offsets;  /* owned, per output: element starts, NULL for numeric */
 } ifd_reply;
 
-/* Parses a reply. Always fills *R (free it with ifd_reply_clear); R->code is
+/* The bytes of the shared-memory region named TOKEN (*SIZE of them), or NULL when the
+ * client has no such region. */
+typedef const void *ifd_resolver(void *ctx, const char *token, size_t *size);
+
+/* Parses a reply; outputs described in a shared-memory region are found through RESOLVE
+ * (NULL: none can be). Always fills *R (free it with ifd_reply_clear); R->code is
  * INFERD_PROTOCOL_ERROR with R->message when the reply breaks the protocol, and R->id
  * is set whenever the header's id could be read. Returns R->code. */
-inferd_code ifd_reply_parse(const ifd_frame *frames, size_t n, ifd_reply *r);
+inferd_code ifd_reply_parse(const ifd_frame *frames, size_t n, ifd_resolver *resolve,
+                            void *ctx, ifd_reply *r);
 void ifd_reply_clear(ifd_reply *r);
 /* Deepest nesting of arrays and objects in JSON text (brackets in strings ignored). */
 size_t ifd_json_depth(const char *s, size_t n);
@@ -99,6 +105,8 @@ typedef struct ifd_input {
     const void *data;
     size_t size;
     int borrowed;
+    inferd_region *region;      /* by reference: no frame, its bytes in this region */
+    uint64_t offset;
 } ifd_input;
 
 struct inferd_call {
@@ -121,6 +129,8 @@ struct inferd_call {
     ifd_input *inputs;
     ifd_hold *hold;             /* the inputs' releases and libzmq's references */
     int borrowed;               /* some input has no release function */
+    inferd_region *into;        /* outputs_into, or NULL */
+    uint64_t into_offset, into_size;
 
     /* in flight */
     uint64_t seq;
@@ -155,10 +165,32 @@ struct inferd_client {
     inferd_call *done_head, *done_tail;
     inferd_call *calls;         /* every call not freed yet (they lose their client when
                                    it is freed first) */
+    int shm_fd;                 /* the registration socket, -1 while closed */
+    inferd_region *regions;     /* every region of the client */
     unsigned unreadable;        /* replies dropped because their id could not be read */
     ifd_text last_unreadable;
     ifd_text error;
 };
+
+struct inferd_region {
+    inferd_client *client;
+    int fd;                     /* the memfd, kept to register it again after a restart */
+    void *data;
+    size_t size;
+    char token[72];             /* the daemon's name for it, "" while not registered */
+    inferd_region *next;
+};
+
+/* ------------------------------------------------------------------ shared memory (shm.c) */
+
+/* Registers R now if the daemon does not hold it (the first use, or after a restart). */
+inferd_code ifd_region_ready(inferd_region *r);
+/* The region of C holding SIZE bytes at DATA (*OFFSET into it), or NULL. */
+inferd_region *ifd_region_of(inferd_client *c, const void *data, size_t size, uint64_t *offset);
+/* ifd_resolver over the regions of the client CTX. */
+const void *ifd_region_bytes(void *ctx, const char *token, size_t *size);
+/* Frees every region of C and closes its registration socket. */
+void ifd_regions_free(inferd_client *c);
 
 int64_t ifd_now_ns(void);
 /* Completes CALL (in flight) with CODE and a message. */

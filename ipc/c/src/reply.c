@@ -179,8 +179,41 @@ static inferd_code index_strings(ifd_reply *r, const inferd_tensor *t, uint64_t 
     return INFERD_OK;
 }
 
+/* The bytes of an output described in a shared-memory region (protocol.py's
+ * _in_region): *DATA and *AVAILABLE (what the region holds from the offset on). */
+static inferd_code in_region(ifd_reply *r, const json_t *spec, const inferd_tensor *t,
+                             ifd_resolver *resolve, void *ctx, const void **data,
+                             size_t *available)
+{
+    char what[96];
+    if (resolve == NULL)
+        return protocol_error(r, "reply outputs: tensor '%s' names a shared-memory region, "
+                              "which this connection cannot use", t->name);
+    if (t->dtype == INFERD_STRING)
+        return protocol_error(r, "reply outputs: tensor '%s': string tensors cannot live in "
+                              "shared memory", t->name);
+    const json_t *offset = json_object_get(spec, "offset");
+    if (offset != NULL && (!json_is_integer(offset) || json_integer_value(offset) < 0)) {
+        shortly(offset, what, sizeof what);
+        return protocol_error(r, "reply outputs: tensor '%s': 'offset' must be a non-negative "
+                              "integer, got %s", t->name, what);
+    }
+    const char *token = json_string_value(json_object_get(spec, "region"));
+    size_t size = 0;
+    const char *base = token ? resolve(ctx, token, &size) : NULL;
+    if (base == NULL) {
+        shortly(json_object_get(spec, "region"), what, sizeof what);
+        return protocol_error(r, "reply outputs: tensor '%s' names region %s, which this "
+                              "client has not registered", t->name, what);
+    }
+    uint64_t at = offset ? (uint64_t)json_integer_value(offset) : 0;
+    *available = at < size ? size - (size_t)at : 0;
+    *data = at < size ? base + at : base + size;
+    return INFERD_OK;
+}
+
 static inferd_code parse_outputs(ifd_reply *r, const json_t *specs, const ifd_frame *frames,
-                                 size_t n_frames)
+                                 size_t n_frames, ifd_resolver *resolve, void *ctx)
 {
     if (specs == NULL)
         specs = json_array();  /* a borrowed empty array would leak: handled below */
@@ -191,10 +224,14 @@ static inferd_code parse_outputs(ifd_reply *r, const json_t *specs, const ifd_fr
         rc = protocol_error(r, "reply outputs: expected a list of tensor descriptions");
         goto out;
     }
-    size_t n = json_array_size(specs);
-    if (n != n_frames) {
-        rc = protocol_error(r, "reply outputs: header describes %zu tensors but %zu tensor "
-                            "frames follow", n, n_frames);
+    size_t n = json_array_size(specs), framed = 0, next_frame = 0;
+    for (size_t i = 0; i < n; i++) {
+        const json_t *spec = json_array_get(specs, i);
+        framed += !(json_is_object(spec) && json_object_get(spec, "region"));
+    }
+    if (framed != n_frames) {
+        rc = protocol_error(r, "reply outputs: header describes %zu tensors%s but %zu tensor "
+                            "frames follow", framed, framed != n ? " in frames" : "", n_frames);
         goto out;
     }
     if (n == 0)
@@ -218,10 +255,29 @@ static inferd_code parse_outputs(ifd_reply *r, const json_t *specs, const ifd_fr
                 rc = protocol_error(r, "reply outputs: tensor '%s' appears twice", t->name);
                 goto out;
             }
-        t->data = frames[i].data;
-        t->size = frames[i].size;
         uint64_t count;
         inferd_shape_elements(t->shape, t->rank, &count);
+        const json_t *spec = json_array_get(specs, i);
+        if (json_object_get(spec, "region") != NULL) {  /* in shared memory, no frame */
+            size_t available = 0;
+            rc = in_region(r, spec, t, resolve, ctx, &t->data, &available);
+            if (rc != INFERD_OK)
+                goto out;
+            uint64_t need;
+            inferd_frame_size(t->dtype, count, &need);
+            if (available < need) {
+                rc = protocol_error(r, "reply outputs: tensor '%s' is %s with %llu elements, "
+                                    "%llu bytes, past the end of its region", t->name,
+                                    inferd_dtype_name(t->dtype), (unsigned long long)count,
+                                    (unsigned long long)need);
+                goto out;
+            }
+            t->size = (size_t)need;
+            continue;
+        }
+        t->data = frames[next_frame].data;
+        t->size = frames[next_frame].size;
+        next_frame++;
         if (t->dtype == INFERD_STRING) {
             rc = index_strings(r, t, count, &r->string_offsets[i]);
             if (rc != INFERD_OK)
@@ -245,7 +301,8 @@ out:
     return rc;
 }
 
-inferd_code ifd_reply_parse(const ifd_frame *frames, size_t n, ifd_reply *r)
+inferd_code ifd_reply_parse(const ifd_frame *frames, size_t n, ifd_resolver *resolve,
+                            void *ctx, ifd_reply *r)
 {
     memset(r, 0, sizeof *r);
     r->code = INFERD_OK;
@@ -296,7 +353,8 @@ inferd_code ifd_reply_parse(const ifd_frame *frames, size_t n, ifd_reply *r)
             return protocol_error(r, "out of memory for the error message");
         return r->code;
     }
-    if (parse_outputs(r, json_object_get(r->header, "outputs"), frames + 2, n - 2) != INFERD_OK)
+    if (parse_outputs(r, json_object_get(r->header, "outputs"), frames + 2, n - 2, resolve,
+                      ctx) != INFERD_OK)
         return r->code;
     const json_t *result = json_object_get(r->header, "result");
     if (result != NULL) {

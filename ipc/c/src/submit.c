@@ -28,11 +28,23 @@ static char *encode_header(inferd_call *call, int64_t timeout_ms)
         bad |= json_object_set(h, "model", call->model);
     if (call->version > 0)
         bad |= json_object_set_new(h, "version", json_integer(call->version));
+    for (size_t i = 0; i < call->n_inputs; i++) {  /* by reference: region and offset */
+        ifd_input *in = &call->inputs[i];
+        json_t *spec = json_array_get(call->input_specs, i);
+        if (in->region != NULL) {
+            bad |= json_object_set_new(spec, "region", json_string(in->region->token));
+            bad |= json_object_set_new(spec, "offset", json_integer((json_int_t)in->offset));
+        }
+    }
     if (json_array_size(call->input_specs) > 0)
         bad |= json_object_set(h, "inputs", call->input_specs);
     if (call->outputs_wanted)
         bad |= json_object_set(h, "outputs", call->outputs_wanted);
     bad |= json_object_set_new(h, "timeout_ms", json_integer(timeout_ms));
+    if (call->into != NULL)
+        bad |= json_object_set_new(h, "outputs_into", json_pack(
+            "{ss sI sI}", "region", call->into->token, "offset", (json_int_t)call->into_offset,
+            "size", (json_int_t)call->into_size));
     const char *key;
     json_t *value;
     json_object_foreach(call->params, key, value)
@@ -72,15 +84,19 @@ static inferd_code send_frames(inferd_call *call, int64_t timeout_ms)
     }
     /* from here the message is committed: libzmq takes its other frames whole */
     zmq_msg_t msg;
-    size_t hlen = strlen(header);
+    size_t hlen = strlen(header), framed = 0, sent = 0;
+    for (size_t i = 0; i < call->n_inputs; i++)
+        framed += call->inputs[i].region == NULL;
     zmq_msg_init_data(&msg, header, hlen, free_header, NULL);
-    int more = call->n_inputs > 0 ? ZMQ_SNDMORE : 0;
+    int more = framed > 0 ? ZMQ_SNDMORE : 0;
     int failed = zmq_msg_send(&msg, c->sock, more) < 0;
     if (failed)
         zmq_msg_close(&msg);
     for (size_t i = 0; i < call->n_inputs; i++) {
         ifd_input *in = &call->inputs[i];
-        more = i + 1 < call->n_inputs ? ZMQ_SNDMORE : 0;
+        if (in->region != NULL)
+            continue;  /* its bytes are in shared memory: no frame */
+        more = ++sent < framed ? ZMQ_SNDMORE : 0;
         if (failed)
             break;
         if (in->size == 0) {
@@ -150,6 +166,15 @@ inferd_code inferd_submit(inferd_call *call)
     }
     call->state = IFD_IN_FLIGHT;
     c->flight[c->n_flight++] = call;
+    /* the regions it names, registered (again, after a daemon restart) */
+    for (size_t i = 0; i <= call->n_inputs; i++) {
+        inferd_region *r = i < call->n_inputs ? call->inputs[i].region : call->into;
+        inferd_code rc = r != NULL ? ifd_region_ready(r) : INFERD_OK;
+        if (rc != INFERD_OK) {
+            ifd_complete(call, rc, "shared memory: %s", ifd_text_get(&c->error));
+            return call->code;
+        }
+    }
     if (c->sock == NULL) {
         ifd_complete(call, INFERD_UNAVAILABLE, "%s", ifd_text_get(&c->error));
         return call->code;

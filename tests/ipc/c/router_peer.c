@@ -10,7 +10,11 @@
  *                                  shuffled order, echoing the input as output y; each
  *                                  call must get its own. Waited in submission order.
  *   router_peer ENDPOINT flow N K  N pings with INFERD_OPT_MAX_IN_FLIGHT K; the router
- *                                  checks that never more than K are in flight. */
+ *                                  checks that never more than K are in flight.
+ *   router_peer ENDPOINT shm       a region registered with the router's registration
+ *                                  socket; an input in it goes by reference, the outputs
+ *                                  come back in it (reversed by the router); then a reply
+ *                                  naming a region the client does not have. */
 #include <jansson.h>
 #include <stdint.h>
 
@@ -152,14 +156,47 @@ static void flow(inferd_client *c, int n, int k)
     printf("flow ok %d %d\n", n, k);
 }
 
+static void shm(inferd_client *c)
+{
+    inferd_region *region;
+    CHECK_CODE(INFERD_OK, inferd_region_new(c, 1 << 16, &region), inferd_client_error(c));
+    unsigned char *base = inferd_region_data(region);
+    for (int i = 0; i < 16; i++)
+        base[64 + i] = (unsigned char)(i * 3);
+    int64_t shape[1] = {16};
+    inferd_tensor x = {"x", INFERD_UINT8, 1, shape, base + 64, 16, NULL, NULL};
+    for (int round = 0; round < 2; round++) {
+        inferd_call *call = inferd_call_new(c, INFERD_OP_INFER, "echo");
+        CHECK_CODE(INFERD_OK, inferd_call_add_input(call, &x), inferd_client_error(c));
+        CHECK_CODE(INFERD_OK, inferd_call_set_outputs_into(call, region, 4096, 1024), "into");
+        CHECK_CODE(INFERD_OK, inferd_submit(call), inferd_client_error(c));
+        inferd_code code = inferd_wait(call, -1);
+        if (round == 0) {
+            CHECK_CODE(INFERD_OK, code, inferd_call_message(call));
+            const inferd_tensor *y = inferd_output(call, 0);
+            CHECK(y->data == base + 4096 && y->size == 16);
+            for (int i = 0; i < 16; i++)
+                CHECK(((const unsigned char *)y->data)[i] == (unsigned char)((15 - i) * 3));
+        } else {
+            CHECK_CODE(INFERD_PROTOCOL_ERROR, code, "unknown region");
+            CHECK_CONTAINS(inferd_call_message(call), "which this client has not registered");
+        }
+        inferd_call_free(call);
+    }
+    inferd_region_free(region);
+    printf("shm ok\n");
+}
+
 int main(int argc, char **argv)
 {
-    CHECK(argc >= 4);
+    CHECK(argc >= 3);
     inferd_client *c = NULL;
     CHECK_CODE(INFERD_OK, inferd_client_new(&c, argv[1], NULL), inferd_client_error(c));
     CHECK_CODE(INFERD_OK, inferd_client_set(c, INFERD_OPT_TIMEOUT_MS, 20000), "timeout");
-    int n = atoi(argv[3]);
-    if (strcmp(argv[2], "fuzz") == 0)
+    int n = argc > 3 ? atoi(argv[3]) : 0;
+    if (strcmp(argv[2], "shm") == 0)
+        shm(c);
+    else if (strcmp(argv[2], "fuzz") == 0)
         fuzz(c, n);
     else if (strcmp(argv[2], "order") == 0)
         order(c, n);

@@ -3,6 +3,8 @@
 //
 //   test_cxx ENDPOINT
 #include <cstdio>
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <vector>
 
@@ -67,6 +69,19 @@ int main(int argc, char **argv) {
                     std::string(e.what()).find("but its data has") != std::string::npos;
         }
         CHECK(threw);
+        // shared memory: the image in a region, the outputs written into it
+        inferd::Region region = client.region(1 << 20);
+        float *shared = static_cast<float *>(region.data());
+        std::copy(image.begin(), image.end(), shared);
+        inferd::Call in_shm = client.infer("ocr-cls");
+        const std::int64_t shape[4] = {1, 3, 48, 192};
+        in_shm.input("x", INFERD_FLOAT32, inferd::View<std::int64_t>(shape, 4), shared,
+                     image.size() * sizeof(float))
+            .outputs_into(region, 1 << 19, 4096)
+            .run();
+        CHECK(in_shm.output(0).copy<float>() == copy);
+        CHECK(in_shm.output(0).bytes().data() == static_cast<unsigned char *>(region.data()) +
+                                                     (1 << 19));
         std::string status = client.control(INFERD_OP_STATUS);
         CHECK(status.find("\"ready\":true") != std::string::npos);
         threw = false;

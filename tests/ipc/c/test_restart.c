@@ -31,6 +31,14 @@ int main(int argc, char **argv)
     CHECK_CODE(INFERD_OK, inferd_infer(c, "ocr-cls", &x, 1, &call), inferd_call_message(call));
     inferd_call_free(call);
     CHECK(inferd_client_connected(c) == 1);
+    /* a shared-memory region: the restarted daemon knows it no more */
+    inferd_region *region;
+    CHECK_CODE(INFERD_OK, inferd_region_new(c, 1 << 18, &region), inferd_client_error(c));
+    float *shared = inferd_region_data(region);
+    inferd_call *before = cls_call(c, "ocr-cls", shared);
+    CHECK_CODE(INFERD_OK, inferd_call_set_outputs_into(before, region, 1 << 17, 4096), "into");
+    CHECK_CODE(INFERD_OK, inferd_submit(before), inferd_client_error(c));
+    CHECK_CODE(INFERD_OK, inferd_wait(before, -1), inferd_call_message(before));
 
     inferd_call *slow = cls_call(c, "slow", image);
     CHECK_CODE(INFERD_OK, inferd_submit(slow), inferd_client_error(c));
@@ -58,6 +66,18 @@ int main(int argc, char **argv)
     inferd_call_free(queued);
     CHECK_CODE(INFERD_OK, inferd_infer(c, "ocr-cls", &x, 1, &call), inferd_call_message(call));
     inferd_call_free(call);
+    /* the region is registered again by itself: the same call, the same bits */
+    inferd_call *after = cls_call(c, "ocr-cls", shared);
+    CHECK_CODE(INFERD_OK, inferd_call_set_outputs_into(after, region, 1 << 16, 4096), "into");
+    CHECK_CODE(INFERD_OK, inferd_submit(after), inferd_client_error(c));
+    CHECK_CODE(INFERD_OK, inferd_wait(after, -1), inferd_call_message(after));
+    const inferd_tensor *y0 = inferd_output(before, 0), *y1 = inferd_output(after, 0);
+    CHECK(y1->size == y0->size && memcmp(y0->data, y1->data, y0->size) == 0);
+    CHECK((const char *)y1->data >= (const char *)shared + (1 << 16));
+    printf("region registered again\n");
+    inferd_call_free(before);
+    inferd_call_free(after);
+    inferd_region_free(region);
     int ready = 0;
     CHECK_CODE(INFERD_OK, inferd_ping(c, &ready), inferd_client_error(c));
     CHECK(ready && inferd_client_connected(c) == 1);
