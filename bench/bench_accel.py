@@ -5,10 +5,11 @@
 2. batching on OpenVINO: cost per row at batch 1, 8 and 16 on both engines (in process,
    1 thread), then ocr-cls through the daemon on OpenVINO from 16 client processes with
    dynamic batching off and on;
-3. target: the OCR graph with the best placement this machine offers (every model on
-   OpenVINO, the faster engine in 1; the detector, the pipeline's slowest stage, with
-   ``[openvino] threads`` = every core) vs RapidOCR's own pipeline, same images, images/s
-   ratio (target >= 2.5) and how many gave the same texts;
+3. target: the OCR graph vs RapidOCR's own pipeline, same images, images/s ratio (target
+   >= 2.5) and how many gave the same texts, for hand-made placements (every model on
+   onnxruntime; every model on OpenVINO, the faster engine in 1; the same with the
+   detector, the pipeline's slowest stage, on every core) and the demo models as
+   shipped (measured placement, issue 24: target >= 0.95x the best hand-made one);
 4. target: ocr-cls from 16 client processes through the daemon, batching on, OpenVINO,
    vs an application calling onnxruntime itself at batch 1 (1 thread), requests/s ratio
    (target >= 1.5); the same baseline with every core given to onnxruntime, for honesty.
@@ -35,7 +36,8 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import (  # noqa: E402
-    MODELS, DaemonProcess, cls_client, cpu_note, rapidocr, run_client_processes, verdict,
+    MODELS, DaemonProcess, cls_client, cpu_note, placements, rapidocr, run_client_processes,
+    settle_placement, verdict,
 )
 
 from inferd.ipc import Client  # noqa: E402
@@ -194,50 +196,85 @@ def batching(tmp: Path) -> None:
           f"ratio {rates[best_arm] / baseall:.2f})")
 
 
-def ocr(tmp: Path) -> None:
+def ocr_arm(tmp: Path, label: str, backend: str | None, det_threads: int,
+            batch: list[np.ndarray], state: Path) -> tuple[float, list[list[str]], str, str]:
+    """One placement of the OCR graph, in a daemon of its own: ``backend`` for every
+    model (a hand-made placement: that backend alone, ``det_threads`` for the
+    detector when > 0), or None for the demo models as shipped (measured placement,
+    its decisions kept in ``state`` across rounds). Returns images/s over ``batch``
+    streamed, the texts, where each model ran, and what measuring cost (shipped)."""
+    repo = tmp / f"ocr-repo-{len(list(tmp.iterdir()))}"
+    for name in ("ocr-det", "ocr-cls", "ocr-rec"):
+        (repo / name).mkdir(parents=True)
+        link_tree(MODELS / name / "1", repo / name / "1")
+        shipped = MODELS / name / "model.toml"
+        extra = shipped.read_text() if shipped.exists() else ""
+        if backend is not None:
+            extra = f'backends = ["{backend}"]\n{extra}'
+            if name == "ocr-det" and det_threads:
+                extra += f"[{backend}]\nthreads = {det_threads}\n"
+        (repo / name / "model.toml").write_text(extra)
+    (repo / "ocr").mkdir()
+    shutil.copy(MODELS / "ocr" / "graph.toml", repo / "ocr")
+    config = tmp / f"{repo.name}.toml"
+    config.write_text(f'[placement]\ndirectory = "{state}"\n')
+    daemon = DaemonProcess("--models", str(repo), "--preload", "ocr-det",
+                           "--preload", "ocr-cls", "--preload", "ocr-rec", config=config)
+    try:
+        settle_s, _ = settle_placement(
+            daemon.endpoint, lambda c: [c.infer("ocr", {"image": im}) for im in batch[:2]])
+        placed = placements(daemon.endpoint)
+        with Client(daemon.endpoint, timeout=300) as c:
+            t0 = time.perf_counter()
+            pending = [c.submit("infer", "ocr", inputs={"image": im}) for im in batch]
+            texts = [p.result()["texts"].tolist() for p in pending]
+            rate = len(batch) / (time.perf_counter() - t0)
+    finally:
+        daemon.stop()
+    cost = f"placement settled {settle_s:.0f} s after its first requests"
+    return rate, texts, ", ".join(f"{k} {v}" for k, v in sorted(placed.items())), cost
+
+
+def ocr(tmp: Path, rounds: int = 2) -> None:
+    """Target 3 (>= 2.5x RapidOCR) and issue 24's: the shipped configuration >= 0.95x
+    the best hand-made placement, all measured in this run, arms in turns."""
     from bench_ocr import images
 
     batch = images(30)
     rapid_s, reference = rapidocr(batch)
-    rates, placed, texts = {}, {}, []
-    for label, first in (("onnxruntime", "onnxruntime"), ("openvino", "openvino")):
-        repo = tmp / f"ocr-repo-{label}"
-        for name in ("ocr-det", "ocr-cls", "ocr-rec"):
-            (repo / name).mkdir(parents=True)
-            link_tree(MODELS / name / "1", repo / name / "1")
-            extra = (MODELS / name / "model.toml").read_text() \
-                if (MODELS / name / "model.toml").exists() else ""
-            if first == "openvino" and name == "ocr-det":
-                # the pipeline's slowest stage (these images are up to 736 x 6400 at its
-                # input) gets every core; the others keep one thread each
-                extra += f"[openvino]\nthreads = {len(os.sched_getaffinity(0))}\n"
-            (repo / name / "model.toml").write_text(f'backends = ["{first}", "cpu"]\n{extra}')
-        (repo / "ocr").mkdir()
-        shutil.copy(MODELS / "ocr" / "graph.toml", repo / "ocr")
-        daemon = DaemonProcess("--models", str(repo), "--preload", "ocr-det",
-                               "--preload", "ocr-cls", "--preload", "ocr-rec")
-        try:
-            with Client(daemon.endpoint, timeout=300) as c:
-                placed[label] = {m["name"]: f"{m['backend']} {m['device']}"
-                                 for m in c.models() if m.get("backend")}
-                for im in batch[:2]:
-                    c.infer("ocr", {"image": im})
-                t0 = time.perf_counter()
-                pending = [c.submit("infer", "ocr", inputs={"image": im}) for im in batch]
-                texts = [p.result()["texts"].tolist() for p in pending]
-                rates[label] = len(batch) / (time.perf_counter() - t0)
-        finally:
-            daemon.stop()
-    inferd_s = len(batch) / rates["openvino"]
-    print(f"\n   the same graph with every model on onnxruntime (the placement before this "
-          f"issue): {rates['onnxruntime']:.2f} img/s, ratio to RapidOCR "
-          f"{rates['onnxruntime'] * rapid_s / len(batch):.2f}")
-    placed = placed["openvino"]
-    same = sum(a == b for a, b in zip(texts, reference))
-    print(f"\n3. OCR graph, {len(batch)} images, placement {placed}: inferd "
-          f"{len(batch) / inferd_s:.2f} img/s vs RapidOCR sequential "
-          f"{len(batch) / rapid_s:.2f} img/s; same texts on {same}/{len(batch)}")
-    print(f"   {verdict(rapid_s / inferd_s, 2.5, higher_is_better=True)}")
+    cores = len(os.sched_getaffinity(0))
+    arms: dict[str, tuple[str | None, int]] = {
+        "every model on onnxruntime (the placement before issue 10)": ("onnxruntime", 0),
+        "every model on OpenVINO, 1 thread each": ("openvino", 0),
+        f"every model on OpenVINO, the detector on {cores} threads": ("openvino", cores),
+        "as shipped (measured placement)": (None, 0),
+    }
+    state = tmp / "placement-state"
+    best: dict[str, float] = {}
+    seen: dict[str, tuple[list[list[str]], str, str]] = {}
+    for r in range(rounds):  # the arms in turns; the best round of each
+        for label, (backend, threads) in arms.items():
+            rate, texts, placed, cost = ocr_arm(tmp, label, backend, threads, batch, state)
+            if rate > best.get(label, 0.0):
+                best[label] = rate
+            if label not in seen or r == 0:
+                seen[label] = (texts, placed, cost)
+    rapid = len(batch) / rapid_s
+    print(f"\n3. OCR graph, {len(batch)} images streamed, vs RapidOCR sequential "
+          f"{rapid:.2f} img/s (best of {rounds} rounds per arm, arms in turns):")
+    for label, rate in best.items():
+        texts, placed, cost = seen[label]
+        same = sum(a == b for a, b in zip(texts, reference))
+        print(f"   {label:58s} {rate:5.2f} img/s  x{rate / rapid:.2f} RapidOCR, same "
+              f"texts {same}/{len(batch)}; {placed}"
+              + (f" ({cost} in round 1)" if "shipped" in label else ""))
+    shipped = best["as shipped (measured placement)"]
+    hand = {k: v for k, v in best.items() if "shipped" not in k}
+    top = max(hand, key=lambda k: hand[k])
+    print(f"   the shipped configuration: {verdict(shipped / rapid, 2.5, higher_is_better=True)}"
+          f" (vs RapidOCR)")
+    print(f"   the shipped configuration vs the best hand-made placement ({top}): "
+          f"{verdict(shipped / hand[top], 0.95, higher_is_better=True)}")
 
 
 if __name__ == "__main__":

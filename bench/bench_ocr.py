@@ -4,11 +4,15 @@
    once, answered as the pipeline finishes them) vs RapidOCR 1.4.4's own sequential
    pipeline in-process on the same images (its defaults: onnxruntime with all cores);
    images/s ratio, target >= 1.3, and how many images gave the same texts;
-2. dynamic batching on vs off for ocr-cls with 16 concurrent clients (each its own
+2. the held-out style check (issue 24): six images in fonts, contrasts and a tilt the
+   demo images do not have, the daemon as shipped vs RapidOCR, target >= 2.5;
+3. dynamic batching on vs off for ocr-cls with 16 concurrent clients (each its own
    connection, one 1x3x48x192 request at a time): requests/s ratio, target >= 1.5.
 
-The daemon runs with its defaults (onnxruntime intra-op threads = 1 per model). The
-two engines never run at the same time. Run: .venv/bin/python bench/bench_ocr.py
+The daemon runs with its defaults: measured placement, whose one-off measuring (once per
+model per machine) is done and reported before anything is timed. The two engines
+never run at the same time. Run: .venv/bin/python bench/bench_ocr.py [ocr|held-out|
+batching]
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import DaemonProcess, cls_client, rapidocr, run_client_processes  # noqa: E402
+from common import (  # noqa: E402
+    DaemonProcess, cls_client, placements, rapidocr, run_client_processes, settle_placement,
+)
 from inferd.ipc import Client  # noqa: E402
 from ocr_images import render  # noqa: E402
 
@@ -50,6 +56,46 @@ def images(n: int) -> list[np.ndarray]:
     return out
 
 
+# The held-out style (issue 24): words, fonts and contrasts the demo images above do not
+# use; six 1000x360 images of four lines: (font, dark text on light, one line rotated by)
+HELD_OUT_WORDS = ("harbour crane ledger voltage meadow copper signal willow quartz "
+                  "lantern ribbon orbit mosaic tunnel vessel amber cobalt prism").split()
+HELD_OUT = [("DejaVuSerif.ttf", True, 0), ("DejaVuSansMono.ttf", True, 0),
+            ("DejaVuSansCondensed.ttf", True, 0), ("DejaVuSerif.ttf", False, 0),
+            ("DejaVuSansMono.ttf", False, 0), ("DejaVuSansCondensed.ttf", True, 4)]
+
+
+def held_out() -> tuple[list[np.ndarray], str]:
+    """The six held-out images (uint8 BGR), and how the condensed font was drawn: DejaVu
+    Sans Condensed (Debian fonts-dejavu-extra) when installed, else DejaVu Sans squeezed
+    to 80 % of its width (fonts-dejavu-core has no condensed face)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    from ocr_images import FONT_DIR
+
+    rng = np.random.default_rng(24)
+    condensed = (FONT_DIR / "DejaVuSansCondensed.ttf").exists()
+    out = []
+    for font_name, dark, tilt in HELD_OUT:
+        squeeze = font_name == "DejaVuSansCondensed.ttf" and not condensed
+        font = ImageFont.truetype(str(FONT_DIR / ("DejaVuSans.ttf" if squeeze else font_name)),
+                                  34)
+        ink, paper = ("black", "white") if dark else ("white", (40, 40, 48))
+        img = Image.new("RGB", (1000, 360), paper)
+        for line in range(4):
+            text = " ".join(rng.choice(HELD_OUT_WORDS, 3)) + f" {rng.integers(10, 9999)}"
+            layer = Image.new("RGB", (int(960 / (0.8 if squeeze else 1)), 85), paper)
+            ImageDraw.Draw(layer).text((10, 20), text, font=font, fill=ink)
+            if squeeze:
+                layer = layer.resize((960, 85))
+            if tilt and line == 2:
+                layer = layer.rotate(tilt, expand=False, fillcolor=paper)
+            img.paste(layer, (20, 5 + line * 87))
+        out.append(np.array(img)[:, :, ::-1].copy())
+    how = "DejaVu Sans Condensed" if condensed else "DejaVu Sans squeezed to 80 % width"
+    return out, how
+
+
 def ocr(tmp: Path) -> None:
     batch = images(50)
     rapid_s, reference = rapidocr(batch)
@@ -62,9 +108,10 @@ def ocr(tmp: Path) -> None:
     daemon = DaemonProcess("--models", str(MODELS), "--preload", "ocr-det",
                            "--preload", "ocr-cls", "--preload", "ocr-rec")
     try:
+        settle_s, _ = settle_placement(
+            daemon.endpoint, lambda c: [c.infer("ocr", {"image": im}) for im in batch[:6]])
+        placed = placements(daemon.endpoint)
         with Client(daemon.endpoint, timeout=300) as c:
-            for im in batch[:2]:
-                c.infer("ocr", {"image": im})
             t0 = time.perf_counter()
             pending = [c.submit("infer", "ocr", inputs={"image": im}) for im in batch]
             texts = [p.result()["texts"].tolist() for p in pending]
@@ -77,11 +124,64 @@ def ocr(tmp: Path) -> None:
           f"inferd graph streamed {len(batch) / inferd_s:.2f} img/s")
     print(f"  ratio {ratio:.2f} (target >= 1.3: {'met' if ratio >= 1.3 else 'MISSED'}); "
           f"same texts on {same}/{len(batch)} images")
+    print(f"  placement measured in {settle_s:.0f} s before timing: {placed}")
     print(f"  RapidOCR with 1 onnxruntime thread: {rapid1_rate:.2f} img/s (10 images); "
           f"inferd / that = {len(batch) / inferd_s / rapid1_rate:.2f}")
     for i, (a, b) in enumerate(zip(texts, reference)):
         if a != b:
             print(f"  image {i}: inferd {a} vs RapidOCR {b}")
+
+
+def held_out_check(tmp: Path, rounds: int = 3) -> None:
+    """The held-out style check of issue 24: the daemon exactly as shipped (the demo
+    models' model.toml and graph.toml, the default configuration: measured placement)
+    against RapidOCR's own pipeline on the six held-out images, same texts. The
+    daemon's one-off placement measuring is done first and reported; then ``rounds``
+    rounds, RapidOCR and the daemon in turns (never at the same time)."""
+    from rapidocr_onnxruntime import RapidOCR
+
+    batch, how = held_out()
+    engine = RapidOCR()
+    engine(batch[0])
+    daemon = DaemonProcess("--models", str(MODELS), "--preload", "ocr-det",
+                           "--preload", "ocr-cls", "--preload", "ocr-rec")
+    try:
+        settle_s, n = settle_placement(
+            daemon.endpoint, lambda c: [c.infer("ocr", {"image": im}) for im in batch])
+        placed = placements(daemon.endpoint)
+        chosen = placements(daemon.endpoint, why=True)
+        ratios, rapid_rates, inferd_rates, same = [], [], [], 0
+        reference: list[list[str]] = []
+        with Client(daemon.endpoint, timeout=300) as c:
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                reference = []
+                for im in batch:
+                    result, _ = engine(im)
+                    reference.append([r[1] for r in result] if result else [])
+                rapid = len(batch) / (time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                pending = [c.submit("infer", "ocr", inputs={"image": im}) for im in batch]
+                texts = [p.result()["texts"].tolist() for p in pending]
+                rate = len(batch) / (time.perf_counter() - t0)
+                same = sum(a == b for a, b in zip(texts, reference))
+                rapid_rates.append(rapid)
+                inferd_rates.append(rate)
+                ratios.append(rate / rapid)
+    finally:
+        daemon.stop()
+    print(f"held-out style OCR check ({len(batch)} images: serif, mono, condensed ({how}), "
+          f"dark-on-light and light-on-dark, a rotated line), {rounds} rounds in turns:")
+    print(f"  the daemon as shipped: placement measured in {settle_s:.0f} s ({n} passes "
+          f"over the images, once per machine): {placed}")
+    for name, text in sorted(chosen.items()):
+        print(f"    {name}: chosen: {text}")
+    print(f"  RapidOCR {min(rapid_rates):.2f}-{max(rapid_rates):.2f} img/s, inferd "
+          f"{min(inferd_rates):.2f}-{max(inferd_rates):.2f} img/s; ratio "
+          f"{min(ratios):.2f}-{max(ratios):.2f} (median "
+          f"{sorted(ratios)[len(ratios) // 2]:.2f}; target >= 2.5: "
+          f"{'met' if sorted(ratios)[len(ratios) // 2] >= 2.5 else 'MISSED'}); same texts "
+          f"on {same}/{len(batch)} images in the last round")
 
 
 def batching(tmp: Path) -> None:
@@ -134,10 +234,13 @@ def batching(tmp: Path) -> None:
 
 if __name__ == "__main__":
     tmp = Path(tempfile.mkdtemp(prefix="inferd-b", dir="/tmp"))
+    parts = set(sys.argv[1:]) or {"ocr", "held-out", "batching"}
     try:
-        if "batching" not in sys.argv[1:]:
+        if "ocr" in parts:
             ocr(tmp)
-        if "ocr" not in sys.argv[1:]:
+        if "held-out" in parts:
+            held_out_check(tmp)
+        if "batching" in parts:
             batching(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

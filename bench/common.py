@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -82,6 +83,43 @@ class DaemonProcess:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def settle_placement(endpoint: str, work: Any, timeout: float = 900.0) -> tuple[float, int]:
+    """Call ``work(client)`` (a few requests: the first requests whose inputs measured
+    placement measures on), then wait until no model of the daemon at ``endpoint`` is
+    still being measured (``placement_status``), calling ``work`` again only while a
+    model has not been measured for 30 s (its requests may not have come): the
+    one-off cost of measured placement, once per model per machine. Returns the
+    seconds it took and how many times ``work`` ran."""
+    from inferd.ipc import Client
+
+    started, n = time.monotonic(), 0
+    last = -math.inf
+    with Client(endpoint, timeout=300) as c:
+        while True:
+            if time.monotonic() - last > 30:
+                work(c)
+                n += 1
+                last = time.monotonic()
+            if not any(m.get("placement_status") == "measuring" for m in c.models()):
+                return time.monotonic() - started, n
+            if time.monotonic() - started > timeout:
+                raise SystemExit(f"placement still measuring after {timeout:.0f} s")
+            time.sleep(0.5)
+
+
+def placements(endpoint: str, why: bool = False) -> dict[str, str]:
+    """``model: backend (N threads) [status]`` of every loaded model; with ``why``, the
+    placement's whole ``chosen`` text instead (the measured figures)."""
+    from inferd.ipc import Client
+
+    with Client(endpoint, timeout=60) as c:
+        return {m["name"]: (m["chosen"] if why else f"{m['backend']}"
+                            + (f" ({m['engine_threads']} threads)"
+                               if m.get("engine_threads") else "")
+                            + f" [{m.get('placement_status')}]")
+                for m in c.models() if m.get("backend")}
 
 
 def pct(values: list[float], q: float) -> float:
