@@ -97,6 +97,9 @@ class Room(Protocol):
     def recost(self, entry: Any, figures: Any) -> None:
         """``entry``'s engine changed: it counts ``figures`` (a LoadFigures) now."""
 
+    def engines(self) -> dict[str, int]:
+        """What importing each engine added (counted as the engine's, not a model's)."""
+
 
 def backend_options(config: Any, settings: Any, backend_id: str) -> dict[str, Any]:
     """The backend's own settings for one model: the config file's section named after

@@ -325,14 +325,16 @@ class Placer:
 
     def _load(self, job: Job, trial: measure.Trial, choice: Choice) -> LoadedModel:
         """A fresh engine of ``choice`` for measuring, its load's figures on ``trial``
-        (the RSS delta across the call: more than its own if another load ran while it
-        waited for the loader's lock, which errs on the safe side); raises InferdError
+        (the RSS delta across the call, less an engine it imported: more than its own if
+        another load ran while it waited for the loader's lock, which errs on the safe
+        side); raises InferdError
         (logged by :func:`place`, like a load's fallback)."""
         METER.trim()
-        before = METER.rss()
+        before, imported = METER.rss(), sum(self._room.engines().values())
         _, engine = place(job.name, [choice], job.settings, self.config, job.load,
                           trial.threads)
-        rss = METER.rss() - before
+        # an engine this load imported is the engine's, counted apart by the budget
+        rss = METER.rss() - before - (sum(self._room.engines().values()) - imported)
         reported = engine.memory_bytes()
         trial.figures = LoadFigures(model_cost(rss, reported,
                                                choice.kind is not DeviceKind.CPU),
