@@ -66,6 +66,15 @@ class Setting:
     expected: str
 
 
+def _held_bound(v: Any) -> int | None:
+    """``server.max_bytes_in_flight``: None for "auto" (the runtime derives it from the
+    cache budget), 0 for "unlimited", else bytes."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return None
+    bound = parse_budget(v)
+    return 0 if bound is None else bound
+
+
 def _string(v: Any) -> str:
     if isinstance(v, str) and v:
         return v
@@ -199,6 +208,9 @@ SCHEMA: dict[str, dict[str, Setting]] = {
                                                  "a positive integer up to 1000000"),
         "max_connections": Setting(2048, _int_upto(10**6),
                                    "a positive integer up to 1000000"),
+        "max_bytes_in_flight": Setting("auto", _held_bound,
+                                       "\"auto\", a size ('256MiB'), a share of physical "
+                                       "memory ('10%') or \"unlimited\""),
         "shutdown_grace_s": Setting(10.0, _seconds, "a positive number of seconds"),
         "socket_group": Setting("", _group, "an existing group name, a group number, or "
                                 "\"\" to leave the daemon's own group"),

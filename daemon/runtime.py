@@ -68,6 +68,23 @@ def remeasure_names(value: Any) -> list[str] | bool:
                       f"names", ErrorCode.INVALID_ARGUMENT)
 
 
+HELD_FLOOR = 64 * 2**20
+"""The least ``server.max_bytes_in_flight = "auto"`` gives."""
+
+
+def requests_bound(config: Config) -> int:
+    """``server.max_bytes_in_flight`` in bytes (0: no bound). ``"auto"``: half of the
+    physical memory the cache budget leaves, at most a quarter of it, at least
+    :data:`HELD_FLOOR` (a 2 GB board with the default budget of 75 %: 256 MiB)."""
+    value = config.server.max_bytes_in_flight
+    if value is not None:
+        return int(value)
+    total = psutil.virtual_memory().total
+    budget = config.cache.max_memory
+    left = total - budget if budget is not None else total
+    return max(HELD_FLOOR, min(left // 2, total // 4))
+
+
 class Runtime:
     """A daemon instance: call :meth:`start`, then :meth:`serve` on the main thread.
 
@@ -101,6 +118,7 @@ class Runtime:
                              max_replies_queued_per_client=(
                                  config.server.max_replies_queued_per_client),
                              max_connections=config.server.max_connections,
+                             max_bytes_in_flight=requests_bound(config),
                              observe=self.metrics.count)
         self.server.on_stop = self._on_stop
         self.server.on_peer_gone = self._peer_gone
@@ -444,6 +462,9 @@ class Runtime:
             "repository": str(self.repo.root),
             "repository_problem": self.repo.problem(),
             "clients_in_flight": self.server.clients.clients(),
+            "connections": self.server.connections.count(),
+            "requests_held_bytes": self.server.clients.held,
+            "max_bytes_in_flight": self.server.clients.max_held,
             "backends": [{"id": r["id"], "kind": r["kind"], "status": r["status"]}
                          for r in self.registry.describe()],
             "loaded_models": self.models.loaded(),

@@ -9,6 +9,12 @@ is answered RESOURCE_EXHAUSTED at once, so one client cannot fill the models' qu
 daemon's memory for the others; a lone request is always admitted (its size is bounded
 by ``max_message_bytes``). A client with nothing in flight has no entry at all.
 
+Daemon-wide, the bytes of every request in flight are bounded too
+(``server.max_bytes_in_flight``): many connections with one request each can no more
+fill the daemon's memory than one connection with many. The last quarter of that bound
+is kept for users (uids) holding less than a quarter of it, so one user filling the
+daemon leaves a polite one its turn.
+
 Freed request buffers stay in the C allocator's free lists (glibc keeps them per
 arena), so the daemon's RSS would stay at its peak after a burst. Once no inference has
 finished for :data:`IDLE_TRIM_S` and enough had been received before, :meth:`trim`
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from inferd.ipc.libc import malloc_trim
 from inferd.ipc.replies import Ticket
@@ -43,53 +50,92 @@ the daemon's own sockets), below the open-files limit."""
 
 TRIM_AFTER_BYTES = 32 * 2**20
 """Bytes received since the last trim that make an idle moment worth a malloc_trim."""
+REFUSED_TRIM_S = 0.1
+"""How long after the last of a burst of requests refused for their bytes (32 MiB or
+more together) their memory goes back."""
 IDLE_TRIM_S = 2.0
 """How long no inference may have finished before the free pages go back (a client
 pausing that long pays for faulting its next request's buffers in again). Other
 requests (pings, a status poll, ``inferctl top``) do not put the trim off."""
 
 
+@dataclass
+class _Use:
+    owner: object  # whose requests (a uid, or the connection itself)
+    requests: int = 0
+    bytes: int = 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 class ClientLimits:
-    """Per-client counts of requests in flight (I/O thread only).
+    """Per-client and daemon-wide counts of requests in flight (I/O thread only).
 
     Args:
         max_requests: requests one client may have in flight.
         max_bytes: bytes of requests one client may have in flight.
+        max_held: bytes of requests the whole daemon may hold in flight (0: no bound).
+            Past three quarters of it, a user (the ``owner`` given to :meth:`admit`)
+            whose requests hold a quarter of it already is refused, so a polite user
+            still gets a turn beside one that fills the daemon; a lone request on a
+            daemon that holds nothing is always taken (up to ``max_message_bytes``).
     """
 
-    def __init__(self, max_requests: int, max_bytes: int) -> None:
+    def __init__(self, max_requests: int, max_bytes: int, max_held: int = 0) -> None:
         self.max_requests = max_requests
         self.max_bytes = max_bytes
-        self._use: dict[bytes, list[int]] = {}
+        self.max_held = max_held
+        self._use: dict[bytes, _Use] = {}
+        self._owned: dict[object, int] = {}  # bytes in flight by owner (a uid)
         self._in_flight = 0
+        self.held = 0  # bytes of every request in flight
         self._since_trim = 0
         self._worked = 0.0  # when the last inference finished
+        self._refused_bytes = 0  # of requests refused for their bytes, since the trim
+        self._refused_at = 0.0
         self.refused = 0
         self.trims = 0
 
-    def admit(self, ticket: Ticket) -> str | None:
-        """Count the request of ``ticket`` (its peer and size); why it is over a limit,
-        or None.
+    def admit(self, ticket: Ticket, owner: object = None) -> str | None:
+        """Count the request of ``ticket`` (its peer and size; ``owner``: whose it is,
+        by default its connection); why it is over a limit, or None.
 
         Every call is matched by one :meth:`done` (also for a refused request)."""
         key, size = ticket.peer, ticket.size
         use = self._use.get(key)
         if use is None:
-            use = self._use[key] = [0, 0]
-        use[0] += 1
-        use[1] += size
+            use = self._use[key] = _Use(key if owner is None else owner)
+        held, owned = self.held, self._owned.get(use.owner, 0)
+        use.requests += 1
+        use.bytes += size
+        self._owned[use.owner] = owned + size
+        self.held += size
         self._in_flight += 1
         self._since_trim += size
-        if use[0] > self.max_requests:
+        if use.requests > self.max_requests:
             self.refused += 1
-            return (f"this client has {use[0] - 1} requests in flight, the limit "
+            return (f"this client has {use.requests - 1} requests in flight, the limit "
                     f"(server.max_requests_per_client = {self.max_requests}); wait for "
                     f"replies before sending more")
-        if use[1] > self.max_bytes and use[0] > 1:
+        if use.bytes > self.max_bytes and use.requests > 1:
             self.refused += 1
-            return (f"this client has {use[1] - size} bytes of requests in flight; this "
+            return (f"this client has {use.bytes - size} bytes of requests in flight; this "
                     f"one ({size} bytes) would pass the limit (server.max_bytes_per_client"
                     f" = {self.max_bytes}); wait for replies before sending more")
+        bound = self.max_held
+        if bound and held and (held + size > bound or (held + size > bound * 3 // 4
+                                                      and owned + size > bound // 4)):
+            self.refused += 1
+            self._refused_bytes += size
+            self._refused_at = time.monotonic()
+            why = ("would pass the limit" if held + size > bound else
+                   f"would pass three quarters of the limit, past which one user may hold "
+                   f"at most a quarter ({_mib(bound // 4)}; this user holds {_mib(owned)})")
+            return (f"the daemon holds {_mib(held)} of requests not yet answered; this one "
+                    f"({_mib(size)}) {why} of {_mib(bound)} (server.max_bytes_in_flight); "
+                    f"retry when replies have come")
         return None
 
     def holds(self, key: bytes) -> bool:
@@ -100,10 +146,16 @@ class ClientLimits:
         """The request of ``ticket`` was answered."""
         use = self._use.get(ticket.peer)
         if use is not None:
-            use[0] -= 1
-            use[1] -= ticket.size
-            if use[0] <= 0:
+            use.requests -= 1
+            use.bytes -= ticket.size
+            left = self._owned.get(use.owner, 0) - ticket.size
+            if left > 0:
+                self._owned[use.owner] = left
+            else:
+                self._owned.pop(use.owner, None)
+            if use.requests <= 0:
                 del self._use[ticket.peer]
+        self.held -= ticket.size
         self._in_flight -= 1
         if ticket.model is not None:  # an inference (its tensors may be in shared memory)
             self._worked = time.monotonic()
@@ -117,7 +169,10 @@ class ClientLimits:
     def trim_in(self) -> float | None:
         """Seconds until an idle trim is due (0: now), or None if none is waiting (too
         little received since the last one, or requests in flight: the next answer
-        asks again)."""
+        asks again). Requests refused for their bytes are garbage at once: a burst of
+        them is trimmed :data:`REFUSED_TRIM_S` after the last, in flight or not."""
+        if self._refused_bytes >= TRIM_AFTER_BYTES:
+            return max(0.0, self._refused_at + REFUSED_TRIM_S - time.monotonic())
         if self._since_trim < TRIM_AFTER_BYTES or self._in_flight:
             return None
         return max(0.0, self._worked + IDLE_TRIM_S - time.monotonic())
@@ -130,7 +185,7 @@ class ClientLimits:
 
     def trim(self) -> None:
         """Give free heap pages back to the system."""
-        self._since_trim = 0
+        self._since_trim = self._refused_bytes = 0
         if malloc_trim():
             self.trims += 1
             log.debug("returned free memory to the system (malloc_trim)")

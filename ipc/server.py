@@ -93,6 +93,8 @@ class Server:
             leaves (the request metrics).
         max_connections: client connections open at once; past it new ones are closed
             (lowered to what the open-files limit leaves room for).
+        max_bytes_in_flight: bytes of requests received and not yet answered, from all
+            clients together (0: no bound; :class:`~inferd.ipc.clients.ClientLimits`).
     """
 
     def __init__(self, endpoint: str, handler: Handler, *, max_message_bytes: int,
@@ -100,10 +102,12 @@ class Server:
                  access: Access | None = None, cpu_affinity: Iterable[int] = (),
                  max_requests_per_client: int = 512, max_bytes_per_client: int = 128 * 2**20,
                  max_replies_queued_per_client: int = 1000,
-                 observe: Observer | None = None, max_connections: int = 2048) -> None:
+                 observe: Observer | None = None, max_connections: int = 2048,
+                 max_bytes_in_flight: int = 0) -> None:
         self.endpoint = endpoint
         self._observe = observe
-        self.clients = ClientLimits(max_requests_per_client, max_bytes_per_client)
+        self.clients = ClientLimits(max_requests_per_client, max_bytes_per_client,
+                                    max_bytes_in_flight)
         self.connections = Connections(max_connections,
                                        resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self._max_replies_queued = max_replies_queued_per_client
@@ -337,8 +341,9 @@ class Server:
             if trim is not None:  # sleep no longer than until the idle trim
                 timeout = min(timeout or 2**31, max(1, int(trim * 1000) + 1))
             events = dict(poller.poll(timeout))
-            if not events:
+            if not events or trim == 0.0:
                 self.clients.trim_if_due()
+            if not events:
                 continue
             if self._wake_r.fileno() in events:
                 self._drain_wakeups()
@@ -460,8 +465,8 @@ class Server:
                         envelope=envelope, size=sum(len(f) for f in body))
         self._inflight[ticket.seq] = ticket
         self.stats["requests"] += 1
-        over = self.clients.admit(ticket)
         peer = self._peers.lookup(ticket.peer, frames[-1])
+        over = self.clients.admit(ticket, peer.uid if peer is not None else None)
         if not self.access.allows(peer):
             self._refuse(ticket, body, peer)
             return

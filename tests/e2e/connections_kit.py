@@ -1,6 +1,7 @@
 """A local process that opens many connections to the daemon at once (issue 18, defect
-1): ``python -m tests.e2e.connections_kit ENDPOINT COUNT HOLD_S [ping] [all] [nobody]``
-opens COUNT DEALER connections as fast as it can, with ``ping`` sends a ping on each,
+1): ``python -m tests.e2e.connections_kit ENDPOINT COUNT HOLD_S [ping|big] [all] [nobody]``
+opens COUNT DEALER connections as fast as it can, with ``ping`` sends a ping on each
+(with ``big``, one ocr-det request of 1x3x1280x1280 float32, 19.7 MB),
 holds them HOLD_S seconds (collecting replies; with ``all``, until every ping has its
 reply, up to 300 s), closes them and prints a JSON summary:
 how many opened and the reply codes. ``nobody`` drops to uid 65534 after the imports
@@ -14,13 +15,17 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import zmq
 
 from inferd.ipc.protocol import Op, Request, decode_reply, encode_request
 from tests.e2e.fuzz_kit import become_nobody
 
 
-def main(endpoint: str, count: int, hold: float, ping: bool, every: bool
+BIG = np.zeros((1, 3, 1280, 1280), np.float32)
+
+
+def main(endpoint: str, count: int, hold: float, send: str | None, every: bool
          ) -> dict[str, object]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -34,8 +39,11 @@ def main(endpoint: str, count: int, hold: float, ping: bool, every: bool
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(endpoint)
-            if ping:
+            if send == "ping":
                 s.send_multipart(encode_request(Request(f"c{i}", Op.PING)), copy=False)
+            elif send == "big":
+                s.send_multipart(encode_request(Request(f"c{i}", Op.INFER, model="ocr-det",
+                                                        inputs={"x": BIG})), copy=False)
             socks.append(s)
         opened = time.monotonic() - started
         poller = zmq.Poller()
@@ -60,5 +68,5 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if "nobody" in args:
         become_nobody()
-    print(json.dumps(main(args[0], int(args[1]), float(args[2]), "ping" in args,
-                          "all" in args)))
+    send = next((a for a in args[3:] if a in ("ping", "big")), None)
+    print(json.dumps(main(args[0], int(args[1]), float(args[2]), send, "all" in args)))

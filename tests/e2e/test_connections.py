@@ -130,3 +130,62 @@ def test_memory_of_closed_connections_is_returned(start_daemon: Any,
     while (grown := proc.memory_info().rss - base) > 16 * 2**20:
         assert time.monotonic() < deadline, f"RSS still {grown / 2**20:.0f} MiB above"
         time.sleep(0.2)
+
+
+HELD_BOUND = 128 * 2**20
+RSS_MARGIN = 96 * 2**20
+"""Beyond the bound: the model's working memory for a request, the allocator's slack."""
+SETTLE_S = 10.0
+"""How long after the last request arrived the refused ones' memory may stay (before:
+until the admitted ones were all answered, 100 x ocr-det at 1280x1280: 30 s and more)."""
+
+
+@pytest.mark.slow
+def test_100_connections_with_one_big_request_each_stay_under_the_bound(
+        start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
+    """Issue 18, defect 2: 100 connections x one 19.7 MB ocr-det request took RSS from
+    196 to 2,168 MiB (a client with fewer than 2 requests queued was always admitted).
+    Now what is over server.max_bytes_in_flight is refused and its memory returned at
+    once; what libzmq receives in parallel before the daemon can refuse it is a
+    transient (printed, not bounded by the key: docs/configuration.md)."""
+    root = os.getuid() == 0
+    config = _config(short_tmp, f'[server]\nsocket_mode = "0666"\nmax_bytes_in_flight = '
+                     f'{HELD_BOUND}\n[cache]\nmax_memory = "1536MiB"\n')
+    os.chmod(short_tmp, 0o755)
+    d = start_daemon("--config", str(config), "--models", str(models_dir), "--preload",
+                     "ocr-det", "--preload", "ocr-cls")
+    proc = psutil.Process(d.proc.pid)
+    big = {"x": np.zeros((1, 3, 1280, 1280), np.float32)}
+    with Client(d.endpoint, timeout=300) as c:
+        c.infer("ocr-det", big)  # its working memory for this shape, before the baseline
+        base, received = proc.memory_info().rss, c.status()["requests"]
+        flood = subprocess.Popen(
+            [sys.executable, "-m", "tests.e2e.connections_kit", d.endpoint, "100", "1",
+             "big", "all", *(["nobody"] if root else [])], cwd=ROOT, stdout=subprocess.PIPE,
+            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        peak, polite, mine = 0, None, 0  # mine: this client's requests since
+        deadline = time.monotonic() + 300
+        while True:  # until the daemon has received the flood's 100 requests
+            status = c.status()
+            mine += 1
+            if status["requests"] >= received + 100 + mine:
+                break
+            assert time.monotonic() < deadline and flood.poll() is None, status
+            peak = max(peak, proc.memory_info().rss)
+            if root and polite is None and status["requests_held_bytes"] >= HELD_BOUND // 2:
+                # another user's request beside one that holds all a user may
+                polite = c.infer("ocr-cls", {"x": np.zeros((1, 3, 48, 192), np.float32)})
+                mine += 1
+        settle = time.monotonic() + SETTLE_S
+        while (grown := proc.memory_info().rss - base) > HELD_BOUND + RSS_MARGIN:
+            assert time.monotonic() < settle, (
+                f"RSS still {grown / 2**20:.0f} MiB above the baseline {SETTLE_S:g} s "
+                f"after the last request came in")
+            time.sleep(0.05)
+        out, _ = flood.communicate(timeout=600)
+    result = json.loads(out)
+    codes = result["codes"]
+    assert sum(codes.values()) == 100, result  # every request answered
+    assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}, result
+    print(f"transient peak while receiving: +{(peak - base) / 2**20:.0f} MiB; {codes}")
+    assert polite is not None or not root  # another user was served beside the flood

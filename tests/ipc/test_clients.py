@@ -80,3 +80,38 @@ def test_connections_are_bounded_below_the_open_files_limit() -> None:
     c.closed(9)
     c.closed(7)
     assert c.accepted(10) and c.count() == 2
+
+
+def test_the_daemon_wide_bound_keeps_a_polite_users_turn() -> None:
+    """Issue 18, defect 2: one request each from many connections was always admitted."""
+    mib = 2**20
+    limits = ClientLimits(512, 2**40, max_held=100 * mib)
+    size = int(19.7 * mib)
+    seq = iter(range(1000))
+
+    def send(conn: bytes, uid: int) -> str | None:
+        t = Ticket(next(seq), "", 0.0, peer=conn, size=size)
+        over = limits.admit(t, uid)
+        if over is not None:
+            limits.done(t)  # answered at once
+        return over
+
+    # One user, a connection per request: three fit under three quarters of the bound.
+    assert [send(b"h%d" % i, 1000) for i in range(3)] == [None] * 3
+    over = send(b"h3", 1000)
+    assert over is not None and "three quarters of the limit" in over
+    assert "59.1 MiB of requests not yet answered" in over and "(19.7 MiB)" in over
+    assert "server.max_bytes_in_flight" in over
+    assert send(b"p0", 2000) is None  # a polite user: its turn in the last quarter
+    assert send(b"p1", 2000) is not None  # but no more than a quarter
+    assert send(b"q0", 3000) is None  # a third user: room up to the bound
+    over = send(b"r0", 4000)
+    assert over is not None and "would pass the limit of 100.0 MiB" in over
+    assert limits.held == 5 * size
+
+
+def test_a_lone_request_on_an_idle_daemon_is_taken_whatever_its_size() -> None:
+    limits = ClientLimits(512, 2**40, max_held=2**20)
+    big = Ticket(1, "", 0.0, peer=b"a", size=64 * 2**20)  # bounded by max_message_bytes
+    assert limits.admit(big, 1) is None
+    assert limits.admit(Ticket(2, "", 0.0, peer=b"b", size=10), 2) is not None
