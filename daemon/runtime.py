@@ -18,6 +18,7 @@ import psutil
 from inferd.daemon import logs
 from inferd.daemon.config import Config, load_config
 from inferd.daemon.graphs import GraphManager
+from inferd.daemon.inline import InlineOps
 from inferd.daemon.watch import Watch
 from inferd.daemon.metrics import Metrics, TextfileWriter
 from inferd.daemon.metrics_http import MetricsEndpoint, parse_listen
@@ -139,6 +140,7 @@ class Runtime:
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-control",
                                            initializer=unpin_current_thread)
         self.reloads = ReloadRuns(self.reload, self._control.submit)
+        self.inline = InlineOps(self.server.send_reply, self._collect_metrics)
         self._stopped = threading.Event()
         self._workers_done = True
         self._proc = psutil.Process()
@@ -152,6 +154,7 @@ class Runtime:
         load_global(self.customops, self.config)
         self.processors.load_directory(self.config.processors.directory)
         self.server.bind()
+        self.inline.start()
         self.models.start()
         self.watch.start()
         log.info("inferd %s serving %s (models in %s, pid %d)", VERSION,
@@ -248,6 +251,7 @@ class Runtime:
             self._workers_done = False
         self._control.shutdown(wait=False, cancel_futures=True)
         self.watch.stop()
+        self.inline.stop()
         self.server.close()
         # A thread still busy (a control operation or a load waiting on a stuck stage)
         # would keep the interpreter from exiting: main then ends the process itself.
@@ -363,47 +367,31 @@ class Runtime:
     def handle(self, request: Request, ticket: Ticket) -> Reply | None:
         """Answer one request (I/O thread): inline for cheap ops, later for the rest."""
         op = request.op
+        known = self.models.catalog.knows(request.model)  # a dict lookup
         if op is Op.INFER:
             self.watch.track(ticket)  # answered at its deadline, whatever a stage does
-            # Models first: that test is a dict lookup, the graph test reads the disk.
-            if not self.models.catalog.knows(request.model) and self.graphs.is_graph(request.model):
-                self.graphs.submit(request, ticket)
-            else:
+            if known:
                 self.models.submit(request, ticket)
+            else:  # a graph, a model added since the scan, or a wrong name: the disk
+                self.inline.submit(request, ticket, lambda: self._infer_unknown(request,
+                                                                                ticket))
             return None
         if op is Op.PING:
             return Reply(request.id, result={"pong": True, "ready": self.ready.is_set()})
-        if op is Op.STATUS:
-            return Reply(request.id, result=self.status())
-        if op is Op.MODELS:
-            models = self.models.describe() + self.graphs.describe()
-            stuck = self.watch.stuck()
-            for m in models:
-                m["stuck"] = stuck.get(m["name"], [])
-                if not request.params.get("verbose"):
-                    m.pop("placement", None)
-            return Reply(request.id, result={"models": models})
-        if op is Op.METRICS:
-            return Reply(request.id, result={"text": self.metrics.text(),
-                                             "samples": self.metrics.samples()})
-        if op is Op.BACKENDS:
-            ops = self.customops
-            placed = [{k: m.get(k) for k in ("name", "version", "backend", "device",
-                                             "chosen")}
-                      for m in self.models.describe() if m.get("backend")]
-            return Reply(request.id, result={**self.registry.view(), "models": placed,
-                                             "customops": ops.view()})
+        if op in (Op.STATUS, Op.MODELS, Op.METRICS, Op.BACKENDS):
+            self.inline.submit(request, ticket, lambda: Reply(request.id, result=(
+                self._inline_result(request))))
+            return None
         if op in (Op.LOAD, Op.UNLOAD):
             if not request.model:
                 raise ModelError(f"{op} needs 'model'")
-            if self.graphs.is_graph(request.model):
+            if known:  # an unload of a model the catalog knows always goes ahead
+                if op is Op.LOAD:
+                    self.models.entry(request.model)  # a version it does not have
                 self._control.submit(self._control_op, request, ticket)
-                return None
-            if op is Op.LOAD or not self.models.catalog.knows(request.model):
-                # Refuse bad or unknown names right away; an unload of a model the
-                # catalog knows always goes ahead, also when it cannot be served.
-                self.models.entry(request.model)
-            self._control.submit(self._control_op, request, ticket)
+            else:  # a graph, or a bad or unknown name, refused right away
+                self.inline.submit(request, ticket, lambda: self._control_unknown(
+                    request, ticket))
             return None
         if op is Op.RELOAD:
             names = remeasure_names(request.params.get("remeasure"))
@@ -417,6 +405,42 @@ class Runtime:
             self.reloads.request(answer)
             return None
         raise InferdError(f"op {op} is not supported by this daemon", ErrorCode.UNSUPPORTED)
+
+    def _inline_result(self, request: Request) -> Any:
+        """The result of a status, models, metrics or backends request (inline thread)."""
+        op = request.op
+        if op is Op.STATUS:
+            return self.status()
+        if op is Op.METRICS:
+            return self.inline.metrics()
+        if op is Op.MODELS:
+            models = self.models.describe() + self.graphs.describe()
+            stuck = self.watch.stuck()
+            for m in models:
+                m["stuck"] = stuck.get(m["name"], [])
+                if not request.params.get("verbose"):
+                    m.pop("placement", None)
+            return {"models": models}
+        placed = [{k: m.get(k) for k in ("name", "version", "backend", "device", "chosen")}
+                  for m in self.models.describe() if m.get("backend")]
+        return {**self.registry.view(), "models": placed, "customops": self.customops.view()}
+
+    def _collect_metrics(self) -> dict[str, Any]:
+        return {"text": self.metrics.text(), "samples": self.metrics.samples()}
+
+    def _infer_unknown(self, request: Request, ticket: Ticket) -> None:
+        """An infer naming what the catalog does not know (inline thread): a graph, a
+        model directory added since the scan, or NOT_FOUND."""
+        if self.graphs.is_graph(request.model):
+            self.graphs.submit(request, ticket)
+        else:
+            self.models.submit(request, ticket)
+
+    def _control_unknown(self, request: Request, ticket: Ticket) -> None:
+        """A load or unload naming what the catalog does not know (inline thread)."""
+        if not self.graphs.is_graph(request.model):
+            self.models.entry(request.model)  # NOT_FOUND, or a model added since
+        self._control.submit(self._control_op, request, ticket)
 
     def _control_op(self, request: Request, ticket: Ticket) -> None:
         """Run a load or unload (of a model or a graph) on the control thread and
