@@ -87,6 +87,15 @@ PROVOKERS = {
     "inferd exited cleanly; model threads still running": "sigterm",
     "model ocr-cls version 1: off-by-half is never chosen": "placement",
     "model ocr-cls version 1: measuring its placement postponed": "placement",
+    "2048 connections are open, the limit (server.max_connections": "hostile_clients",
+    "closed 16 new connection(s):": "hostile_clients",
+    "RESOURCE_EXHAUSTED: the daemon holds": "hostile_clients",
+    "… 213 more like this in the last 10 s:": "hostile_clients",
+    "inferctl: INTERNAL: model garbage version 1 failed to load and its files": "hostile_clients",
+    "cannot start: refusing to write": "hostile_files",
+    "model vad cannot be served: model vad: cannot read": "hostile_files",
+    "model ocr-cls version 1: its files changed on disk": "hostile_files",
+    "open-files limit raised from": "hostile_files",
 }
 
 
@@ -395,3 +404,70 @@ def test_placement(start_daemon, short_tmp: Path, models_dir: Path) -> None:
         out.append(d.log())
         d.stop()
     _check("placement", "\n".join(out))
+
+
+@pytest.mark.slow
+def test_hostile_clients(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    """Connections past the bound, bytes past the bound, a summed-up repeated line, an
+    explicit load that failed remembered (issue 18)."""
+    from tests.e2e.connections_kit import main as connect
+
+    repo = short_tmp / "repo"
+    _model(repo, models_dir, "ocr-cls", "ocr-cls")
+    (repo / "garbage" / "1").mkdir(parents=True)
+    (repo / "garbage" / "1" / "model.onnx").write_bytes(b"not a model" * 100)
+    config = short_tmp / "inferd.toml"
+    config.write_text('[server]\nmax_connections = 4\nmax_bytes_in_flight = "2MiB"\n')
+    d = start_daemon("--config", str(config), "--models", str(repo), "--preload", "ocr-cls")
+    out = []
+    with Client(d.endpoint, timeout=120, max_in_flight=2) as c:
+        x = np.zeros((4, 3, 48, 768), np.float32)  # 1.8 MB: one fits, not two
+        for r in [p.reply() for p in [c.submit(Op.INFER, "ocr-cls", inputs={"x": x})
+                                      for _ in range(2)]]:
+            if r.error is not None:
+                out.append(f"{r.error.code}: {r.error.message}")
+        assert out, "the second request was not refused"
+    for _ in range(2):
+        out.append(_inferctl(d.endpoint, "load", "garbage").stderr)
+    assert connect(d.endpoint, 12, 1.0, None, False)["opened"] == 12  # 8 too many
+    deadline = time.monotonic() + 60  # the summary comes when its 10 s are over
+    while "more like this in the last" not in d.log():
+        assert time.monotonic() < deadline, d.log()
+        time.sleep(0.1)
+    _check("hostile_clients", "\n".join(out) + "\n" + d.log())
+
+
+@pytest.mark.slow
+def test_hostile_files(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    """A socket directory writable by all, an unreadable version folder, a version file
+    replaced in place, the open-files limit (issue 18)."""
+    from tests.daemon.test_repository import unprivileged
+
+    out = []
+    shared = short_tmp / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (short_tmp / "none.toml").touch()
+    refused = subprocess.run([sys.executable, "-m", "inferd.daemon.main", "--socket",
+                              f"ipc://{shared}/inferd.sock"], capture_output=True, text=True,
+                             timeout=60, env={**os.environ,
+                                              "INFERD_CONFIG": str(short_tmp / "none.toml")})
+    assert refused.returncode == 1, refused.stderr
+    out.append(refused.stderr.replace(str(shared), "/run/inferd"))
+    repo = short_tmp / "repo"
+    _model(repo, models_dir, "vad", "vad")
+    (repo / "ocr-cls" / "1").mkdir(parents=True)
+    cls = repo / "ocr-cls" / "1" / "model.onnx"
+    cls.write_bytes((models_dir / "ocr-cls" / "1" / "model.onnx").read_bytes())  # a copy
+    (repo / "vad" / "1").chmod(0)
+    try:
+        d = start_daemon("--models", str(repo), "--preload", "ocr-cls",
+                         wrap=["prlimit", "--nofile=1024:4096", "--", *unprivileged()])
+        tmp = cls.with_name("model.onnx.new")
+        tmp.write_bytes((models_dir / "vad" / "1" / "model.onnx").read_bytes())
+        os.replace(tmp, cls)  # another model's file renamed over it
+        assert _inferctl(d.endpoint, "reload").returncode == 0
+    finally:
+        (repo / "vad" / "1").chmod(0o755)
+    _check("hostile_files", "\n".join(out) + "\n" + d.log(),
+           **{str(repo.resolve()): DOC_REPO})
