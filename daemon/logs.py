@@ -10,8 +10,9 @@ Journal messages go through systemd-python's ``sendv`` when it is importable, el
 one datagram of the native journal protocol on ``/run/systemd/journal/socket``. Only
 uppercase field names are ever sent: journald drops a message with any other name.
 
-Repeated lines are rate-limited per cause (:class:`RepeatFilter`): a client sending the
-same bad request at full speed must not write thousands of lines a second. The first
+Repeated lines are rate-limited per cause (:class:`RepeatFilter`: the format string and
+the fields naming the model, backend, plugin, stage or code): a client sending the same
+bad request at full speed must not write thousands of lines a second. The first
 :data:`BURST` records of a cause in :data:`WINDOW_S` go out in full; the rest are counted
 and summed up in one line when the window ends ("… 4,213 more like this in the last
 10 s: <the last one>"); while a flood lasts, only those summaries. DEBUG records, asked
@@ -49,6 +50,8 @@ _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.
 
 log = logging.getLogger(__name__)
 
+CAUSE_FIELDS = tuple(f for f in FIELDS if f != "REQUEST_ID")
+"""The structured fields that tell causes apart (:meth:`RepeatFilter.cause`)."""
 WINDOW_S = 10.0
 """The interval over which repeated records of one cause are counted."""
 BURST = 5
@@ -180,7 +183,8 @@ class _Cause:
 
 class RepeatFilter(logging.Filter):
     """Rate-limits repeated records per cause: the logger, the level, the message's
-    format string (not its arguments) and the MODEL and CODE fields.
+    format string (not its arguments) and the fields naming what it is about
+    (:data:`CAUSE_FIELDS`).
 
     Args:
         handler: the handler this filter is on; the summaries go out through it.
@@ -208,8 +212,12 @@ class RepeatFilter(logging.Filter):
 
     @staticmethod
     def cause(record: logging.LogRecord) -> tuple[object, ...]:
-        return (record.name, record.levelno, record.msg, getattr(record, "MODEL", None),
-                getattr(record, "CODE", None))
+        """The logger, the level, the format string and the structured fields that name
+        what the record is about (a model, a backend, a plugin, a stage, a code): a
+        different plugin or model is a different cause. Not the request id: every
+        request has its own."""
+        return (record.name, record.levelno, record.msg,
+                *(getattr(record, f, None) for f in CAUSE_FIELDS))
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.INFO or getattr(record, "inferd_summary", False):

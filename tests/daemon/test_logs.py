@@ -255,3 +255,16 @@ def test_the_summary_thread_writes_when_the_interval_ends(logger):
         assert time.monotonic() < deadline, out.getvalue()
         time.sleep(0.02)
     repeats.close()
+
+
+def test_a_different_plugin_or_backend_is_a_different_cause(logger):
+    """One WARNING per broken plugin at boot (17 of them): the same format string, each
+    naming its own PLUGIN_PATH, none held back."""
+    out, _, _ = _limited(logger)
+    for i in range(17):
+        logger.warning("backend candidate %s failed at stage %r", f"p{i}.py", "opened",
+                       extra={"PLUGIN_PATH": f"/plugins/p{i}.py", "STAGE": "opened"})
+    for i in range(7):  # the request id is not a cause: every request has its own
+        logger.warning("refused %s", "x", extra={"REQUEST_ID": str(i)})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 17 + 5, lines
