@@ -15,9 +15,11 @@ whole process (VmHWM from /proc, and RSS sampled every 5 ms for the daemon):
 3. with ``cache.max_memory = 320MiB`` (and 256MiB) the four demo models and then the
    graph served in turn: the daemon's peak vs (budget + idle RSS) x 1.1.
 
-``--policies`` adds the arena policies of docs/cache.md (once each). Every figure is
-printed, met or not; nothing fails on a timing.
-Run: .venv/bin/python bench/bench_memory.py [--policies] [--no-budget]
+``--policies`` adds the arena policies of docs/cache.md (once each);
+``--placement-first`` turns measured placement off (``[placement] mode = "first"``: no
+rival engine is loaded and run beside the first requests). Every figure is printed, met
+or not; nothing fails on a timing.
+Run: .venv/bin/python bench/bench_memory.py [--policies] [--no-budget] [--placement-first]
 """
 
 from __future__ import annotations
@@ -280,10 +282,15 @@ def rapidocr() -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+PLACEMENT = ('[placement]\nmode = "first"\n' if "--placement-first" in sys.argv else "")
+"""``--placement-first``: every daemon keeps the first backend that loads (no rival engine
+loaded and measured beside the first requests)."""
+
+
 def inferd_graph(tmp: Path, name: str, toml: str, batch: list[np.ndarray],
                  models: Path = MODELS) -> dict[str, Any]:
     config = tmp / f"policy-{abs(hash(name))}.toml"
-    config.write_text('[metrics]\ntextfile = ""\n' + toml)
+    config.write_text('[metrics]\ntextfile = ""\n' + PLACEMENT + toml)
     daemon = DaemonProcess("--models", str(models), config=config)
     sampler = PeakSampler(daemon.proc.pid)
     try:
@@ -322,7 +329,7 @@ DEMO_INPUTS = {
 
 def budget_run(tmp: Path, batch: list[np.ndarray], mib: int = 256) -> None:
     config = tmp / f"budget-{mib}.toml"
-    config.write_text(f'[metrics]\ntextfile = ""\n[cache]\nmax_memory = "{mib}MiB"\n')
+    config.write_text(f'[metrics]\ntextfile = ""\n{PLACEMENT}[cache]\nmax_memory = "{mib}MiB"\n')
     daemon = DaemonProcess("--models", str(MODELS), config=config)
     sampler = PeakSampler(daemon.proc.pid)
     budget = mib * MiB

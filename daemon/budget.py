@@ -262,10 +262,15 @@ class MemoryBudget:
         pinned = [e for e in holding if self._cache.pinned(e)]
         busy = [e for e in holding if e not in pinned and not self.evictable(e)]
         what = f"model {entry.label}" if entry is not None else "the models loaded"
+        with self._lock:
+            fixed = [f"engine {n} ({format_bytes(b)})" for n, b in sorted(self._engines.items())]
+            held = sum(self._holding.values())
+        if held:
+            fixed.append(f"engines on trial ({format_bytes(held)})")
         return (f"{what} needs {format_bytes(need)} ({how}) but the cache "
                 f"budget is {format_bytes(budget)} with {format_bytes(used)} in use; "
                 f"pinned: {names(pinned)}; busy, loading or being replaced: "
-                f"{names(busy)}")
+                f"{names(busy)}; always counted: {', '.join(fixed) or 'none'}")
 
     def admit_run(self, entry: ModelEntry, estimate: Estimate) -> None:
         """Before a run of ``entry`` expected to need ``estimate`` bytes of working

@@ -152,7 +152,8 @@ def test_budget_evicts_least_recently_used_idle_model_and_keeps_pinned(four: Har
         m.unload(name)
     # Room for the pinned model and any two of the other three, not all three.
     smallest = min(cost["ocr-det"], cost["ocr-rec"], cost["vad"])
-    m.config.cache.max_memory = sum(cost.values()) - smallest // 2
+    engines = sum(m.budget.engines().values())  # counted whatever is loaded
+    m.config.cache.max_memory = engines + sum(cost.values()) - smallest // 2
 
     assert idle_after("ocr-det")
     assert idle_after("ocr-rec")
@@ -180,7 +181,8 @@ def test_busy_model_is_not_evicted_and_no_room_says_what_is_needed_and_pinned(
     assert rec and det
     # The pinned model and one of the two others (with room for a few MiB of noise in
     # the next measurement).
-    m.config.cache.max_memory = h.row("ocr-cls")["memory_bytes"] + max(det, rec) \
+    m.config.cache.max_memory = sum(m.budget.engines().values()) \
+        + h.row("ocr-cls")["memory_bytes"] + max(det, rec) \
         + min(det, rec) // 2
     h.hold["busy"] = threading.Event()
     h.submit("ocr-det", rid="busy")  # runs, then its reply blocks: ocr-det stays busy
@@ -433,7 +435,7 @@ def test_room_for_a_new_input_size_is_made_off_the_worker_thread(
     # not beside both models, so the idle classifier must go first.
     h.inputs["ocr-det"] = {"x": np.zeros((1, 3, 320, 320), np.float32)}
     need = m.entry("ocr-det").memory.working.estimate(h.inputs["ocr-det"]).bytes
-    m.config.cache.max_memory = det + need + cls // 2
+    m.config.cache.max_memory = sum(m.budget.engines().values()) + det + need + cls // 2
     caplog.set_level(logging.INFO, "inferd.daemon.models")
     assert h.infer("ocr-det").ok
     assert h.state("ocr-cls") is State.UNLOADED
