@@ -41,7 +41,7 @@ from inferd.daemon.graph import (
     run_node,
 )
 from inferd.daemon.pipeline import Placement, pin_current_thread
-from inferd.daemon.worker import STOP, Busy, join_stages
+from inferd.daemon.stages import STOP, Busy, join_stages
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, failure
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import LocalTicket, ReplySink

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from inferd.daemon.worker import Busy, describe_call
+from inferd.daemon.stages import Busy, describe_call
 from inferd.ipc.errors import ErrorCode, Failure
 from inferd.ipc.protocol import Reply
 from inferd.ipc.replies import ReplySink

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from inferd.daemon.fairqueue import FairQueue, QueueClosed
-from inferd.daemon.worker import STOP
+from inferd.daemon.stages import STOP
 
 
 @dataclass
