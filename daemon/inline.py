@@ -22,13 +22,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from inferd.daemon.pipeline import unpin_current_thread
+from inferd.daemon.stages import Sleeper
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, failure
 from inferd.ipc.protocol import Reply, Request
 from inferd.ipc.replies import Ticket
@@ -56,7 +56,7 @@ class _Client:
     waiting: int = 0
 
 
-class InlineOps:
+class InlineOps(Sleeper):
     """The ``inferd-inline`` thread and its per-client turns.
 
     Args:
@@ -71,16 +71,9 @@ class InlineOps:
         self._clients: dict[bytes, _Client] = {}
         self._ready: list[tuple[float, int, bytes, Request, Ticket, Job]] = []
         self._order = itertools.count()
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._stopping = False
+        super().__init__("inferd-inline", self._run)
         self._metrics: tuple[float, dict[str, Any]] | None = None
         self.refused = 0
-        self._thread = threading.Thread(target=self._run, name="inferd-inline", daemon=True)
-
-    def start(self) -> None:
-        """Start the ``inferd-inline`` thread."""
-        self._thread.start()
 
     def submit(self, request: Request, ticket: Ticket, job: Job) -> None:
         """Run ``job`` for ``request`` in its client's turn (I/O thread).
@@ -151,10 +144,4 @@ class InlineOps:
         if reply is not None:
             self._reply(ticket, reply)
 
-    def stop(self) -> None:
-        """End the thread; what still waits is answered by the server's stop."""
-        with self._lock:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread.is_alive():
-            self._thread.join(5)
+    # stop() (Sleeper's) ends the thread; what still waits is answered by the server's stop

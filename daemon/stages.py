@@ -1,7 +1,9 @@
 """What every stage thread (a model's pre, infer and post threads, a graph's node and
 task threads) shares: the :data:`STOP` sentinel that ends a stage, the :class:`Busy`
-record of the call each thread is in (so a stuck one can be named and given up), and
-:func:`join_stages`, which waits for stage threads without waiting on a stuck one."""
+record of the call each thread is in (so a stuck one can be named and given up),
+:func:`join_stages`, which waits for stage threads without waiting on a stuck one, and
+:class:`Sleeper`, the one thread of a service that sleeps on a condition until woken or
+stopped (the watch, the inline ops)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,29 @@ import math
 import threading
 import time
 from typing import Any
+
+
+class Sleeper:
+    """One named daemon thread running ``target``, which sleeps on :attr:`_wake` (a
+    condition over :attr:`_lock`) and ends once :attr:`_stopping` is set."""
+
+    def __init__(self, name: str, target: Any) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread (it is given 5 s)."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(5)
 
 
 class _Stop:

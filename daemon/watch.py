@@ -19,12 +19,11 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from inferd.daemon.stages import Busy, describe_call
+from inferd.daemon.stages import Busy, Sleeper, describe_call
 from inferd.ipc.errors import ErrorCode, Failure
 from inferd.ipc.protocol import Reply
 from inferd.ipc.replies import ReplySink
@@ -57,7 +56,7 @@ class Graphs(Protocol):
     def executors(self) -> list[tuple[str, Any]]: ...
 
 
-class Watch:
+class Watch(Sleeper):
     """Answers expired requests and reports stuck stages.
 
     Args:
@@ -76,28 +75,15 @@ class Watch:
         self._models = models
         self._graphs = graphs
         self._config = config
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        super().__init__("inferd-watch", self._loop)
         self._idle = True  # no open request had a deadline at the last look
         self._arrived = 0  # requests with a deadline tracked (see track)
-        self._stopping = False
         self._stuck: dict[str, list[str]] = {}  # model or graph -> its stuck stages
         self._reported: dict[tuple[str, float], str] = {}  # (thread, since) -> owner
-        self._thread = threading.Thread(target=self._loop, name="inferd-watch", daemon=True)
 
     def use_config(self, config: Any) -> None:
         """Take the configuration a reload put in force."""
         self._config = config
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread.is_alive():
-            self._thread.join(5)
 
     # ----------------------------------------------------------------- deadlines
 

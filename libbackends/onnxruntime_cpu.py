@@ -251,21 +251,12 @@ class OrtModel(LoadedModel):
         self._session = None
 
 
-class OnnxRuntimeCpuBackend(Backend):
-    """onnxruntime, CPU execution provider, thread counts from the load options."""
+class LazyOnnxRuntime:
+    """The onnxruntime module of a backend, imported at its first use (19 MiB), not
+    when the backend is made; both onnxruntime backends read it as ``self._ort``."""
 
-    id = "onnxruntime"
-    kind = DeviceKind.CPU
-
-    def __init__(self) -> None:
-        self._kernel_table: dict[tuple[str, str], list[tuple[int, int]]] | None = None
-        # onnxruntime is imported when the first model loads on it (19 MiB); until then
-        # the probe asks a child process (libbackends/childprobe.py: engine_facts)
-        self._module: Any = None
-        self._installed = importlib.util.find_spec("onnxruntime") is not None
-        self.version = installed_version("onnxruntime") if self._installed else "unavailable"
-        self._shared_lock = threading.Lock()
-        self._shared_cap: int | None = None  # the shared arena's cap, once set up
+    _module: Any = None
+    _installed = True  # the cpu backend looks; the gpu one leaves it to its probe
 
     @property
     def _ort(self) -> Any:
@@ -279,6 +270,22 @@ class OnnxRuntimeCpuBackend(Backend):
         """Import onnxruntime now (the loader measures what it adds, once)."""
         if self._installed:
             self._ort  # noqa: B018  the property imports it
+
+
+class OnnxRuntimeCpuBackend(LazyOnnxRuntime, Backend):
+    """onnxruntime, CPU execution provider, thread counts from the load options."""
+
+    id = "onnxruntime"
+    kind = DeviceKind.CPU
+
+    def __init__(self) -> None:
+        self._kernel_table: dict[tuple[str, str], list[tuple[int, int]]] | None = None
+        # onnxruntime is imported when the first model loads on it (19 MiB); until then
+        # the probe asks a child process (libbackends/childprobe.py: engine_facts)
+        self._installed = importlib.util.find_spec("onnxruntime") is not None
+        self.version = installed_version("onnxruntime") if self._installed else "unavailable"
+        self._shared_lock = threading.Lock()
+        self._shared_cap: int | None = None  # the shared arena's cap, once set up
 
     def probe(self) -> Probe:
         if not self._installed:

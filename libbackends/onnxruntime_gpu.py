@@ -34,7 +34,7 @@ from inferd.libbackends.contract import (
 )
 from inferd.libbackends.childprobe import engine_facts
 from inferd.libbackends.onnxruntime_cpu import (
-    PROBE_TIMEOUT_S, OrtModel, installed_version, ort_facts,
+    PROBE_TIMEOUT_S, LazyOnnxRuntime, OrtModel, installed_version, ort_facts,
 )
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ GPU_FACTS = (
     "                  'reason': p.reason, 'devices': list(p.devices)}))\n")
 
 
-class OnnxRuntimeGpuBackend(Backend):
+class OnnxRuntimeGpuBackend(LazyOnnxRuntime, Backend):
     """onnxruntime with the CUDA (or TensorRT) execution provider."""
 
     id = "onnxruntime-gpu"
@@ -116,20 +116,7 @@ class OnnxRuntimeGpuBackend(Backend):
     def __init__(self) -> None:
         # onnxruntime is imported when the first model loads on it; the probe (a CUDA
         # session) runs in a child process (libbackends/childprobe.py: engine_facts)
-        self._module: Any = None
         self.version = installed_version("onnxruntime-gpu") or installed_version("onnxruntime")
-
-    @property
-    def _ort(self) -> Any:
-        if self._module is None:
-            import onnxruntime
-
-            self._module = onnxruntime
-        return self._module
-
-    def import_engine(self) -> None:
-        """Import onnxruntime now (the loader measures what it adds, once)."""
-        self._ort  # noqa: B018  the property imports it
 
     def _session(self, model: str | bytes, providers: list[Any], threads: int = 1
                  ) -> tuple[Any, str]:
