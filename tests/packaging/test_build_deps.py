@@ -4,15 +4,20 @@ prints, instead of installing, when it does not run as root."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "packaging"))
-import build_deps  # noqa: E402
+# loaded from its file: packaging/ on sys.path would make packaging/rknn (a folder of
+# requirements) importable as a namespace package `rknn`, and the RKNN backend's probe
+# would take it for rknn-toolkit2 in every later test of the run
+_spec = importlib.util.spec_from_file_location("build_deps", ROOT / "packaging" / "build_deps.py")
+assert _spec is not None and _spec.loader is not None
+build_deps = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build_deps)
 
 
 def test_the_list_comes_from_the_control_file():
