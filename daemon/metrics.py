@@ -14,6 +14,7 @@ optionally an HTTP endpoint on localhost or a unix socket (daemon/metrics_http.p
 from __future__ import annotations
 
 import logging
+import bisect
 import os
 import threading
 import time
@@ -24,8 +25,11 @@ from typing import Any
 import psutil
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from inferd.ipc.replies import OK, AnyTicket
 from inferd.ipc.runfiles import UnsafePath, check_directory, replace_file
@@ -53,21 +57,23 @@ class Metrics:
         self.runtime = runtime
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.requests = Counter("inferd_requests", "Requests answered, by model (or graph) "
-                                "and result code", ["model", "code"], registry=r)
-        self.request_seconds = Histogram(
+        # Per request and per run: plain tallies (a bisect and a few additions under one
+        # lock), read when the metrics are collected; prometheus_client's own Counter
+        # and Histogram cost several microseconds per update on the request path.
+        self.requests = _Counts("inferd_requests", "Requests answered, by model (or graph) "
+                                "and result code", ("model", "code"))
+        self.request_seconds = _Histograms(
             "inferd_request_seconds", "Time from receipt to reply, by model or graph",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram(
+            LATENCY_BUCKETS)
+        self.queue_wait = _Histograms(
             "inferd_queue_wait_seconds", "Time from receipt until the model starts running "
-            "the request (queue and pre-processing)", ["model"], buckets=LATENCY_BUCKETS,
-            registry=r)
-        self.run_seconds = Histogram(
-            "inferd_run_seconds", "Time of one model run (one batch)", ["model"],
-            buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram(
-            "inferd_batch_size", "Requests per model run", ["model"], buckets=BATCH_BUCKETS,
-            registry=r)
+            "the request (queue and pre-processing)", LATENCY_BUCKETS)
+        self.run_seconds = _Histograms(
+            "inferd_run_seconds", "Time of one model run (one batch)", LATENCY_BUCKETS)
+        self.batch_size = _Histograms(
+            "inferd_batch_size", "Requests per model run", BATCH_BUCKETS)
+        r.register(_Tallies([self.requests, self.request_seconds, self.queue_wait,
+                             self.run_seconds, self.batch_size]))
         self.loads = Counter("inferd_model_loads", "Model loads, by result", ["model", "result"],
                              registry=r)
         self.load_seconds = Histogram("inferd_model_load_seconds", "Time to load and warm up "
@@ -87,13 +93,13 @@ class Metrics:
         name = ticket.model
         if name is None or ticket.answered is None:
             return
-        self.requests.labels(name, ticket.code or OK).inc()
-        self.request_seconds.labels(name).observe(ticket.answered - ticket.received)
+        self.requests.inc((name, ticket.code or OK))
+        self.request_seconds.observe(name, ticket.answered - ticket.received)
 
     def for_model(self, name: str) -> Callable[[list[Any], float, float], None]:
         """The workers' run hook for ``name``: (tickets, started, seconds)."""
-        wait, run, batch = (self.queue_wait.labels(name), self.run_seconds.labels(name),
-                            self.batch_size.labels(name))
+        wait, run, batch = (self.queue_wait.child(name), self.run_seconds.child(name),
+                            self.batch_size.child(name))
 
         def observe(tickets: list[Any], started: float, seconds: float) -> None:
             run.observe(seconds)
@@ -122,6 +128,93 @@ class Metrics:
         """Every sample as ``[name, labels, value]`` (the ``metrics`` op)."""
         return [[s.name, s.labels, s.value] for family in self.registry.collect()
                 for s in family.samples]
+
+
+class _Histogram:
+    """One histogram's tallies: a count per bucket (the last one past every bound) and
+    the sum, cumulated only when collected."""
+
+    __slots__ = ("bounds", "counts", "sum", "_lock")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.bounds, value)  # the first bound >= value (le)
+        with self._lock:
+            self.counts[i] += 1
+            self.sum += value
+
+    def read(self) -> tuple[list[int], float]:
+        with self._lock:
+            return list(self.counts), self.sum
+
+
+class _Histograms:
+    """A histogram family with one label, ``model``."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = tuple(float(b) for b in buckets)
+        self._les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self._children: dict[str, _Histogram] = {}
+        self._lock = threading.Lock()
+
+    def child(self, model: str) -> _Histogram:
+        child = self._children.get(model)
+        if child is None:
+            with self._lock:
+                child = self._children.setdefault(model, _Histogram(self.bounds))
+        return child
+
+    def observe(self, model: str, value: float) -> None:
+        self.child(model).observe(value)
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model"])
+        for model, child in list(self._children.items()):
+            counts, total = child.read()
+            cumulative, running = [], 0
+            for le, n in zip(self._les, counts):
+                running += n
+                cumulative.append((le, float(running)))
+            family.add_metric([model], cumulative, total)
+        return family
+
+
+class _Counts:
+    """A counter family by label values."""
+
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self._values: dict[tuple[str, ...], int] = {}
+        self._lock = threading.Lock()
+
+    def inc(self, key: tuple[str, ...]) -> None:
+        with self._lock:
+            self._values[key] = self._values.get(key, 0) + 1
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        with self._lock:
+            values = list(self._values.items())
+        for key, n in values:
+            family.add_metric(list(key), float(n))
+        return family
+
+
+class _Tallies(Collector):
+    """The per-request families, in their order."""
+
+    def __init__(self, families: list[_Counts | _Histograms]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        for f in self.families:
+            yield f.family()
 
 
 class _StateCollector(Collector):
