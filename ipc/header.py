@@ -78,6 +78,10 @@ def _constant(text: str) -> float:
 
 
 _DECODER = json.JSONDecoder(parse_int=_int, parse_float=_float, parse_constant=_constant)
+# Without the integer hook (a Python call per integer): for a header that has no run of
+# more digits than an integer may have, where the hook could find nothing.
+_PLAIN_INTS = json.JSONDecoder(parse_float=_float, parse_constant=_constant)
+_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
 
 
 def depth(raw: bytes) -> int:
@@ -126,7 +130,8 @@ def parse(raw: bytes, kind: str, max_bytes: int | None = MAX_HEADER_BYTES) -> di
     _problems.found = found
     try:
         # Decoded first: json.loads on bytes would guess the encoding each time.
-        header = _DECODER.decode(raw.decode("utf-8"))
+        decoder = _DECODER if _LONG_DIGITS.search(raw) else _PLAIN_INTS
+        header = decoder.decode(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise HeaderError(f"{kind} header is not valid UTF-8 JSON: {e}",
                           request_id=first_key_id(raw)) from None

@@ -30,6 +30,7 @@ from inferd.ipc import header as hdr
 from inferd.ipc.errors import ErrorCode, Failure, ProtocolError
 from inferd.ipc.dtypes import (
     ML_DTYPES,
+    NUMERIC_DTYPES,
     PACKED,
     STRING,
     WIRE_DTYPES,
@@ -215,27 +216,39 @@ def _bytes(frame: Frame) -> bytes:
     return frame.bytes if type(frame) is ZmqFrame else bytes(_buffer(frame))
 
 
-def _check_spec(spec: Any, where: str) -> tuple[str, str, tuple[int, ...]]:
-    if not isinstance(spec, dict):
+_WIRE_DTYPE_SET = frozenset(WIRE_DTYPES)
+
+
+def _check_spec(spec: Any, where: str) -> tuple[str, str, tuple[int, ...], int]:
+    """(name, dtype, shape, element count) of a tensor description, every field checked.
+    On the request path: plain loops, no generator per tensor."""
+    if type(spec) is not dict:
         raise ProtocolError(f"{where}: each tensor description must be an object")
     name, dtype, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
-    if not isinstance(name, str) or not name:
+    if type(name) is not str or not name:
         raise ProtocolError(f"{where}: tensor 'name' must be a non-empty string")
     if len(name) > 256:
         raise ProtocolError(f"{where}: tensor name {_short(name)} is over 256 characters")
-    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+    if type(dtype) is not str or dtype not in _WIRE_DTYPE_SET:
         raise ProtocolError(f"{where}: tensor {name!r} has dtype {_short(dtype)}; "
                             f"expected one of {', '.join(WIRE_DTYPES)}")
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+    if type(shape) is not list:
         raise ProtocolError(f"{where}: tensor {name!r} shape must be a list of "
                             f"non-negative integers, got {_short(shape)}")
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise ProtocolError(f"{where}: tensor {name!r} shape must be a list of "
+                                f"non-negative integers, got {_short(shape)}")
     if len(shape) > MAX_RANK:
         raise ProtocolError(f"{where}: tensor {name!r} has rank {len(shape)}; at most "
                             f"{MAX_RANK} dimensions are allowed")
-    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+    count = math.prod(shape)
+    # with a 0 dimension the others still may not claim more (the product of the rest)
+    if count > MAX_ELEMENTS or (count == 0 and math.prod(
+            [d or 1 for d in shape]) > MAX_ELEMENTS):
         raise ProtocolError(f"{where}: tensor {name!r} shape {_short(shape)} has more "
                             f"than {MAX_ELEMENTS} elements")
-    return name, dtype, tuple(shape)
+    return name, dtype, tuple(shape), count
 
 
 def _short(value: Any) -> str:
@@ -266,9 +279,12 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str,
                    regions: Resolver | None = None) -> dict[str, NDArray[Any]]:
     """Arrays over ``frames`` (or shared-memory regions, through ``regions``) described
     by ``specs``; every byte count and offset is checked."""
-    if not isinstance(specs, list):
+    if type(specs) is not list:
         raise ProtocolError(f"{where}: expected a list of tensor descriptions")
-    framed = sum(1 for s in specs if not (isinstance(s, dict) and "region" in s))
+    framed = len(specs)
+    for s in specs:
+        if type(s) is dict and "region" in s:
+            framed -= 1
     if len(frames) != framed:
         sent = " in frames" if framed != len(specs) else ""  # the others in regions
         raise ProtocolError(f"{where}: header describes {framed} tensors{sent} but "
@@ -276,10 +292,9 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str,
     tensors: dict[str, NDArray[Any]] = {}
     next_frame = iter(frames)
     for spec in specs:
-        name, dtype, shape = _check_spec(spec, where)
+        name, dtype, shape, count = _check_spec(spec, where)
         if name in tensors:
             raise ProtocolError(f"{where}: tensor {name!r} appears twice")
-        count = math.prod(shape)
         if "region" in spec:
             view = _in_region(spec, regions, name, dtype, where)
             size = wire_size(dtype, count)
@@ -305,11 +320,14 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str,
             continue
         # A zmq.Frame exports its bytes directly; anything else through a byte view.
         buf = frame if type(frame) is ZmqFrame else _buffer(frame)
-        try:
-            np_dtype = numpy_dtype(dtype)
-        except ProtocolError as e:
-            raise ProtocolError(f"{where}: tensor {name!r}: {e.message}", e.code) from None
-        expected = wire_size(dtype, count)
+        np_dtype = NUMERIC_DTYPES.get(dtype)
+        if np_dtype is None:
+            try:
+                np_dtype = numpy_dtype(dtype)  # raises: why this process cannot hold it
+            except ProtocolError as e:
+                raise ProtocolError(f"{where}: tensor {name!r}: {e.message}",
+                                    e.code) from None
+        expected = (count + 1) // 2 if dtype in PACKED else count * np_dtype.itemsize
         if len(buf) != expected:
             packing = " (two elements per byte)" if dtype in PACKED else ""
             raise ProtocolError(f"{where}: tensor {name!r} is {dtype}{list(shape)}, "
