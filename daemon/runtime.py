@@ -125,8 +125,7 @@ class Runtime:
         self.server.on_peer_gone = self._peer_gone
         # Wire tickets are counted by the server, in-process ones (graph nodes calling
         # models) by the sink.
-        sink = ReplySink(self.server.send_reply, self.server.release_thread,
-                         observe=self.metrics.count)
+        sink = ReplySink(self.server.send_reply, observe=self.metrics.count)
         self.processors = ProcessorRegistry()  # filled at start, as the registry
         self.customops = OpRegistry()
         self.models = ModelManager(self.repo, self.registry, config, sink,

@@ -2,14 +2,14 @@
 
 Requests are decoded here and handed to a handler. A handler either answers at once
 (returns a :class:`Reply`) or keeps the :class:`~inferd.ipc.replies.Ticket` and answers
-later from any thread with :meth:`Server.send_reply`; replies from other threads come
-back to the I/O thread through an inproc PUSH/PULL pair, so no other thread touches
-the ROUTER. Every request gets exactly one reply: the server keeps each request's
-ticket (its one in-flight record, ``ipc/replies.py``) until it is answered, refuses new
-work while stopping, and answers whatever is still open with UNAVAILABLE when the grace
-period ends. Every wire reply passes :meth:`Server._deliver`, the one place where it is
-counted: the per-client limits are given the ticket back and the observer (the request
-metrics) is told.
+later from any thread with :meth:`Server.send_reply`; a reply from another thread is
+encoded there and handed to the I/O thread in a queue, with an eventfd that wakes its
+poll, so no other thread touches the ROUTER. Every request gets exactly one reply: the
+server keeps each request's ticket (its one in-flight record, ``ipc/replies.py``) until
+it is answered, refuses new work while stopping, and answers whatever is still open
+with UNAVAILABLE when the grace period ends. Every wire reply passes
+:meth:`Server._deliver`, the one place where it is counted: the per-client limits are
+given the ticket back and the observer (the request metrics) is told.
 
 Connections: libzmq's socket monitor reports each accepted and each closed connection
 by its file descriptor. Past ``server.max_connections``
@@ -28,7 +28,6 @@ import os
 import resource
 import signal
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -48,8 +47,6 @@ from inferd.ipc.socketfile import Listener, SocketLock, _chgrp
 from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
-
-_SEQ = struct.Struct("<Q")
 
 
 Handler = Callable[[Request, Ticket], Reply | None]
@@ -123,13 +120,14 @@ class Server:
         for core in self._cores:  # before the first socket starts libzmq's I/O thread
             self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
         self._router: zmq.Socket | None = None
-        self._pull: zmq.Socket | None = None
         self.regions: Regions | None = None  # shared-memory tensors (ipc:// only)
-        self._replies_addr = f"inproc://inferd-replies-{id(self):x}"
-        self._local = threading.local()
-        self._push_sockets: list[zmq.Socket] = []
-        # Held around every use of a reply socket by a thread other than the I/O
-        # thread, and while they are closed: none is used after _closed is set.
+        # Replies answered on other threads, encoded, for the I/O thread to send; each
+        # one put there is followed by a write to the eventfd that wakes its poll (a
+        # deque and an eventfd cost a sixth of an inproc PUSH/PULL hand-over).
+        self._handed: deque[tuple[Ticket, list[Any]]] = deque()
+        self._handed_fd = -1  # made by bind()
+        # Held by another thread while it hands a reply over, and while the hand-over
+        # closes: nothing is handed over after _closed is set.
         self._send_lock = threading.Lock()
         self._closed = False
         # seq -> the request's record, from receipt until its reply leaves
@@ -197,6 +195,7 @@ class Server:
         if self._listener is not None:
             self._listener.adopted()
         self._router = router
+        self._handed_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         if path is not None:
             self.regions = Regions(shm_path(path), self._mode, self._access)
             self.regions.bind(self._chgrp if self._group else None)
@@ -206,8 +205,6 @@ class Server:
             log.warning("server.max_connections = %d, but the open-files limit leaves room "
                         "for %d connections: at most %d are served (raise LimitNOFILE)",
                         limits.configured, limits.max, limits.max)
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(self._replies_addr)
 
     def _access(self) -> Access:
         return self.access
@@ -240,35 +237,13 @@ class Server:
             if not ticket.answer(reply):
                 self._second(ticket)
                 return
-            push = getattr(self._local, "push", None)
-            if push is None:
-                push = self._ctx.socket(zmq.PUSH)
-                push.setsockopt(zmq.LINGER, 0)
-                push.setsockopt(zmq.SNDTIMEO, 5000)
-                push.connect(self._replies_addr)
-                self._local.push = push
-                self._push_sockets.append(push)
-            try:
-                send_frames(push, [_SEQ.pack(ticket.seq), *frames])
-            except zmq.ZMQError as e:
-                log.error("reply to request %s could not reach the I/O thread: %s",
-                          ticket.request_id, e, extra={"REQUEST_ID": ticket.request_id})
+            self._handed.append((ticket, frames))
+            os.eventfd_write(self._handed_fd, 1)
 
     @staticmethod
     def _second(ticket: Ticket) -> None:
         log.debug("second reply to request %s dropped (answered %s)", ticket.request_id,
                   ticket.code, extra={"REQUEST_ID": ticket.request_id})
-
-    def release_thread(self) -> None:
-        """Close the calling thread's reply socket (worker threads call this on exit)."""
-        push = getattr(self._local, "push", None)
-        if push is None:
-            return
-        self._local.push = None
-        with self._send_lock:
-            if push in self._push_sockets:  # else close() has closed it already
-                self._push_sockets.remove(push)
-                push.close(0)
 
     def open_tickets(self) -> list[Ticket]:
         """The requests received and not answered yet (any thread: a copy); the daemon's
@@ -304,7 +279,7 @@ class Server:
 
     def run(self) -> None:
         """Serve until :meth:`stop`, then drain and close. Runs on the calling thread."""
-        assert self._router is not None and self._pull is not None, "bind() first"
+        assert self._router is not None, "bind() first"
         self._io_ident = threading.get_ident()
         if self._cores:
             # Python threads take turns on the GIL anyway: a model's worker that shares
@@ -317,7 +292,7 @@ class Server:
                             "%s", self._cores, e.strerror)
         poller = self._poller
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._handed_fd, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
@@ -347,7 +322,7 @@ class Server:
                 continue
             if self._wake_r.fileno() in events:
                 self._drain_wakeups()
-            if self._pull in events:
+            if self._handed_fd in events:
                 self._forward_replies()
             if self._monitor in events:
                 # Connections first: a closed connection's descriptor may be reused by
@@ -376,11 +351,16 @@ class Server:
                 log.exception("I/O-thread call %r failed", fn)
 
     def _forward_replies(self) -> None:
-        # One message per wake-up: the next poll returns at once if more are waiting,
-        # and no NOBLOCK recv has to fail (raising zmq.Again costs more than a poll).
-        frames = recv_frames(self._pull)
-        (seq,) = _SEQ.unpack(frames[0].bytes)
-        self._deliver(seq, frames[1:])
+        """Send every reply handed over (the eventfd is reset first: one handed over
+        meanwhile is either sent now or wakes the next poll)."""
+        try:
+            os.eventfd_read(self._handed_fd)
+        except BlockingIOError:
+            pass  # nothing handed over since the last reset
+        handed = self._handed
+        while handed:
+            ticket, frames = handed.popleft()
+            self._deliver(ticket.seq, frames)
 
     def _deliver(self, seq: int, frames: list[Any]) -> None:
         """Send the reply of request #``seq``: every wire reply passes here, once."""
@@ -531,22 +511,19 @@ class Server:
     def _close(self) -> None:
         with self._send_lock:  # from here on, late replies from other threads are dropped
             self._closed = True
-        assert self._pull is not None
         # Replies handed over before that still go out; what is left was never answered.
-        while self._pull.poll(0):
-            self._forward_replies()
+        self._forward_replies()
         for ticket in list(self._inflight.values()):
             self._answer_error(ticket, Failure(ErrorCode.UNAVAILABLE,
                                                "inferd stopped before this request "
                                                "finished"))
-        assert self._router is not None and self._pull is not None
+        assert self._router is not None
         if self._monitor is not None:
             self._router.disable_monitor()
             self._monitor.close(0)
         if self._listener is not None:
             self._listener.resume()  # libzmq's descriptor must be the one it watches
         self._router.close(linger=1000)
-        self._pull.close(0)
         if self.regions is not None:
             self.regions.close()
         if self._listener is not None:
@@ -556,12 +533,12 @@ class Server:
         log.info("server closed")
 
     def close(self) -> None:
-        """Close every reply socket and release the ZeroMQ context (after :meth:`run`).
+        """Release the hand-over and the ZeroMQ context (after :meth:`run`).
 
         Safe while worker threads still run (a grace period that ended with work left):
-        their reply sockets are closed under the lock they send with, and they drop
-        whatever they answer later. Waits up to the ROUTER's linger (1 s) for the last
-        replies to leave.
+        they drop whatever they answer later (the lock they hand over under says the
+        server has closed). Waits up to the ROUTER's linger (1 s) for the last replies
+        to leave.
         """
         # The wake-up pair stays open until here: signals keep arriving while the
         # workers drain (the signal wakeup fd writes to it). Unhook it first, so a
@@ -574,7 +551,7 @@ class Server:
         self._wake_w.close()
         with self._send_lock:
             self._closed = True
-            for push in self._push_sockets:
-                push.close(0)
-            self._push_sockets.clear()
+            if self._handed_fd >= 0:
+                os.close(self._handed_fd)
+                self._handed_fd = -1
         self._ctx.term()
