@@ -435,21 +435,18 @@ class PipelineExecutor:
         node = self.spec.node(name)
         sources = sorted(node.producers)
         out = self.edges[name]
-        try:
-            while True:
-                packets = [self.edges[s].get(name) for s in sources]
-                if any(p is STOP for p in packets):
-                    self._give_up(packets)  # taken from an edge closed meanwhile: answered
-                    out.put(STOP)
-                    return
-                result = self._step(name, node, sources, packets)
-                try:
-                    out.put(result)
-                except EdgeClosed:  # abandoned while this node ran (see abandon)
-                    self._give_up([result])
-                    return
-        finally:
-            self._sink.release_thread()
+        while True:
+            packets = [self.edges[s].get(name) for s in sources]
+            if any(p is STOP for p in packets):
+                self._give_up(packets)  # taken from an edge closed meanwhile: answered
+                out.put(STOP)
+                return
+            result = self._step(name, node, sources, packets)
+            try:
+                out.put(result)
+            except EdgeClosed:  # abandoned while this node ran (see abandon)
+                self._give_up([result])
+                return
 
     def _step(self, name: str, node: Any, sources: list[str], packets: list[Packet]) -> Packet:
         """One frame through one node: its result packet, or the error that ends it."""
@@ -475,23 +472,20 @@ class PipelineExecutor:
                           graph_failure(first.request, self.spec.name, e))
 
     def _sink_loop(self) -> None:
-        try:
-            while True:
-                packets = [self.edges[s].get(SINK) for s in self._sink_sources]
-                if any(p is STOP for p in packets):
-                    return
-                first = packets[0]
-                reply = next((p.error for p in packets if p.error is not None), None)
-                if reply is None:
-                    try:
-                        reply = Reply(first.request.id, outputs=graph_outputs(
-                            self.spec, {s: p.values for s, p in
-                                        zip(self._sink_sources, packets)}, first.request))
-                    except Exception as e:
-                        reply = graph_failure(first.request, self.spec.name, e)
-                self._sink.send(first.ticket, reply)
-        finally:
-            self._sink.release_thread()
+        while True:
+            packets = [self.edges[s].get(SINK) for s in self._sink_sources]
+            if any(p is STOP for p in packets):
+                return
+            first = packets[0]
+            reply = next((p.error for p in packets if p.error is not None), None)
+            if reply is None:
+                try:
+                    reply = Reply(first.request.id, outputs=graph_outputs(
+                        self.spec, {s: p.values for s, p in
+                                    zip(self._sink_sources, packets)}, first.request))
+                except Exception as e:
+                    reply = graph_failure(first.request, self.spec.name, e)
+            self._sink.send(first.ticket, reply)
 
 
 def graph_failure(request: Request, graph: str, e: Exception) -> Reply:

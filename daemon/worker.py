@@ -81,7 +81,7 @@ class Workers:
         name: model name, used in thread names and logs.
         model: the loaded model.
         work: the model's request queue (shared with the model entry).
-        sink: where replies go (any thread); each thread releases it on exit.
+        sink: where replies go (any thread).
         instances: number of inference threads.
         on_done: called after each request with whether it succeeded.
         spec: pre/post steps, batching and CPU affinity (defaults: none, off, any core).
@@ -135,10 +135,7 @@ class Workers:
         def run() -> None:
             pin_current_thread(placement, self.spec.cpu_affinity, self.name)
             self._placed.release()
-            try:
-                target(placement)
-            finally:
-                self._sink.release_thread()
+            target(placement)
         self.threads.append(threading.Thread(target=run, name=thread_name, daemon=True))
 
     def placement(self) -> list[dict[str, Any]]:

@@ -17,9 +17,9 @@ Both are answered once: :meth:`Ticket.answer` notes the outcome (the code and wh
 says whether this was the first answer, thread-safe, so that whoever answers first (a
 stage, a deadline watch, the stop) wins and a later reply is dropped quietly; whatever
 counts replies reads the outcome. :class:`ReplySink` sends a reply to either kind, from
-any thread; the daemon's model workers and graph threads hold one sink instead of a
-reply function and a thread-exit hook each. This module is neutral ground: the server
-and the daemon both import it, and neither imports the other through it.
+any thread; the daemon's model workers and graph threads hold one sink. This module is
+neutral ground: the server and the daemon both import it, and neither imports the other
+through it.
 """
 
 from __future__ import annotations
@@ -136,10 +136,6 @@ Observer = Callable[[AnyTicket], None]
 """Told about every ticket once it is answered (the request metrics)."""
 
 
-def _no_release() -> None:
-    return None
-
-
 def _no_observer(ticket: AnyTicket) -> None:
     return None
 
@@ -151,17 +147,13 @@ class ReplySink:
         send: answers a wire :class:`Ticket` (the server's ``send_reply``, which also
             notes the outcome and tells its observer); None for a sink that only serves
             :class:`LocalTicket` s (tests, benchmarks).
-        release_thread: called by a thread that used the sink when it ends (the server
-            closes that thread's reply socket).
         observe: told about each :class:`LocalTicket` answered (wire tickets are
             observed by the server, where every wire reply passes).
     """
 
     def __init__(self, send: Callable[[Any, Reply], None] | None = None,
-                 release_thread: Callable[[], None] = _no_release,
                  observe: Observer = _no_observer) -> None:
         self._send = send
-        self.release_thread = release_thread
         self._observe = observe
 
     def send(self, ticket: Any, reply: Reply) -> None:
