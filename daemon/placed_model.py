@@ -1,7 +1,7 @@
 """A loaded model that can move to another backend between two runs, and that keeps the
-inputs of its first runs (in the order they came, repeats too: a dynamic-shape engine
-pays for a change of shape, and traffic brings both) and its busy time for the
-placement's measuring.
+inputs of its first runs that its engine answered (in the order they came, repeats too:
+a dynamic-shape engine pays for a change of shape, and traffic brings both) and its busy
+time for the placement's measuring.
 
 The cache's workers run a :class:`PlacedModel` like any loaded model. When the
 background measuring finds a faster candidate, :meth:`PlacedModel.switch` makes the
@@ -79,16 +79,22 @@ class PlacedModel(LoadedModel):
             engine = self._current
             self._active[id(engine)] = self._active.get(id(engine), 0) + 1
             keep = len(self._samples) < self._want and self._kept_s < SAMPLE_SECONDS
-        kept = keep and self._sample(inputs)
+        # copied before the run (a request's arrays are views of its message frames),
+        # kept only if the engine answered it: inputs the serving engine refuses (a
+        # Range whose delta is 0) are never replayed through a rival, whose native code
+        # may not refuse them as cleanly
+        copy = self._copy(inputs) if keep else None
         started = time.perf_counter()
+        ok = kept = False
         try:
-            return engine.run(inputs, outputs)
+            result = engine.run(inputs, outputs)
+            ok = True
+            return result
         finally:
             took = time.perf_counter() - started
             with self._lock:
                 self.busy_s += took
-                if kept:
-                    self._kept_s += took
+                kept = ok and copy is not None and self._keep(copy, took)
                 self.runs += 1
                 left = self._active[id(engine)] = self._active[id(engine)] - 1
                 done = engine in self._retired and left == 0
@@ -104,16 +110,27 @@ class PlacedModel(LoadedModel):
         """One run that is not kept as a sample nor counted as busy (the warm-up)."""
         return self._current.run(inputs)
 
-    def _sample(self, inputs: Inputs) -> bool:
+    def _fits(self, inputs: Inputs) -> bool:
+        """Whether ``inputs`` would fit among the samples (caller holds ``_lock``)."""
         size = sum(a.nbytes for a in inputs.values())
+        return len(self._samples) < self._want and self._kept_bytes + size <= SAMPLE_BYTES
+
+    def _copy(self, inputs: Inputs) -> Inputs | None:
+        """A copy of ``inputs`` if they would fit among the samples, else None."""
         with self._lock:
-            if len(self._samples) >= self._want or self._kept_bytes + size > SAMPLE_BYTES:
-                return False
-            self._kept_bytes += size
-            # copies: a request's arrays are views of its message frames
-            self._samples.append({n: np.array(a, copy=True) for n, a in inputs.items()})
-            if self.first_sample_at is None:
-                self.first_sample_at = time.monotonic()
+            if not self._fits(inputs):
+                return None
+        return {n: np.array(a, copy=True) for n, a in inputs.items()}
+
+    def _keep(self, copy: Inputs, took: float) -> bool:
+        """Keep ``copy`` as a sample if there is still room (caller holds ``_lock``)."""
+        if not self._fits(copy):
+            return False
+        self._kept_bytes += sum(a.nbytes for a in copy.values())
+        self._kept_s += took
+        self._samples.append(copy)
+        if self.first_sample_at is None:
+            self.first_sample_at = time.monotonic()
         return True
 
     @property

@@ -9,8 +9,8 @@ engine's reason and the next entry is tried; the first that loads serves the mod
 With ``placement = "measured"`` (model.toml, else ``[placement] mode``; the default),
 when the plan holds more than one backend of the kind that loaded, the placer
 (:mod:`inferd.daemon.placer`) measures them in the background once the model serves:
-each candidate is loaded beside it, run on the inputs its first requests brought (or
-its warm-up inputs when every input size is fixed), checked against the reference
+each candidate is loaded beside it, run on the inputs its first requests brought (only
+those the serving engine answered; never made-up ones), checked against the reference
 backend (the plan's first) and timed (:mod:`inferd.daemon.measure`); the fastest
 correct one takes over between two runs (:mod:`inferd.daemon.placed_model`). Within a
 graph, the slowest stage is given the cores the others leave idle, where that measures

@@ -32,7 +32,6 @@ from inferd.daemon.placement import (
     set_threads, state_directory, threads_fixed,
 )
 from inferd.daemon.units import PROCESS_CORES
-from inferd.daemon.warmup import warmup_inputs
 from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.libbackends.contract import DeviceKind, LoadedModel
 from inferd.libbackends.registry import Choice
@@ -79,7 +78,6 @@ class Job:
     key: DecisionKey
     model: PlacedModel
     placement: ModelPlacement
-    fixed_shapes: bool
     graphs: list[tuple[str, list[str]]] = field(default_factory=list)
     not_before: float = 0.0
 
@@ -94,12 +92,6 @@ class Job:
     @property
     def label(self) -> str:
         return str(self.entry.label)
-
-    @property
-    def samples_wanted(self) -> int:
-        """Its first requests' inputs are waited for unless every input size is fixed
-        and it is in no graph (whose busy times its threads need)."""
-        return 0 if self.fixed_shapes and not self.graphs else SAMPLES
 
 
 class Placer:
@@ -165,15 +157,14 @@ class Placer:
             return placement, model
         if found != first or key is None:
             key = self._key(path, found, settings, config, repo_root, name)
-        fixed = all(isinstance(d, int) and d >= 0 for s in engine.inputs for d in s.shape)
-        job = Job(entry, path, found, settings, load, key, model, placement, fixed,
+        job = Job(entry, path, found, settings, load, key, model, placement,
                   graphs_of(repo_root, name))
         if decision is not None and placement.backend == decision.backend:
             # measured before: nothing to do unless `inferctl reload --remeasure`
             placement.settled(Status.KEPT, f"{decision.text()}; {self._kept(decision)}")
             self._submit(job, queued=False)
             return placement, model
-        model.resample(job.samples_wanted)
+        model.resample(SAMPLES)
         placement.settled(Status.MEASURING, f"{placement.why}; measuring "
                           f"{', '.join(c.backend.id for c in found)} in the background")
         self._submit(job)
@@ -233,8 +224,6 @@ class Placer:
     def _ready(self, job: Job, now: float) -> bool:
         if now < job.not_before:
             return False
-        if not job.samples_wanted:
-            return True
         first = job.model.first_sample_at
         return first is not None and (job.model.sampled or now - first >= SETTLE_S)
 
@@ -280,7 +269,7 @@ class Placer:
                 if (names is not None and job.name not in names) or job in self._queue:
                     continue
                 job.not_before = 0.0
-                job.model.resample(job.samples_wanted)
+                job.model.resample(SAMPLES)
                 job.placement.settled(Status.MEASURING, f"{job.placement.why}; measuring "
                                       f"again (inferctl reload --remeasure)")
                 self._queue.append(job)
@@ -296,8 +285,11 @@ class Placer:
         """Measure ``job``'s rivals, keep the decision, move the model to the winner."""
         cfg = self.config.placement
         deadline = time.monotonic() + cfg.time_limit_s
-        samples = job.model.samples() or [warmup_inputs(
-            job.label, job.model, job.path, job.settings, self.config.cache.warmup_dim)]
+        # only inputs that clients sent and the serving engine answered: never made-up
+        # ones (zeros for a Range's delta crashed OpenVINO's CPU plugin, SIGSEGV)
+        samples = job.model.samples()
+        if not samples:
+            return  # unloaded since it was ready (resample() dropped them)
         each = self._room.measured((job.name, job.version)) or estimate_cost(
             job.path.stat().st_size)
         trials: list[measure.Trial] = []

@@ -42,16 +42,21 @@ class SleepModel(LoadedModel):
     """y = x * scale, after sleeping ``delay / threads`` seconds per run."""
 
     def __init__(self, delay: float, scale: float, threads: int, log: list[str],
-                 name: str) -> None:
-        self.inputs = (TensorSpec("x", "float32", (None, 4)),)
-        self.outputs = (TensorSpec("y", "float32", (None, 4)),)
+                 name: str, shape: tuple[int | None, ...] = (None, 4)) -> None:
+        self.inputs = (TensorSpec("x", "float32", shape),)
+        self.outputs = (TensorSpec("y", "float32", shape),)
         self.device = "CPU"
         self._delay, self._scale, self._threads = delay, scale, threads
         self._log, self._name = log, name
         self.unloaded = False
+        self.seen: list[Any] = []
+        """Every input x it ran on (copies)."""
 
     def run(self, inputs: dict[str, Any], outputs: list[str] | None = None) -> dict[str, Any]:
         assert not self.unloaded, f"{self._name} ran after its unload"
+        self.seen.append(np.array(inputs["x"], copy=True))
+        if np.isnan(inputs["x"]).any():  # as onnxruntime refuses a Range's delta of 0
+            raise InferdError(f"{self._name} refuses NaN", ErrorCode.INVALID_ARGUMENT)
         time.sleep(self._delay / self._threads)
         return {"y": inputs["x"] * np.float32(self._scale)}
 
@@ -64,9 +69,9 @@ class SleepBackend(Backend):
     kind = DeviceKind.CPU
 
     def __init__(self, id: str, delay: float, scale: float = 1.0, version: str = "1.0",
-                 fail: str = "") -> None:
+                 fail: str = "", shape: tuple[int | None, ...] = (None, 4)) -> None:
         self.id, self.version = id, version
-        self._delay, self._scale, self._fail = delay, scale, fail
+        self._delay, self._scale, self._fail, self._shape = delay, scale, fail, shape
         self.loads: list[LoadOptions] = []
         self.log: list[str] = []
         self.models: list[SleepModel] = []
@@ -82,7 +87,7 @@ class SleepBackend(Backend):
             raise InferdError(f"{self.id} cannot load {model_path}: {self._fail}")
         self.loads.append(options)
         model = SleepModel(self._delay, self._scale, options.threads or 1, self.log,
-                           f"{self.id}#{len(self.loads)}")
+                           f"{self.id}#{len(self.loads)}", self._shape)
         self.models.append(model)
         return model
 
@@ -252,6 +257,58 @@ def test_the_decision_survives_a_restart_and_a_new_version_measures_again(
         model.unload()
     key = json.loads((state / "decisions.json").read_text())["decisions"]["m/1"]["key"]
     assert "fast 1.1 cpu" in key["backends"]
+
+
+def test_a_rival_runs_only_on_inputs_a_client_sent_and_the_first_engine_answered(
+        repo: Path) -> None:
+    """The crash of 698a2f0 (test_onnx_node_cases: SIGSEGV in OpenVINO's CPU plugin):
+    a model whose input sizes are all fixed was measured at once on warm-up zeros, and a
+    Range node given a delta of 0 crashed the rival. Here the rival records what it ran
+    on: nothing but the one request the serving engine answered, after it came."""
+    fixed = (1, 4)
+    ref = SleepBackend("ref", SLOW_S, shape=fixed)
+    rival = SleepBackend("rival", FAST_S, shape=fixed)
+    placer, registry, _ = make([ref, rival], None)
+    placement, model = place(placer, registry, repo)
+    try:
+        assert placement.to_json()["status"] == "measuring"
+        refused = {"x": np.array([[1, np.nan, 3, 4]], np.float32)}
+        with pytest.raises(InferdError, match="refuses NaN"):
+            model.run(refused)  # the serving engine refuses it: never kept
+        sent = {"x": np.array([[1, 2, 3, 4]], np.float32)}
+        np.testing.assert_array_equal(model.run(sent)["y"], sent["x"])
+        now = settled(placement)
+        assert (now["backend"], now["status"]) == ("rival", "measured"), now
+        ran = [x for m in rival.models for x in m.seen]
+        assert ran and all(np.array_equal(x, sent["x"]) for x in ran), ran
+        measured = [x for m in ref.models[1:] for x in m.seen]  # the reference's copy
+        assert measured and all(np.array_equal(x, sent["x"]) for x in measured)
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_unloading_at_once_after_the_first_request_never_runs_a_freed_engine(
+        repo: Path, caplog: Any, monkeypatch: Any) -> None:
+    """Load, one request, unload at once, many times (test_onnx_node_cases' loop), each
+    model ready to be measured after its first run: no engine runs after its unload
+    (SleepModel.run asserts it), measuring never fails, and every engine measuring
+    loaded is unloaded."""
+    monkeypatch.setattr("inferd.daemon.placer.SAMPLES", 1)
+    caplog.set_level(logging.INFO, "inferd.daemon.placement")
+    slow, fast = SleepBackend("slow", 0.001), SleepBackend("fast", 0.0)
+    placer, registry, _ = make([slow, fast], None)
+    try:
+        for i in range(40):
+            _, model = place(placer, registry, repo)
+            serve(model, 1 + i % 2)
+            model.unload()
+        assert placer.stop()
+    finally:
+        placer.stop()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], \
+        [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert all(m.unloaded for m in slow.models + fast.models)
 
 
 @pytest.mark.parametrize("where", ["model.toml", "config"])
