@@ -79,15 +79,22 @@ class _Base:
 
     def _request(self, op: Op, model: str | None = None,
                  inputs: dict[str, NDArray[Any]] | None = None, **fields: Any) -> Request:
-        timeout = fields.pop("timeout", None) or self.timeout
+        """A request of ``op``; ``fields``: timeout, outputs, version and header keys
+        (those that are None are left out)."""
+        timeout = fields.pop("timeout", None)
         outputs = fields.pop("outputs", None)
         version = fields.pop("version", None)
+        return self._make(op, model, inputs, timeout, outputs, version,
+                          {k: v for k, v in fields.items() if v is not None})
+
+    def _make(self, op: Op, model: str | None, inputs: dict[str, NDArray[Any]] | None,
+              timeout: float | None, outputs: list[str] | None, version: int | None,
+              params: dict[str, Any]) -> Request:
         return Request(id=f"{self._prefix}-{next(self._ids)}", op=op, model=model,
                        version=version, inputs={k: np.asarray(v) for k, v in
                                                 (inputs or {}).items()},
                        outputs=list(outputs) if outputs is not None else None,
-                       timeout_ms=int(timeout * 1000),
-                       params={k: v for k, v in fields.items() if v is not None})
+                       timeout_ms=int((timeout or self.timeout) * 1000), params=params)
 
     def _retry_pause(self, reply: Reply, attempt: int, give_up: float) -> float | None:
         """How long to wait before sending ``reply``'s request again, or None to keep
@@ -309,21 +316,21 @@ class Client(_Base):
         Raises:
             RequestError: with ``.code`` the wire code and the daemon's message.
         """
-        into = None
+        params: dict[str, Any] = {}
         if outputs_into is not None:
             region, offset, size = (outputs_into if isinstance(outputs_into, tuple)
                                     else (outputs_into, *outputs_into.free()))
             if region.token not in self._regions:
                 raise RequestError("outputs_into: the region is not registered with this "
                                    "client (Client.register)", ErrorCode.INVALID_ARGUMENT)
-            into = {"region": region.token, "offset": offset, "size": size}
+            params["outputs_into"] = {"region": region.token, "offset": offset,
+                                      "size": size}
         # submit(...).result() without the Pending: this is the hot path of most clients.
         timeout = timeout or self.timeout
         give_up = time.monotonic() + timeout
         attempt = 0
         while True:
-            req = self._request(Op.INFER, model, inputs, outputs=outputs, version=version,
-                                timeout=timeout, outputs_into=into)
+            req = self._make(Op.INFER, model, inputs, timeout, outputs, version, params)
             reply = self._wait(req.id, self._send(req))
             pause = self._retry_pause(reply, attempt, give_up)
             if pause is None:

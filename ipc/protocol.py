@@ -71,6 +71,9 @@ SHM_ALIGN = 64
 MAX_TIMEOUT_MS = 2**53
 """Largest ``timeout_ms`` (about 285,000 years; JSON integers stay exact up to it)."""
 
+_WIRE_DTYPE_SET = frozenset(WIRE_DTYPES)
+_ML_DTYPE_SET = frozenset(ML_DTYPES)
+
 
 @dataclass(slots=True)
 class Request:
@@ -177,7 +180,7 @@ def encode_tensors(tensors: dict[str, NDArray[Any]], locate: Locator | None = No
     specs: list[dict[str, Any]] = []
     frames: list[Frame] = []
     for name, value in tensors.items():
-        array = np.asarray(value)
+        array = value if type(value) is np.ndarray else np.asarray(value)
         dtype = dtype_name(array)
         spec: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(array.shape)}
         specs.append(spec)
@@ -198,7 +201,7 @@ def encode_tensors(tensors: dict[str, NDArray[Any]], locate: Locator | None = No
         if dtype in PACKED:
             frames.append(pack(array))
             continue
-        if dtype in ML_DTYPES:  # ml_dtypes' types export no buffer: their bytes do
+        if dtype in _ML_DTYPE_SET:  # ml_dtypes' types export no buffer: their bytes do
             frames.append(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
             continue
         if array.dtype.byteorder == ">":
@@ -214,9 +217,6 @@ def _buffer(frame: Frame) -> memoryview:
 
 def _bytes(frame: Frame) -> bytes:
     return frame.bytes if type(frame) is ZmqFrame else bytes(_buffer(frame))
-
-
-_WIRE_DTYPE_SET = frozenset(WIRE_DTYPES)
 
 
 def _check_spec(spec: Any, where: str) -> tuple[str, str, tuple[int, ...], int]:
@@ -467,7 +467,8 @@ def decode_request(frames: Sequence[Frame], regions: Resolver | None = None) -> 
     except ProtocolError as e:
         e.request_id = rid
         raise
-    params = {k: v for k, v in head.items() if k not in _REQUEST_KEYS}
+    params = {} if head.keys() <= _REQUEST_KEYS else {
+        k: v for k, v in head.items() if k not in _REQUEST_KEYS}
     return Request(id=rid, op=op, model=model, version=version, inputs=inputs,
                    outputs=outputs, timeout_ms=int(timeout) if timeout else None,
                    params=params, outputs_into=slot)

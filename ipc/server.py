@@ -442,7 +442,7 @@ class Server:
         self._seq += 1
         # The request's record from here until its reply leaves (_deliver).
         ticket = Ticket(self._seq, "", time.monotonic(), peer=frames[0].bytes,
-                        envelope=envelope, size=sum(len(f) for f in body))
+                        envelope=envelope, size=sum(map(len, body)))
         self._inflight[ticket.seq] = ticket
         self.stats["requests"] += 1
         peer = self._peers.lookup(ticket.peer, frames[-1])
