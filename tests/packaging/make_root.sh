@@ -52,10 +52,18 @@ if [ -f "$root/.complete" ]; then
     echo "$root"
     exit 0
 fi
+# An interrupted mmdebstrap leaves /proc, /sys and /dev/{pts,shm} mounted in its .tmp
+# root: unmount them first, and never let rm follow a mount (the host's /dev/shm).
+remove_root() {
+    awk -v d="$1/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r |
+        while read -r m; do umount -l "$m" 2>/dev/null || true; done
+    rm -rf --one-file-system "$1"
+}
 for old in "$cache"/root-"$arch"-*; do
-    [ -e "$old" ] && [ "$old" != "$root" ] && { say "removing stale $old"; rm -rf "$old"; }
+    [ -e "$old" ] && [ "$old" != "$root" ] && { say "removing stale $old"; remove_root "$old"; }
 done
-rm -rf "$root" "$root.tmp"
+remove_root "$root"
+remove_root "$root.tmp"
 say "building $root from: $packages"
 start=$(date +%s)
 mirrors=()
