@@ -9,19 +9,21 @@ Pure functions over loaded models; loading, memory and the decision are the plac
   shapes; float outputs may differ by at most ``tolerance`` times the larger of 1 and
   the reference output's largest magnitude, other outputs not at all. One sample beyond
   it and the candidate is never chosen (:func:`difference` says why).
-- **Time.** The candidates run in turns (each replays the samples in their order, then
-  the next candidate, then again), so that a change in the machine's load falls on all
-  of them alike; each sample's time is the median of its runs, a candidate's time per
-  run the mean over the samples. Runs stop at ``rounds`` or at the deadline, whichever
-  comes first (at least one round).
+- **Time.** Each candidate runs in turns with the serving engine (each replays the
+  samples in their order, then the other, then again), so that a change in the
+  machine's load falls on both alike; each sample's time is the median of its runs, a
+  candidate's time per run the mean over the samples, scaled by the serving engine's
+  time over all turns against its time in the candidate's turns (:func:`rescale`).
+  Runs stop at ``rounds`` or when ``over()`` says so, whichever comes first (at least
+  one round); ``pause()`` is called before each run (measuring yields to traffic).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 import numpy as np
@@ -52,14 +54,24 @@ class Trial:
     """Why it cannot be chosen (failed to load, wrong results, too slow), else None."""
     figures: Any = None
     """Its load's memory figures (a LoadFigures), once loaded."""
+    baseline: float | None = None
+    """The serving engine's :attr:`measured` seconds in this trial's turns (None: this
+    is the serving engine, or it was not timed)."""
+    scale: float = 1.0
+    """What :attr:`seconds` multiplies :attr:`measured` by (:func:`rescale`)."""
 
     @property
-    def seconds(self) -> float:
-        """Seconds per run: the mean over the samples of each one's median (inf before
-        any run)."""
+    def measured(self) -> float:
+        """Seconds per run as timed: the mean over the samples of each one's median
+        (inf before any run)."""
         if not self.times or any(not t for t in self.times):
             return math.inf
         return statistics.fmean(statistics.median(t) for t in self.times)
+
+    @property
+    def seconds(self) -> float:
+        """Seconds per run, on the serving engine's scale (see the module docstring)."""
+        return self.measured * self.scale
 
 
 def signature_difference(reference: LoadedModel, candidate: LoadedModel) -> str | None:
@@ -109,13 +121,17 @@ def difference(reference: Inputs, got: Inputs, tolerance: float) -> str | None:
     return None
 
 
+Pause = Callable[[], None]
+
+
 def check(trial: Trial, samples: list[Inputs], reference: list[Inputs],
-          tolerance: float) -> None:
+          tolerance: float, pause: Pause = lambda: None) -> None:
     """Run ``trial`` once on every sample and compare with ``reference`` (the
     reference backend's outputs on the same samples); sets ``why_not`` if it differs
     or fails."""
     assert trial.model is not None
     for i, (inputs, ref) in enumerate(zip(samples, reference)):
+        pause()
         try:
             got = trial.model.run(inputs)
         except InferdError as e:
@@ -127,24 +143,24 @@ def check(trial: Trial, samples: list[Inputs], reference: list[Inputs],
             return
 
 
-def time_trials(trials: list[Trial], samples: list[Inputs], deadline: float,
-                rounds: int = ROUNDS, stop: threading.Event | None = None) -> None:
+def time_trials(trials: list[Trial], samples: list[Inputs], over: Callable[[], bool],
+                rounds: int = ROUNDS, pause: Pause = lambda: None) -> None:
     """Time every trial without ``why_not`` on ``samples``, in turns (see the module
-    docstring), adding to the times it has, until ``rounds`` more or ``deadline``
-    (``time.monotonic()``) or ``stop``; at least one round. A trial that fails to run
-    gets ``why_not``."""
+    docstring), adding to the times it has, until ``rounds`` more or ``over()``; at
+    least one round. A trial that fails to run gets ``why_not``."""
     live = [t for t in trials if t.why_not is None and t.model is not None]
     for t in live:
         if len(t.times) != len(samples):
             t.times = [[] for _ in samples]
     for n in range(rounds):
-        if n and (time.monotonic() >= deadline or (stop is not None and stop.is_set())):
+        if n and over():
             break
         for t in live:
             if t.why_not is not None:
                 continue
             assert t.model is not None
             for i, inputs in enumerate(samples):
+                pause()
                 started = time.perf_counter()
                 try:
                     t.model.run(inputs)
@@ -164,6 +180,16 @@ def fastest(trials: list[Trial], margin: float = 0.02) -> Trial | None:
         if best is None or t.seconds < best.seconds * (1 - margin):
             best = t
     return best
+
+
+def rescale(trials: list[Trial], serving: Trial) -> None:
+    """Put every trial timed beside ``serving`` (the serving engine, timed in each of
+    their turns) on its scale: its figure times the serving engine's over all turns
+    over the serving engine's in its own turns."""
+    for t in trials:
+        if t is not serving and t.baseline and math.isfinite(t.baseline) \
+                and math.isfinite(serving.measured):
+            t.scale = serving.measured / t.baseline
 
 
 def stage_threads(share: float, cores: int) -> int:

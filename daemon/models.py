@@ -79,7 +79,9 @@ class ModelManager:
         self.registry = registry
         self.catalog = Catalog(repo, config)
         self.budget = MemoryBudget(self)
-        self.placer = Placer(config, self.budget)
+        # measuring placement loads and runs rivals only while no request is in flight
+        self.placer = Placer(config, self.budget,
+                             busy=lambda: any(e.in_flight for e in self.entries()))
         self._loader = ModelLoader(self.catalog, registry, self.budget, processors,
                                    customops, self.placer)
         self._sink = sink

@@ -3,10 +3,13 @@ thread (``inferd-placement``) that measures a model's rival backends once it ser
 moves it onto the fastest (see :mod:`inferd.daemon.placement` for the rules).
 
 The cost is bounded: a model is measured once per machine (the decision is kept,
-:mod:`inferd.daemon.decisions`), after its first load, while the first candidate
-serves; each measurement stops at ``[placement] time_limit_s``; the candidates being
-measured are counted in the cache's memory budget, and measuring waits
-(``RETRY_S``) rather than evict a model or load past the budget.
+:mod:`inferd.daemon.decisions`), after its first requests, while the first candidate
+serves; it loads and runs nothing while a request is in flight (``busy``: measuring
+yields to traffic); one rival at a time is loaded beside the serving engine (the
+reference, when it is the plan's first: no copy of it), counted in the cache's memory
+budget and within ``MACHINE_SHARE`` of the memory available, and a loser is unloaded at
+once; measuring waits (``RETRY_S``) rather than evict a model or load past either; each
+measurement stops after ``[placement] time_limit_s`` of measuring.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ import logging
 import threading
 import time
 import tomllib
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from inferd.daemon import measure
-from inferd.daemon.budget import estimate_cost
+from inferd.daemon.budget import estimate_cost, format_bytes
 from inferd.daemon.memory import METER, LoadFigures, model_cost
 from inferd.daemon.decisions import (
     Decision, DecisionKey, DecisionStore, candidate_label, cpu_model, file_sha256,
@@ -44,6 +51,11 @@ SETTLE_S = 2.0
 """After its first request, how long a model waits for more runs to measure on."""
 RETRY_S = 30.0
 """How long measuring waits before it tries again when the cache is short of memory."""
+POLL_S = 0.005
+"""While the daemon serves, how often measuring looks whether it still does."""
+MACHINE_SHARE = 0.5
+"""A rival is loaded only if what it needs is at most this share of the memory the
+machine has available (with or without a cache budget, which counts it too)."""
 GRAPH_FILE = "graph.toml"
 
 
@@ -80,6 +92,8 @@ class Job:
     placement: ModelPlacement
     graphs: list[tuple[str, list[str]]] = field(default_factory=list)
     not_before: float = 0.0
+    loaded_why: str = ""
+    """Why the load chose the backend that serves first (kept when measuring fails)."""
 
     @property
     def name(self) -> str:
@@ -94,6 +108,81 @@ class Job:
         return str(self.entry.label)
 
 
+class _Gone(Exception):
+    """The model was unloaded, or the daemon stops: measuring it ends."""
+
+
+@dataclass
+class _Clock:
+    """``[placement] time_limit_s`` counts the time measuring works, not its waits for
+    the daemon to serve nothing."""
+
+    limit: float
+    started: float = field(default_factory=time.monotonic)
+    waited: float = 0.0
+
+    def over(self) -> bool:
+        return time.monotonic() - self.started - self.waited >= self.limit
+
+
+class _Serving(LoadedModel):
+    """The engine serving the model, as measuring runs it (through
+    :meth:`PlacedModel.run_measuring`: an unload never frees it under the run)."""
+
+    def __init__(self, model: PlacedModel) -> None:
+        self._model = model
+        self.inputs, self.outputs, self.device = model.inputs, model.outputs, model.device
+
+    def run(self, inputs: Inputs, outputs: list[str] | None = None) -> Inputs:
+        result = self._model.run_measuring(inputs)
+        if result is None:
+            raise _Gone
+        return result
+
+    def unload(self) -> None:
+        pass  # the cache's to unload, not measuring's
+
+
+class _Rivals:
+    """The rival engines measuring holds, each with its reservation in the budget."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[measure.Trial, ExitStack]] = []
+
+    def hold(self, trial: measure.Trial, reservation: ExitStack) -> None:
+        self._held.append((trial, reservation))
+
+    def release(self, trial: measure.Trial) -> None:
+        """Unload ``trial``'s engine (unless taken: ``trial.model`` None) and end its
+        reservation."""
+        for held in [h for h in self._held if h[0] is trial]:
+            self._held.remove(held)
+            if trial.model is not None:
+                trial.model.unload()
+                trial.model = None
+            held[1].close()
+
+    def release_all(self) -> None:
+        for trial, _ in list(self._held):
+            self.release(trial)
+
+
+def _outputs(trial: measure.Trial, samples: list[Inputs],
+             pause: measure.Pause) -> list[Inputs]:
+    """``trial``'s outputs on every sample (it is the reference backend); [] with
+    ``why_not`` set if a run fails."""
+    assert trial.model is not None
+    out = []
+    for inputs in samples:
+        pause()
+        try:
+            out.append(trial.model.run(inputs))
+        except InferdError as e:
+            trial.why_not = f"it failed to run: {e.message}"
+            return []
+    return out
+
+
 class Placer:
     """Places models and measures the ones with rivals (see the module docstring).
 
@@ -102,11 +191,15 @@ class Placer:
             replaced on reload with :meth:`use_config`.
         room: the cache's memory budget, which counts a candidate being measured.
         store: where decisions are kept (default: from ``[placement] directory``).
+        busy: whether the daemon serves a request now (queued or running, any model):
+            measuring loads and runs only while it does not (more: :meth:`yield_to`).
     """
 
-    def __init__(self, config: Any, room: Room, store: DecisionStore | None = None) -> None:
+    def __init__(self, config: Any, room: Room, store: DecisionStore | None = None,
+                 busy: Callable[[], bool] = lambda: False) -> None:
         self.config = config
         self._room = room
+        self._busy_checks = [busy]
         self.store = store if store is not None else DecisionStore(state_directory(config))
         self._cond = threading.Condition()
         self._queue: list[Job] = []
@@ -115,6 +208,14 @@ class Placer:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._cpu = cpu_model()
+
+    def yield_to(self, busy: Callable[[], bool]) -> None:
+        """Measure only while ``busy()`` is false too (the server's requests in flight:
+        a graph's request is open between its models' runs)."""
+        self._busy_checks.append(busy)
+
+    def _busy(self) -> bool:
+        return any(check() for check in self._busy_checks)
 
     def use_config(self, config: Any) -> None:
         """Measure by ``config`` from now on (a reload)."""
@@ -158,7 +259,7 @@ class Placer:
         if found != first or key is None:
             key = self._key(path, found, settings, config, repo_root, name)
         job = Job(entry, path, found, settings, load, key, model, placement,
-                  graphs_of(repo_root, name))
+                  graphs_of(repo_root, name), loaded_why=placement.why)
         if decision is not None and placement.backend == decision.backend:
             # measured before: nothing to do unless `inferctl reload --remeasure`
             placement.settled(Status.KEPT, f"{decision.text()}; {self._kept(decision)}")
@@ -245,8 +346,8 @@ class Placer:
             except Exception:  # noqa: BLE001  measuring must never take serving down
                 log.exception("model %s: measuring its placement failed; it stays on %s",
                               job.label, job.placement.backend, extra={"MODEL": job.name})
-                job.placement.settled(Status.FIRST, "measuring failed (see the journal); "
-                                      "the first of the plan that loads serves")
+                job.placement.settled(Status.FIRST, f"{job.loaded_why}; measuring failed "
+                                      "(see the journal)")
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop measuring (one in progress stops at its next run); True if the thread
@@ -282,28 +383,23 @@ class Placer:
     # ----------------------------------------------------------------- measuring
 
     def _measure(self, job: Job) -> None:
-        """Measure ``job``'s rivals, keep the decision, move the model to the winner."""
-        cfg = self.config.placement
-        deadline = time.monotonic() + cfg.time_limit_s
+        """Measure ``job``'s rivals one at a time beside the serving engine, while the
+        daemon serves nothing; keep the decision, move the model to the winner."""
         # only inputs that clients sent and the serving engine answered: never made-up
         # ones (zeros for a Range's delta crashed OpenVINO's CPU plugin, SIGSEGV)
         samples = job.model.samples()
         if not samples:
             return  # unloaded since it was ready (resample() dropped them)
-        each = self._room.measured((job.name, job.version)) or estimate_cost(
-            job.path.stat().st_size)
-        trials: list[measure.Trial] = []
+        clock = _Clock(self.config.placement.time_limit_s)
+        rivals = _Rivals()
         try:
-            with self._room.reserve(f"measuring the placement of {job.label}",
-                                    each * (len(job.plan) + 1)):
-                try:
-                    decision = self._decide(job, samples, deadline, trials)
-                    if decision is not None:
-                        self._adopt(job, decision, trials)
-                finally:
-                    for t in trials:
-                        if t.model is not None:
-                            t.model.unload()
+            decision, trials = self._decide(job, samples, clock, rivals)
+            if decision is not None:
+                self._adopt(job, decision, trials, clock, rivals)
+        except _Gone:
+            log.info("model %s: measuring its placement ended: %s", job.label,
+                     "the daemon stops" if self._stopping.is_set() else "it was unloaded",
+                     extra={"MODEL": job.name})
         except InferdError as e:
             if e.code is not ErrorCode.RESOURCE_EXHAUSTED:
                 raise
@@ -314,68 +410,138 @@ class Placer:
                 if (job.name, job.version) in self._jobs:
                     job.not_before = time.monotonic() + RETRY_S
                     self._queue.append(job)
+        finally:
+            rivals.release_all()
+            with self._cond:
+                if job not in self._queue:  # not postponed, nor queued by remeasure()
+                    job.model.resample(0)  # the samples are not needed any more
 
-    def _load(self, job: Job, trial: measure.Trial, choice: Choice) -> LoadedModel:
-        """A fresh engine of ``choice`` for measuring, its load's figures on ``trial``
-        (the RSS delta across the call, less an engine it imported: more than its own if
-        another load ran while it waited for the loader's lock, which errs on the safe
-        side); raises InferdError
-        (logged by :func:`place`, like a load's fallback)."""
-        METER.trim()
-        before, imported = METER.rss(), sum(self._room.engines().values())
-        _, engine = place(job.name, [choice], job.settings, self.config, job.load,
-                          trial.threads)
+    def _turn(self, job: Job, clock: _Clock) -> None:
+        """Wait until the daemon serves nothing (no request queued or running for any
+        model): measuring runs and loads only between requests. Raises _Gone if the
+        model was unloaded or the placer stops meanwhile."""
+        began = time.monotonic()
+        while not (self._stopping.is_set() or job.model.closed) and self._busy():
+            self._stopping.wait(POLL_S)
+        clock.waited += time.monotonic() - began
+        if self._stopping.is_set() or job.model.closed:
+            raise _Gone
+
+    def _reserve(self, job: Job, need: int) -> AbstractContextManager[None]:
+        """Count ``need`` bytes (a rival) in the cache budget while it is loaded; with
+        or without a budget, refuse (RESOURCE_EXHAUSTED) what passes ``MACHINE_SHARE``
+        of the memory the machine has available."""
+        available = psutil.virtual_memory().available
+        label = f"measuring the placement of {job.label}"
+        if need > available * MACHINE_SHARE:
+            raise InferdError(f"{label} needs {format_bytes(need)} but the machine has "
+                              f"{format_bytes(available)} available (measuring takes "
+                              f"at most {MACHINE_SHARE:.0%} of it)",
+                              ErrorCode.RESOURCE_EXHAUSTED)
+        return self._room.reserve(label, need)
+
+    def _load(self, job: Job, trial: measure.Trial, choice: Choice,
+              rivals: _Rivals) -> str | None:
+        """Load a fresh engine of ``choice`` into ``trial`` (held by ``rivals``, counted
+        in the budget until released), its load's figures on ``trial``: the RSS delta
+        across the call, less an engine it imported (more than its own if another load
+        ran while it waited for the loader's lock, which errs on the safe side). Returns
+        why it failed to load (logged by :func:`place`, like a load's fallback), or None.
+
+        Raises:
+            InferdError: RESOURCE_EXHAUSTED: it does not fit (nothing was loaded).
+        """
+        need = self._room.measured((job.name, job.version)) or estimate_cost(
+            job.path.stat().st_size)
+        stack = ExitStack()
+        stack.enter_context(self._reserve(job, need))
+        try:
+            METER.trim()
+            before, imported = METER.rss(), sum(self._room.engines().values())
+            _, engine = place(job.name, [choice], job.settings, self.config, job.load,
+                              trial.threads)
+        except InferdError as e:
+            stack.close()
+            return f"it failed to load: {e.message}"
+        except BaseException:
+            stack.close()
+            raise
+        trial.model = engine
+        rivals.hold(trial, stack)
         # an engine this load imported is the engine's, counted apart by the budget
         rss = METER.rss() - before - (sum(self._room.engines().values()) - imported)
         reported = engine.memory_bytes()
         trial.figures = LoadFigures(model_cost(rss, reported,
                                                choice.kind is not DeviceKind.CPU),
                                     rss, reported)
-        return engine
+        return None
 
-    def _trial(self, job: Job, choice: Choice, threads: int | None, samples: list[Inputs],
-               reference: list[Inputs] | None, deadline: float) -> measure.Trial:
+    def _candidate(self, job: Job, choice: Choice, threads: int | None,
+                   samples: list[Inputs], reference: list[Inputs], serving: measure.Trial,
+                   clock: _Clock, rivals: _Rivals) -> measure.Trial:
+        """Load, check and time one rival beside the serving engine, the only rival
+        loaded (the one held before is released first); released again at once unless
+        it can be chosen. An empty ``reference`` is filled with this one's outputs (it is
+        the reference backend)."""
         trial = measure.Trial(candidate_label(choice.backend.id, threads), choice.backend.id,
                               threads)
-        if time.monotonic() >= deadline or self._stopping.is_set():
+        if clock.over():
             limit = self.config.placement.time_limit_s
             trial.why_not = f"not measured within the time limit ({limit:g} s)"
             return trial
-        try:
-            trial.model = self._load(job, trial, choice)
-        except InferdError as e:
-            trial.why_not = f"it failed to load: {e.message}"
+        rivals.release_all()  # one rival at a time
+        self._turn(job, clock)
+        trial.why_not = self._load(job, trial, choice, rivals)
+        if trial.model is None:
             return trial
+        pause = lambda: self._turn(job, clock)  # noqa: E731
         trial.why_not = measure.signature_difference(job.model, trial.model)
-        if trial.why_not is None and reference is not None:
-            measure.check(trial, samples, reference, self.config.placement.tolerance)
+        if trial.why_not is None and reference:
+            measure.check(trial, samples, reference, self.config.placement.tolerance, pause)
+        elif trial.why_not is None:
+            reference.extend(_outputs(trial, samples, pause))
+        if trial.why_not is None:
+            # in turns with the serving engine: its time in these turns is the baseline
+            beside = measure.Trial(serving.label, serving.backend, serving.threads,
+                                   model=serving.model)
+            measure.time_trials([beside, trial], samples, clock.over, pause=pause)
+            trial.baseline = beside.measured
+            if beside.why_not is not None:
+                trial.why_not = f"not timed: the serving engine {beside.why_not}"
+            serving.times = [a + b for a, b in zip(serving.times or [[] for _ in samples],
+                                                   beside.times)]
+        if trial.why_not is not None:
+            rivals.release(trial)
         return trial
 
-    def _decide(self, job: Job, samples: list[Inputs], deadline: float,
-                trials: list[measure.Trial]) -> Decision | None:
-        """Measure every rival (into ``trials``, which the caller unloads) and decide;
-        None if the reference itself cannot be run again."""
+    def _decide(self, job: Job, samples: list[Inputs], clock: _Clock, rivals: _Rivals
+                ) -> tuple[Decision | None, list[measure.Trial]]:
+        """Measure every rival (see :meth:`_candidate`) and decide; None if the
+        reference cannot be run. Returns the decision and every trial."""
         threads = set_threads(job.settings)
-        ref = self._trial(job, job.plan[0], threads, samples, None, deadline)
-        trials.append(ref)
-        if ref.model is None or ref.why_not is not None:
-            log.warning("model %s: its placement cannot be measured: the reference backend "
-                        "%s %s; it stays on %s", job.label, ref.backend, ref.why_not,
-                        job.placement.backend, extra={"MODEL": job.name})
-            job.placement.settled(Status.FIRST, f"measuring impossible: {ref.backend} "
-                                  f"{ref.why_not}")
-            return None
-        try:
-            reference = [ref.model.run(s) for s in samples]
-        except InferdError as e:
-            ref.why_not = f"it failed to run: {e.message}"
-            job.placement.settled(Status.FIRST, f"measuring impossible: {ref.backend} "
-                                  f"{ref.why_not}")
-            return None
-        for choice in job.plan[1:]:
-            trials.append(self._trial(job, choice, threads, samples, reference, deadline))
-        measure.time_trials(trials, samples, deadline, stop=self._stopping)
-        best = measure.fastest(trials) or ref
+        now = job.placement.to_json()
+        serving = measure.Trial(candidate_label(now["backend"], now["threads"]),
+                                now["backend"], now["threads"], model=_Serving(job.model))
+        trials = [serving]
+        reference: list[Inputs] = []
+        if serving.backend == job.plan[0].backend.id:
+            pause = lambda: self._turn(job, clock)  # noqa: E731
+            reference.extend(_outputs(serving, samples, pause))
+            if serving.why_not is not None:
+                self._impossible(job, serving)
+                return None, trials
+        order = [c.backend.id for c in job.plan]
+        for choice in job.plan:
+            if (choice.backend.id, threads) == (serving.backend, serving.threads):
+                continue
+            trial = self._candidate(job, choice, threads, samples, reference, serving,
+                                    clock, rivals)
+            trials.append(trial)
+            if not reference:  # the reference backend itself failed
+                self._impossible(job, trial)
+                return None, trials
+            self._keep_best(trials, serving, order, rivals)
+        best = self._best(trials, serving, order)
         note = ""
         share = self._share(job)
         if share is not None and not threads_fixed(job.settings, [c.backend.id
@@ -385,20 +551,47 @@ class Placer:
             more = measure.stage_threads(part, cores)
             note = (f"threads: {part:.0%} of graph {graph}'s busy time on {cores} cores "
                     f"earns {more}")
-            if more > 1:
+            if more > 1 and (best.backend, more) != (serving.backend, serving.threads):
                 choice = next(c for c in job.plan if c.backend.id == best.backend)
-                wide = self._trial(job, choice, more, samples, reference, deadline)
-                # everyone again, in turns with it: one machine state for all figures
-                measure.time_trials(trials + [wide], samples, deadline, stop=self._stopping)
-                best = measure.fastest(trials) or ref
+                wide = self._candidate(job, choice, more, samples, reference, serving,
+                                       clock, rivals)
                 trials.append(wide)
-                if wide.seconds <= best.seconds * measure.THREADS_PAY:
+                measure.rescale(trials, serving)
+                if wide.why_not is None and wide.seconds <= best.seconds * \
+                        measure.THREADS_PAY:
                     best = wide
-                elif wide.why_not is None:
-                    note += f", which did not pay (kept {best.threads or 1})"
+                else:
+                    rivals.release(wide)
+                    if wide.why_not is None:
+                        note += f", which did not pay (kept {best.threads or 1})"
+        measure.rescale(trials, serving)
         return Decision(best.backend, str(job.plan[0].kind), best.threads,
                         measure.times_ms(trials), measure.untimed(trials),
-                        measure.describe_samples(samples), time.time(), note)
+                        measure.describe_samples(samples), time.time(), note), trials
+
+    @staticmethod
+    def _best(trials: list[measure.Trial], serving: measure.Trial,
+              order: list[str]) -> measure.Trial:
+        """The fastest trial of one thread count, in the plan's order (see
+        :func:`measure.fastest`); the serving engine if none was timed."""
+        measure.rescale(trials, serving)
+        ranked = sorted(trials, key=lambda t: (order.index(t.backend), t.threads or 0))
+        return measure.fastest(ranked) or serving
+
+    def _keep_best(self, trials: list[measure.Trial], serving: measure.Trial,
+                   order: list[str], rivals: _Rivals) -> None:
+        """Release every rival held but the best so far."""
+        best = self._best(trials, serving, order)
+        for t in trials:
+            if t is not best:
+                rivals.release(t)
+
+    def _impossible(self, job: Job, ref: measure.Trial) -> None:
+        log.warning("model %s: its placement cannot be measured: the reference backend "
+                    "%s %s; it stays on %s", job.label, ref.backend, ref.why_not,
+                    job.placement.backend, extra={"MODEL": job.name})
+        job.placement.settled(Status.FIRST, f"{job.loaded_why}; measuring impossible: "
+                              f"{ref.backend} {ref.why_not}")
 
     def _share(self, job: Job) -> tuple[str, float] | None:
         """The graph in which ``job``'s model does the largest share of the busy time
@@ -416,9 +609,23 @@ class Placer:
                     best = (graph, part)
         return best
 
-    def _adopt(self, job: Job, decision: Decision, trials: list[measure.Trial]) -> None:
+    def _adopt(self, job: Job, decision: Decision, trials: list[measure.Trial],
+               clock: _Clock, rivals: _Rivals) -> None:
         """Keep ``decision`` and move the model onto its winner (the winner's engine
-        leaves ``trials``)."""
+        leaves ``trials``; loaded again if it was released for a later rival)."""
+        serving = job.placement.to_json()
+        winner = next(t for t in trials if (t.backend, t.threads) ==
+                      (decision.backend, decision.threads))
+        moving = (decision.backend, decision.threads) != (serving["backend"],
+                                                          serving["threads"])
+        if moving and winner.model is None:
+            self._turn(job, clock)
+            failed = self._load(job, winner, next(c for c in job.plan
+                                                  if c.backend.id == decision.backend),
+                                rivals)
+            if failed is not None:
+                raise InferdError(f"model {job.label}: the measured winner {winner.label} "
+                                  f"{failed}")
         self.store.put(job.name, job.version, job.key, decision)
         for label, why in decision.rejected.items():
             if not why.startswith(("it failed to load", "not measured")):
@@ -428,12 +635,9 @@ class Placer:
         log.info("model %s: placement measured on %s: chosen: %s", job.label,
                  "; ".join(decision.inputs), text,
                  extra={"MODEL": job.name, "BACKEND": decision.backend})
-        serving = job.placement.to_json()
-        if (decision.backend, decision.threads) == (serving["backend"], serving["threads"]):
+        if not moving:
             job.placement.settled(Status.MEASURED, text)
             return
-        winner = next(t for t in trials if (t.backend, t.threads) ==
-                      (decision.backend, decision.threads))
         engine, winner.model = winner.model, None
         assert engine is not None
         if not job.model.switch(engine):

@@ -132,6 +132,9 @@ class Runtime:
                                    observer=self.metrics, processors=self.processors,
                                    customops=self.customops)
         self.graphs = GraphManager(self.repo, self.processors, self.models, sink)
+        # measuring placement yields to every request in flight (a graph's between its
+        # models' runs too)
+        self.models.placer.yield_to(lambda: bool(self.server.open_tickets()))
         # deadlines answered and stuck stages reported whatever a stage does
         self.watch = Watch(sink, self.server, self.models, self.graphs, config)
         self._textfile: TextfileWriter | None = None

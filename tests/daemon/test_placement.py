@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,7 @@ class RecordingRoom:
         self.reserved: list[tuple[str, int]] = []
         self.recosted: list[tuple[Any, Any]] = []
         self.refuse = False
-        self.held = 0
+        self.held = self.most = 0
 
     def recost(self, entry: Any, figures: Any) -> None:
         self.recosted.append((entry, figures))
@@ -107,8 +108,11 @@ class RecordingRoom:
     def engines(self) -> dict[str, int]:
         return {}
 
+    cost = 1000
+    """What the model cost at its last load, as the budget says."""
+
     def measured(self, key: tuple[str, int]) -> int | None:
-        return 1000
+        return self.cost
 
     @contextlib.contextmanager
     def reserve(self, label: str, need: int) -> Iterator[None]:
@@ -117,6 +121,7 @@ class RecordingRoom:
                               ErrorCode.RESOURCE_EXHAUSTED)
         self.reserved.append((label, need))
         self.held += need
+        self.most = max(self.most, self.held)
         try:
             yield
         finally:
@@ -131,14 +136,14 @@ def repo(tmp_path: Path) -> Path:
     return tmp_path / "repo"
 
 
-def make(backends: list[Backend], directory: Path | None, **overrides: Any
-         ) -> tuple[Placer, Registry, RecordingRoom]:
+def make(backends: list[Backend], directory: Path | None, busy: Any = lambda: False,
+         **overrides: Any) -> tuple[Placer, Registry, RecordingRoom]:
     config = load_config(None, {"placement.time_limit_s": 30.0, **overrides})
     registry = Registry()
     for b in backends:
         registry.register(b)
     room = RecordingRoom()
-    return Placer(config, room, DecisionStore(directory)), registry, room
+    return Placer(config, room, DecisionStore(directory), busy), registry, room
 
 
 def place(placer: Placer, registry: Registry, repo: Path,
@@ -183,9 +188,11 @@ def test_the_faster_backend_takes_over_and_the_slower_is_unloaded(repo: Path) ->
         assert all(m.unloaded for m in slow.models) and slow.models
         assert [m.unloaded for m in fast.models] == [True] * (len(fast.models) - 1) + [False]
         serve(model, 1)
-        # the candidates were counted in the budget while they were measured, and the
+        # the one rival was counted in the budget (one model's cost) while it was
+        # measured beside the serving engine (the reference: no copy of it), and the
         # model's cost is the winner's load from now on
-        assert room.reserved == [("measuring the placement of m version 1", 3000)]
+        assert room.reserved == [("measuring the placement of m version 1", 1000)]
+        assert len(slow.loads) == 1
         assert room.held == 0
         assert [e.label for e, _ in room.recosted] == ["m version 1"]
     finally:
@@ -281,7 +288,11 @@ def test_a_rival_runs_only_on_inputs_a_client_sent_and_the_first_engine_answered
         assert (now["backend"], now["status"]) == ("rival", "measured"), now
         ran = [x for m in rival.models for x in m.seen]
         assert ran and all(np.array_equal(x, sent["x"]) for x in ran), ran
-        measured = [x for m in ref.models[1:] for x in m.seen]  # the reference's copy
+        # the serving engine is the reference (no copy of it is loaded): after the two
+        # requests, it was run on the one it answered only
+        assert len(ref.models) == 1
+        served, measured = ref.models[0].seen[:2], ref.models[0].seen[2:]
+        assert np.isnan(served[0]).any() and np.array_equal(served[1], sent["x"])
         assert measured and all(np.array_equal(x, sent["x"]) for x in measured)
     finally:
         placer.stop()
@@ -309,6 +320,98 @@ def test_unloading_at_once_after_the_first_request_never_runs_a_freed_engine(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], \
         [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert all(m.unloaded for m in slow.models + fast.models)
+
+
+def test_measuring_waits_while_the_daemon_serves_and_runs_between_requests(
+        repo: Path) -> None:
+    """While a request is in flight (busy() True) nothing is loaded or run for
+    measuring; once the daemon serves nothing it proceeds. Counted in busy() calls, not
+    in time: the placer is seen polling while the traffic lasts."""
+    serving = threading.Event()
+    serving.set()
+    polls = threading.Semaphore(0)
+
+    def busy() -> bool:
+        polls.release()
+        return serving.is_set()
+
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, room = make([slow, fast], None, busy)
+    placement, model = place(placer, registry, repo)
+    try:
+        serve(model)
+        for _ in range(50):  # 50 looks while busy: it waits (it polls every 5 ms)
+            assert polls.acquire(timeout=60)
+        assert not fast.loads and not room.reserved
+        assert len(slow.models[0].seen) == 3  # the three requests only
+        assert placement.to_json()["status"] == "measuring"
+        serving.clear()
+        now = settled(placement)
+        assert (now["backend"], now["status"]) == ("fast", "measured")
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_one_rival_at_a_time_and_the_loser_freed_at_once(repo: Path) -> None:
+    """Three backends: the serving engine plus at most one rival is ever loaded (each
+    load checks), counted one model's cost at a time; a slower rival is unloaded before
+    the next one loads."""
+    backends: list[SleepBackend] = []
+
+    class Counting(SleepBackend):
+        def load(self, model_path: Path, options: LoadOptions) -> LoadedModel:
+            alive = [m for b in backends for m in b.models if not m.unloaded]
+            assert len(alive) <= 1, [m._name for m in alive]  # the serving engine only
+            return super().load(model_path, options)
+
+    first, slower, fast = (Counting("first", 0.020), Counting("slower", 0.040),
+                           Counting("fast", FAST_S))
+    backends += [first, slower, fast]
+    placer, registry, room = make(backends, None)
+    placement, model = place(placer, registry, repo)
+    try:
+        serve(model)
+        now = settled(placement)
+        assert (now["backend"], now["status"]) == ("fast", "measured"), now
+        assert " vs first " in now["why"] and "slower " in now["why"]
+        assert all(m.unloaded for m in slower.models) and len(slower.models) == 1
+        assert room.most == 1000 and room.held == 0
+        assert [n for n, _ in room.reserved] == ["measuring the placement of m version 1"] * 2
+    finally:
+        placer.stop()
+        model.unload()
+
+
+def test_a_rival_that_needs_more_than_half_the_memory_available_waits(
+        repo: Path, caplog: Any, monkeypatch: Any) -> None:
+    """Without a cache budget too: the machine's available memory bounds a rival."""
+
+    class Machine:
+        available = 500 * 2**20  # the rival needs 300 MiB (room.cost)
+
+    monkeypatch.setattr("inferd.daemon.placer.psutil",
+                        types.SimpleNamespace(virtual_memory=lambda: Machine))
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, room = make([slow, fast], None)
+    room.cost = 300 * 2**20
+    caplog.set_level(logging.INFO, "inferd.daemon.placement")
+    placement, model = place(placer, registry, repo)
+    try:
+        serve(model)
+        deadline = time.monotonic() + 30
+        while not any("postponed" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        line = next(r.getMessage() for r in caplog.records if "postponed" in r.getMessage())
+        assert line.endswith("(measuring the placement of m version 1 needs 300.0 MiB but "
+                             "the machine has 500.0 MiB available (measuring takes at most "
+                             "50% of it))"), line
+        assert not fast.loads and not room.reserved
+        assert placement.to_json()["status"] == "measuring"
+    finally:
+        placer.stop()
+        model.unload()
 
 
 @pytest.mark.parametrize("where", ["model.toml", "config"])
@@ -494,6 +597,35 @@ def test_a_switch_lets_runs_in_the_old_engine_finish_there() -> None:
     assert log == ["unload old", "unload new"]
     late = SleepModel(0.0, 1.0, 1, log, "late")
     assert not placed.switch(late) and late.unloaded  # after the unload: refused
+
+
+def test_an_unload_leaves_the_engine_to_a_measuring_run_inside_it() -> None:
+    """The placement thread runs the serving engine (the reference) beside the
+    workers; an unload meanwhile must not free it under that run."""
+    log: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+
+    class Blocking(SleepModel):
+        def run(self, inputs: dict[str, Any], outputs: list[str] | None = None
+                ) -> dict[str, Any]:
+            entered.set()
+            assert release.wait(30)
+            return super().run(inputs, outputs)
+
+    engine = Blocking(0.0, 1.0, 1, log, "serving")
+    placed = PlacedModel(engine)
+    x = {"x": np.ones((1, 4), np.float32)}
+    results: list[Any] = []
+    t = threading.Thread(target=lambda: results.append(placed.run_measuring(x)))
+    t.start()
+    assert entered.wait(30)
+    placed.unload()
+    assert placed.closed and not engine.unloaded  # the measuring run is inside it
+    release.set()
+    t.join(30)
+    assert results and results[0] is not None and engine.unloaded
+    assert placed.run_measuring(x) is None  # after the unload: nothing runs
+    assert log == ["unload serving"]
 
 
 def test_difference_within_and_beyond_the_tolerance() -> None:

@@ -110,6 +110,24 @@ class Steady:
         self._thread.join(120)
 
 
+def short_budget(start_daemon: Any, root: Path, repo: Path, *args: str) -> int:
+    """A cache budget (bytes) with room for ocr-cls served (the engines it imports
+    included), not for a rival measured beside it (counted at ocr-cls's own cost):
+    learned from a daemon over ``repo`` (and ``args``) that measures nothing."""
+    config = root / "figures.toml"
+    config.write_text('[placement]\nmode = "first"\n')
+    (root / "figures").mkdir()
+    d = start_daemon("--config", str(config), "--models", str(repo), *args, "--preload",
+                     "ocr-cls", workdir=root / "figures")
+    with d.client() as c:
+        for b in (1, 6, 3):
+            c.infer("ocr-cls", {"x": np.zeros((b, 3, 48, 192), np.float32)})
+        used = c.status()["cache"]["used_bytes"]
+        cost = next(m for m in c.models() if m["name"] == "ocr-cls")["memory_bytes"]
+    d.stop()
+    return int(used + cost // 2)
+
+
 def repo_with_cls(root: Path, models_dir: Path) -> Path:
     repo = root / "repo"
     (repo / "ocr-cls").mkdir(parents=True)
@@ -150,7 +168,9 @@ def test_shipped_cls_moves_to_the_fastest_correct_backend_and_keeps_the_decision
     fastest = min(times, key=lambda k: times[k])
     chosen = decision["backend"] if not decision["threads"] else \
         f"{decision['backend']} ({decision['threads']} threads)"
-    assert times[chosen] <= times[fastest] * 1.02, decision  # within the 2 % margin
+    # within the 2 % margin that keeps an earlier entry of the plan (no thread trial here:
+    # ocr-cls is in no graph of this repository)
+    assert times[chosen] * 0.98 <= times[fastest], decision
     assert decision["rejected"]["off-by-half"].startswith(
         f"its output '{OUTPUT}' differs by 0.5")
     assert row["backend"] == decision["backend"]
@@ -195,10 +215,12 @@ def test_shipped_cls_moves_to_the_fastest_correct_backend_and_keeps_the_decision
 def test_measuring_waits_while_the_cache_is_short_of_memory(
         start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
     repo = repo_with_cls(short_tmp, models_dir)
+    budget = short_budget(start_daemon, short_tmp, repo)
     config = short_tmp / "inferd.toml"
-    # ocr-cls costs about 15-25 MiB; three of it (two candidates beside it) do not fit
-    config.write_text('[cache]\nmax_memory = "48MiB"\n')
-    d = start_daemon("--config", str(config), "--models", str(repo), "--preload", "ocr-cls")
+    config.write_text(f'[cache]\nmax_memory = {budget}\n')
+    (short_tmp / "short").mkdir()
+    d = start_daemon("--config", str(config), "--models", str(repo), "--preload", "ocr-cls",
+                     workdir=short_tmp / "short")
     with d.client() as c:
         for b in (1, 6, 3):
             c.infer("ocr-cls", {"x": np.zeros((b, 3, 48, 192), np.float32)})
@@ -209,6 +231,6 @@ def test_measuring_waits_while_the_cache_is_short_of_memory(
     line = next(ln for ln in d.log().splitlines() if "postponed" in ln)
     assert "model ocr-cls version 1: measuring its placement postponed by 30 s: the cache " \
            "is short of memory (measuring the placement of ocr-cls version 1 needs" in line
-    assert "but the cache budget is 48.0 MiB with" in line
+    assert f"but the cache budget is {budget / 2**20:.1f} MiB with" in line
     row = cls_row(d)
     assert (row["backend"], row["placement_status"]) == ("onnxruntime", "measuring")

@@ -378,7 +378,7 @@ def test_stuck(start_daemon, short_tmp: Path, models_dir: Path) -> None:
 def test_placement(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     """Measured placement: a candidate with wrong results (a plugin off by 0.5), and a
     cache too small to measure in."""
-    from tests.e2e.test_placement import WRONG_PLUGIN
+    from tests.e2e.test_placement import WRONG_PLUGIN, short_budget
 
     plugins = short_tmp / "plugins"
     plugins.mkdir()
@@ -386,10 +386,11 @@ def test_placement(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     repo = short_tmp / "repo"
     _model(repo, models_dir, "ocr-cls", "ocr-cls")
     out = []
-    for budget in ("unlimited", "48MiB"):
+    short = short_budget(start_daemon, short_tmp, repo, "--backends-dir", str(plugins))
+    for budget in ("unlimited", short):
         config = short_tmp / f"inferd-{budget}.toml"
-        config.write_text(f'[cache]\nmax_memory = "{budget}"\n')
-        workdir = short_tmp / budget
+        config.write_text(f'[cache]\nmax_memory = {budget!r}\n')
+        workdir = short_tmp / str(budget)
         workdir.mkdir()
         d = start_daemon("--config", str(config), "--backends-dir", str(plugins),
                          "--models", str(repo), "--preload", "ocr-cls", workdir=workdir)
