@@ -132,6 +132,9 @@ def test_fifty_concurrent_first_requests_share_one_load_and_models_shows_it(
         demo_inputs: dict[str, Any]) -> None:
     repo = short_tmp / "repo"
     add_version(repo, models_dir, "ocr-cls", 1)
+    # the BACKEND column is asserted below: the first backend that loads, not a measured
+    # one (measured placement may move it to openvino meanwhile)
+    (repo / "ocr-cls" / "model.toml").write_text('placement = "first"\n')
     add_version(repo, models_dir, "vad", 1)
     d = start_daemon("--models", str(repo), "--preload", "vad")
     with d.client() as c:

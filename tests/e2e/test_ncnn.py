@@ -115,7 +115,9 @@ def test_cls_on_gpu_is_served_by_ncnn_on_vulkan_and_a_corrupt_param_fails_alone(
 def test_with_vulkan_hidden_the_gpu_placement_falls_back_with_the_reason(
         start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
     repo, env = _setup(short_tmp)
-    _link(repo, models_dir, "ocr-cls", 'backends = ["gpu", "cpu"]\n')
+    # placement "first": the cpu entry's backend and the chosen text are asserted below
+    # (measured placement may move it to openvino and say why instead)
+    _link(repo, models_dir, "ocr-cls", 'backends = ["gpu", "cpu"]\nplacement = "first"\n')
     icd = short_tmp / "no-such-icd.json"
     daemon = start_daemon("--models", str(repo), "--preload", "ocr-cls",
                           env={**env, "VK_ICD_FILENAMES": str(icd)})
