@@ -334,7 +334,9 @@ def test_sigterm(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     d = start_daemon("--config", str(config), "--models", str(models_dir),
                      "--preload", "ocr-rec")
     with Client(d.endpoint, timeout=120, max_in_flight=200) as c:  # all sent at once
-        x = np.zeros((1, 3, 48, 320), np.float32)
+        # wide lines: 200 runs of ~40 ms here, far more than the 2 s grace on any machine
+        # (at 48x320, 166 queued runs finished inside it at load ~3)
+        x = np.zeros((1, 3, 48, 1280), np.float32)
         pending = [c.submit(Op.INFER, "ocr-rec", inputs={"x": x}) for _ in range(200)]
         time.sleep(0.5)
         d.proc.send_signal(signal.SIGTERM)
