@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import zipfile
@@ -95,8 +96,9 @@ def test_a_bad_key_names_it(options: dict[str, Any], words: str) -> None:
 def gpu_site() -> Path:
     """The onnxruntime-gpu wheel unpacked once into .cache (as the Debian package
     vendors it)."""
+    # this machine's architecture: make deb ARCH=arm64 downloads the aarch64 wheel beside it
     wheels = sorted(WHEELS.glob(f"onnxruntime_gpu-*-cp{sys.version_info[0]}"
-                                f"{sys.version_info[1]}-*.whl"))
+                                f"{sys.version_info[1]}-*_{platform.machine()}.whl"))
     if not wheels:
         message = f"no onnxruntime-gpu wheel in {WHEELS}: run `make wheels`"
         if os.environ.get("INFERD_REQUIRE_GPU_WHEEL"):
