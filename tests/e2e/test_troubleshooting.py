@@ -334,10 +334,12 @@ def test_sigterm(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     d = start_daemon("--config", str(config), "--models", str(models_dir),
                      "--preload", "ocr-rec")
     with Client(d.endpoint, timeout=120, max_in_flight=200) as c:  # all sent at once
-        # wide lines: 200 runs of ~40 ms here, far more than the 2 s grace on any machine
-        # (at 48x320, 166 queued runs finished inside it at load ~3)
-        x = np.zeros((1, 3, 48, 1280), np.float32)
-        pending = [c.submit(Op.INFER, "ocr-rec", inputs={"x": x}) for _ in range(200)]
+        # very wide lines: 60 runs of ~150 ms here, far more than the 2 s grace on any
+        # machine, and a run in progress when the grace ends outlasts the stop's last look
+        # at the model threads (at 48x1280, ~40 ms runs, the one in progress finished in
+        # between in 1 of 3 full runs; at 48x320, 166 queued runs finished inside it)
+        x = np.zeros((1, 3, 48, 5120), np.float32)
+        pending = [c.submit(Op.INFER, "ocr-rec", inputs={"x": x}) for _ in range(60)]
         time.sleep(0.5)
         d.proc.send_signal(signal.SIGTERM)
         for p in pending:
