@@ -170,6 +170,18 @@ def settled(placement: Any, timeout: float = 60.0) -> dict[str, Any]:
     return placement.to_json()
 
 
+def postponed(caplog: Any, timeout: float = 30.0) -> str:
+    """The first 'postponed' line the placer logs (waited for)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        line = next((r.getMessage() for r in caplog.records
+                     if "postponed" in r.getMessage()), None)
+        if line is not None:
+            return line
+        assert time.monotonic() < deadline, "no 'postponed' line"
+        time.sleep(0.02)
+
+
 def test_the_faster_backend_takes_over_and_the_slower_is_unloaded(repo: Path) -> None:
     slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
     placer, registry, room = make([slow, fast], None)
@@ -399,11 +411,7 @@ def test_a_rival_that_needs_more_than_half_the_memory_available_waits(
     placement, model = place(placer, registry, repo)
     try:
         serve(model)
-        deadline = time.monotonic() + 30
-        while not any("postponed" in r.getMessage() for r in caplog.records):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        line = next(r.getMessage() for r in caplog.records if "postponed" in r.getMessage())
+        line = postponed(caplog)
         assert line.endswith("(measuring the placement of m version 1 needs 300.0 MiB but "
                              "the machine has 500.0 MiB available (measuring takes at most "
                              "50% of it))"), line
@@ -472,13 +480,9 @@ def test_measuring_waits_while_the_cache_is_short_of_memory(repo: Path,
     placement, model = place(placer, registry, repo)
     try:
         serve(model)
-        deadline = time.monotonic() + 30
-        while not any("postponed" in r.getMessage() for r in caplog.records):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        line = postponed(caplog)
         assert placement.to_json()["status"] == "measuring"
         assert not fast.loads and len(slow.loads) == 1 and not room.reserved
-        line = next(r.getMessage() for r in caplog.records if "postponed" in r.getMessage())
         assert line == ("model m version 1: measuring its placement postponed by 30 s: the "
                         "cache is short of memory (model needs 3 KiB but the budget is 1 KiB)")
     finally:
