@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import (  # noqa: E402
-    MODELS, DaemonProcess, cls_client, cpu_note, placements, rapidocr, run_client_processes,
+    MODELS, DaemonProcess, cls_client, cpu_note, ocr_stream, placements, rapidocr,
+    run_client_processes,
     settle_placement, verdict,
 )
 
@@ -225,10 +226,8 @@ def ocr_arm(tmp: Path, label: str, backend: str | None, det_threads: int,
             daemon.endpoint, lambda c: [c.infer("ocr", {"image": im}) for im in batch[:2]])
         placed = placements(daemon.endpoint)
         with Client(daemon.endpoint, timeout=300) as c:
-            t0 = time.perf_counter()
-            pending = [c.submit("infer", "ocr", inputs={"image": im}) for im in batch]
-            texts = [p.result()["texts"].tolist() for p in pending]
-            rate = len(batch) / (time.perf_counter() - t0)
+            seconds, texts = ocr_stream(c, batch)
+            rate = len(batch) / seconds
     finally:
         daemon.stop()
     cost = f"placement settled {settle_s:.0f} s after its first requests"

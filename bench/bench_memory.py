@@ -29,7 +29,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import DaemonProcess  # noqa: E402
+from common import DaemonProcess, ocr_stream  # noqa: E402
 from inferd.ipc import Client  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -303,10 +302,7 @@ def inferd_graph(tmp: Path, name: str, toml: str, batch: list[np.ndarray],
                               f" MiB)", daemon.rss()))
             c.infer("ocr", {"image": batch[0]})  # warm: first run of each shape class
             steps.append(("after one image (peak so far)", sampler.read()))
-            t0 = time.perf_counter()
-            pending = [c.submit("infer", "ocr", inputs={"image": im}) for im in batch]
-            texts = [p.result()["texts"].tolist() for p in pending]
-            elapsed = time.perf_counter() - t0
+            elapsed, texts = ocr_stream(c, batch)
             cache = c.status()["cache"]["used_bytes"]
             working = {m["name"]: m.get("memory_working_bytes") or 0 for m in c.models()}
         rss, peak = peak_rss(daemon.proc.pid)[0], sampler.read()

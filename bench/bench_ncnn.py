@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from common import MODELS, DaemonProcess, cpu_note, rapidocr  # noqa: E402
+from common import MODELS, DaemonProcess, cpu_note, ocr_stream, rapidocr  # noqa: E402
 from tests.links import link_tree  # noqa: E402  (hard links: the daemon refuses symlinks out)
 
 from inferd.ipc import Client  # noqa: E402
@@ -178,10 +177,8 @@ def ocr(tmp: Path) -> None:
                                  if m.get("backend")}
                 for im in batch[:2]:
                     c.infer("ocr", {"image": im})
-                t0 = time.perf_counter()
-                pending = [c.submit("infer", "ocr", inputs={"image": im}) for im in batch]
-                texts = [p.result()["texts"].tolist() for p in pending]
-                rates[label] = len(batch) / (time.perf_counter() - t0)
+                seconds, texts = ocr_stream(c, batch)
+                rates[label] = len(batch) / seconds
                 same[label] = sum(a == b for a, b in zip(texts, reference))
         finally:
             daemon.stop()

@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import (  # noqa: E402
-    DaemonProcess, cls_client, placements, rapidocr, run_client_processes, settle_placement,
+    DaemonProcess, cls_client, ocr_stream, placements, rapidocr, run_client_processes,
+    settle_placement,
 )
 from inferd.ipc import Client  # noqa: E402
 from ocr_images import render  # noqa: E402
@@ -112,10 +113,7 @@ def ocr(tmp: Path) -> None:
             daemon.endpoint, lambda c: [c.infer("ocr", {"image": im}) for im in batch[:6]])
         placed = placements(daemon.endpoint)
         with Client(daemon.endpoint, timeout=300) as c:
-            t0 = time.perf_counter()
-            pending = [c.submit("infer", "ocr", inputs={"image": im}) for im in batch]
-            texts = [p.result()["texts"].tolist() for p in pending]
-            inferd_s = time.perf_counter() - t0
+            inferd_s, texts = ocr_stream(c, batch)
     finally:
         daemon.stop()
     same = sum(a == b for a, b in zip(texts, reference))
@@ -170,11 +168,8 @@ def held_out_check(tmp: Path, rounds: int = 3) -> None:
                     reference.append([r[1] for r in result] if result else [])
                 rates["RapidOCR"].append(len(batch) / (time.perf_counter() - t0))
                 for arm, c in (("shipped", a), ("first", b)):
-                    t0 = time.perf_counter()
-                    pending = [c.submit("infer", "ocr", inputs={"image": im})
-                               for im in batch]
-                    texts = [p.result()["texts"].tolist() for p in pending]
-                    rates[arm].append(len(batch) / (time.perf_counter() - t0))
+                    seconds, texts = ocr_stream(c, batch)
+                    rates[arm].append(len(batch) / seconds)
                     same[arm] = sum(x == y for x, y in zip(texts, reference))
     finally:
         shipped.stop()
