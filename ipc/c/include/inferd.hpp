@@ -136,59 +136,61 @@ private:
     std::size_t index_;
 };
 
+// Owns one C handle: move-only, released by FREE (which takes nullptr) when it goes.
+template <class T, void (*Free)(T *)> class Handle {
+public:
+    Handle() noexcept = default;
+    explicit Handle(T *p) noexcept : p_(p) {}
+    Handle(Handle &&other) noexcept : p_(std::exchange(other.p_, nullptr)) {}
+    Handle &operator=(Handle &&other) noexcept {
+        if (this != &other) {
+            Free(p_);
+            p_ = std::exchange(other.p_, nullptr);
+        }
+        return *this;
+    }
+    Handle(const Handle &) = delete;
+    Handle &operator=(const Handle &) = delete;
+    ~Handle() { Free(p_); }
+    T *get() const noexcept { return p_; }
+    // Where a C constructor writes the new handle (only while this one is empty).
+    T **out() noexcept { return &p_; }
+
+private:
+    T *p_ = nullptr;
+};
+
 // A shared-memory region of a client (see inferd.h); owns its inferd_region. Inputs
 // placed in data() travel by reference; Call::outputs_into has outputs written here.
 class Region {
 public:
     Region(inferd_client *client, std::size_t size) {
-        inferd_code rc = inferd_region_new(client, size, &region_);
+        inferd_code rc = inferd_region_new(client, size, region_.out());
         if (rc != INFERD_OK)
             throw Error(rc, inferd_client_error(client));
     }
-    Region(Region &&other) noexcept : region_(std::exchange(other.region_, nullptr)) {}
-    Region &operator=(Region &&other) noexcept {
-        if (this != &other) {
-            inferd_region_free(region_);
-            region_ = std::exchange(other.region_, nullptr);
-        }
-        return *this;
-    }
-    Region(const Region &) = delete;
-    Region &operator=(const Region &) = delete;
-    ~Region() { inferd_region_free(region_); }
-    void *data() const noexcept { return inferd_region_data(region_); }
-    std::size_t size() const noexcept { return inferd_region_size(region_); }
-    inferd_region *get() const noexcept { return region_; }
+    void *data() const noexcept { return inferd_region_data(get()); }
+    std::size_t size() const noexcept { return inferd_region_size(get()); }
+    inferd_region *get() const noexcept { return region_.get(); }
 
 private:
-    inferd_region *region_ = nullptr;
+    Handle<inferd_region, inferd_region_free> region_;
 };
 
 // One request and its reply; owns its inferd_call.
 class Call {
 public:
     explicit Call(inferd_call *call) : call_(call) {
-        if (call_ == nullptr)
+        if (call == nullptr)
             throw Error(INFERD_NO_MEMORY, "out of memory for a call");
     }
-    Call(Call &&other) noexcept : call_(std::exchange(other.call_, nullptr)) {}
-    Call &operator=(Call &&other) noexcept {
-        if (this != &other) {
-            inferd_call_free(call_);
-            call_ = std::exchange(other.call_, nullptr);
-        }
-        return *this;
-    }
-    Call(const Call &) = delete;
-    Call &operator=(const Call &) = delete;
-    ~Call() { inferd_call_free(call_); }
 
     // An input, borrowed: DATA must stay valid until the call completes.
     Call &input(const std::string &name, inferd_dtype dtype, View<std::int64_t> shape,
                 const void *data, std::size_t size) {
         inferd_tensor t{name.c_str(), dtype, shape.size(), shape.data(), data, size, nullptr,
                         nullptr};
-        check(inferd_call_add_input(call_, &t), "input " + name);
+        check(inferd_call_add_input(get(), &t), "input " + name);
         return *this;
     }
     template <class T>
@@ -199,36 +201,36 @@ public:
     }
     // Asks for output NAME only (repeatable; default every output).
     Call &only_output(const std::string &name) {
-        check(inferd_call_add_output(call_, name.c_str()), "output " + name);
+        check(inferd_call_add_output(get(), name.c_str()), "output " + name);
         return *this;
     }
     Call &timeout_ms(std::int64_t ms) {
-        check(inferd_call_set_timeout(call_, ms), "timeout");
+        check(inferd_call_set_timeout(get(), ms), "timeout");
         return *this;
     }
     Call &version(std::int64_t v) {
-        check(inferd_call_set_version(call_, v), "version");
+        check(inferd_call_set_version(get(), v), "version");
         return *this;
     }
     // The numeric outputs written into SIZE bytes of REGION from OFFSET.
     Call &outputs_into(Region &region, std::uint64_t offset, std::uint64_t size) {
-        check(inferd_call_set_outputs_into(call_, region.get(), offset, size), "outputs_into");
+        check(inferd_call_set_outputs_into(get(), region.get(), offset, size), "outputs_into");
         return *this;
     }
     Call &param(const std::string &key, const std::string &json) {
-        check(inferd_call_set_param(call_, key.c_str(), json.c_str()), "param " + key);
+        check(inferd_call_set_param(get(), key.c_str(), json.c_str()), "param " + key);
         return *this;
     }
 
-    void submit() { check(inferd_submit(call_), "submit"); }
+    void submit() { check(inferd_submit(get()), "submit"); }
     // Waits up to TIMEOUT_MS (< 0: the call's deadline): true when it completed
     // successfully, false if still in flight; throws Error if it failed.
     bool wait(std::int64_t timeout_ms = -1) {
-        inferd_code rc = inferd_wait(call_, timeout_ms);
+        inferd_code rc = inferd_wait(get(), timeout_ms);
         if (rc == INFERD_AGAIN)
             return false;
         if (rc != INFERD_OK)
-            throw Error(rc, inferd_call_message(call_));
+            throw Error(rc, inferd_call_message(get()));
         return true;
     }
     // submit() then wait() until it completes.
@@ -238,40 +240,40 @@ public:
         return *this;
     }
 
-    inferd_code code() const { return inferd_call_code(call_); }
-    std::string_view message() const { return inferd_call_message(call_); }
-    std::string_view id() const { return inferd_call_id(call_); }
+    inferd_code code() const { return inferd_call_code(get()); }
+    std::string_view message() const { return inferd_call_message(get()); }
+    std::string_view id() const { return inferd_call_id(get()); }
     // The result of a control op as JSON text ("" if none).
     std::string_view result() const {
-        const char *r = inferd_call_result(call_);
+        const char *r = inferd_call_result(get());
         return r ? r : "";
     }
-    std::size_t outputs() const { return inferd_output_count(call_); }
+    std::size_t outputs() const { return inferd_output_count(get()); }
     Tensor output(std::size_t i) const {
-        const inferd_tensor *t = inferd_output(call_, i);
+        const inferd_tensor *t = inferd_output(get(), i);
         if (t == nullptr)
             throw std::out_of_range("inferd::Call::output");
-        return Tensor(t, call_, i);
+        return Tensor(t, get(), i);
     }
     Tensor output(const std::string &name) const {
         for (std::size_t i = 0; i < outputs(); i++)
-            if (name == inferd_output(call_, i)->name)
+            if (name == inferd_output(get(), i)->name)
                 return output(i);
         throw Error(INFERD_NOT_FOUND, "no output " + name);
     }
-    inferd_call *get() const noexcept { return call_; }
+    inferd_call *get() const noexcept { return call_.get(); }
 
 private:
     void check(inferd_code rc, const std::string &what) {
         if (rc == INFERD_OK)
             return;
         // a completed call carries its message; a refused step, the client's
-        const char *m = inferd_call_code(call_) != INFERD_AGAIN
-                            ? inferd_call_message(call_)
-                            : inferd_client_error(inferd_call_client(call_));
+        const char *m = inferd_call_code(get()) != INFERD_AGAIN
+                            ? inferd_call_message(get())
+                            : inferd_client_error(inferd_call_client(get()));
         throw Error(rc, what + (m && *m ? std::string(": ") + m : std::string()));
     }
-    inferd_call *call_;
+    Handle<inferd_call, inferd_call_free> call_;
 };
 
 // One connection; owns its inferd_client.
@@ -279,33 +281,19 @@ class Client {
 public:
     // ENDPOINT nullptr: $INFERD_SOCKET, else the system socket. Throws Error.
     explicit Client(const char *endpoint = nullptr, void *zmq_context = nullptr) {
-        inferd_code rc = inferd_client_new(&client_, endpoint, zmq_context);
-        if (rc != INFERD_OK) {
-            std::string message = inferd_client_error(client_);
-            inferd_client_free(client_);
-            throw Error(rc, message);
-        }
+        inferd_code rc = inferd_client_new(client_.out(), endpoint, zmq_context);
+        if (rc != INFERD_OK)
+            throw Error(rc, inferd_client_error(get()));  // client_ frees it
     }
-    Client(Client &&other) noexcept : client_(std::exchange(other.client_, nullptr)) {}
-    Client &operator=(Client &&other) noexcept {
-        if (this != &other) {
-            inferd_client_free(client_);
-            client_ = std::exchange(other.client_, nullptr);
-        }
-        return *this;
-    }
-    Client(const Client &) = delete;
-    Client &operator=(const Client &) = delete;
-    ~Client() { inferd_client_free(client_); }
 
     Client &set(inferd_option option, std::int64_t value) {
-        inferd_code rc = inferd_client_set(client_, option, value);
+        inferd_code rc = inferd_client_set(get(), option, value);
         if (rc != INFERD_OK)
-            throw Error(rc, inferd_client_error(client_));
+            throw Error(rc, inferd_client_error(get()));
         return *this;
     }
     Call call(inferd_op op, const char *model = nullptr) {
-        return Call(inferd_call_new(client_, op, model));
+        return Call(inferd_call_new(get(), op, model));
     }
     Call infer(const std::string &model) { return call(INFERD_OP_INFER, model.c_str()); }
     // A control op, run: its result as JSON text.
@@ -314,17 +302,17 @@ public:
     }
     bool ping() {
         int ready = 0;
-        inferd_code rc = inferd_ping(client_, &ready);
+        inferd_code rc = inferd_ping(get(), &ready);
         if (rc != INFERD_OK)
-            throw Error(rc, inferd_client_error(client_));
+            throw Error(rc, inferd_client_error(get()));
         return ready != 0;
     }
-    bool connected() { return inferd_client_connected(client_) != 0; }
-    Region region(std::size_t size) { return Region(client_, size); }
-    inferd_client *get() const noexcept { return client_; }
+    bool connected() { return inferd_client_connected(get()) != 0; }
+    Region region(std::size_t size) { return Region(get(), size); }
+    inferd_client *get() const noexcept { return client_.get(); }
 
 private:
-    inferd_client *client_ = nullptr;
+    Handle<inferd_client, inferd_client_free> client_;
 };
 
 }  // namespace inferd
