@@ -286,6 +286,9 @@ class MemoryBudget:
         load = entry.memory.load
         budget = self._cache.max_memory
         need = estimate.bytes
+        if estimate.settled and (budget is None or load is None
+                                 or load.cost + need <= budget):
+            return  # measured and admitted at this figure: it counts already
         if budget is None or load is None or need <= 0:
             if need > 0:
                 working.admit(estimate)
@@ -358,11 +361,11 @@ class AdmittedModel(LoadedModel):
         working = self._working
         estimate = working.estimate(inputs)
         self._budget.admit_run(self._entry, estimate)  # may refuse it, before it runs
+        if not estimate.measure:
+            return working.run(self.inner.run, inputs, outputs)  # type: ignore[no-any-return]
 
         def run() -> dict[str, NDArray[Any]]:
             return self.inner.run(inputs, outputs)
-        if not estimate.measure:
-            return working.run(run)  # type: ignore[no-any-return]
         result, changed = working.measure(estimate.key, inputs, run)
         if changed:
             self._budget.grew(self._entry)

@@ -69,6 +69,9 @@ CALIBRATE_FROM = 1 << 20
 TRIES = 3
 """Measurements of a class taken beside other runs before it is no longer measured."""
 KNOWN_VALUES = 16
+SETTLED_SHAPES = 256
+"""Exact input shapes whose settled estimate is kept (a run of one of them is estimated
+by one look-up); past it the kept ones are dropped and gathered again."""
 """Integer inputs of at most this many elements are given to the graph by value (a
 sample rate may choose a branch); the class keeps the first run's values."""
 
@@ -124,17 +127,25 @@ class MemoryMeter:
         rss, hwm = self.read()
         return hwm if self.resettable else rss
 
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        """Count a model run that is not measured while the block runs."""
+    def begin_run(self) -> None:
+        """A model run that is not measured begins (see :meth:`running`)."""
         with self._runs_lock:
             self._active += 1
             self._started += 1
+
+    def end_run(self) -> None:
+        """The run :meth:`begin_run` counted has ended."""
+        with self._runs_lock:
+            self._active -= 1
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Count a model run that is not measured while the block runs."""
+        self.begin_run()
         try:
             yield
         finally:
-            with self._runs_lock:
-                self._active -= 1
+            self.end_run()
 
     def measure(self, run: Callable[[], Any]) -> tuple[Any, int, bool]:
         """Call ``run()`` (a model run) with the peak reset; returns its result, the peak
@@ -214,6 +225,8 @@ class Estimate:
         key: the run's shape class.
         measure: whether this run is to be measured.
         graph: whether it came from the model's graph.
+        settled: the figure of a class measured and already admitted at it: admitting
+            it again changes nothing (only the budget's own bound is checked).
     """
 
     bytes: int
@@ -222,6 +235,7 @@ class Estimate:
     key: tuple[Any, ...]
     measure: bool
     graph: bool
+    settled: bool = False
 
 
 @dataclass
@@ -275,6 +289,9 @@ class WorkingMemory:
         self._graph: Activations | None = None
         self._factor = DEFAULT_FACTOR
         self._backend = ""
+        # exact input shapes -> the settled estimate of their class; emptied whenever a
+        # class's figures change (admit, record, use)
+        self._settled: dict[tuple[Any, ...], Estimate] = {}
 
     def use(self, graph: Activations | None, backend: str) -> None:
         """The model (re)loaded on ``backend``; ``graph``: its activations, if its file
@@ -283,6 +300,7 @@ class WorkingMemory:
             self._graph = graph
             self._backend = backend
             self._factor = FACTORS.get(backend, DEFAULT_FACTOR)
+            self._settled.clear()
             for c in self.classes.values():  # another engine, another file: size anew
                 c.activations = None
 
@@ -290,6 +308,10 @@ class WorkingMemory:
 
     def estimate(self, inputs: dict[str, NDArray[Any]]) -> Estimate:
         """What a run on ``inputs`` is expected to need (see the class docstring)."""
+        shapes = tuple([(n, a.shape) for n, a in inputs.items()])
+        settled = self._settled.get(shapes)
+        if settled is not None:  # a measured class, admitted: nothing changed since
+            return settled
         key = shape_class(inputs)
         elements = _elements(inputs)
         with self._lock:
@@ -299,7 +321,14 @@ class WorkingMemory:
             again = c.measured is None or elements > c.elements * GROWTH
             measure = again and c.tries < TRIES
             if c.measured is not None and not again:
-                return Estimate(c.counted(), True, "measured", key, False, False)
+                need = c.counted()
+                if c.admitted < need:  # admitted at this figure once, then settled
+                    return Estimate(need, True, "measured", key, False, False)
+                estimate = Estimate(need, True, "measured", key, False, False, True)
+                if len(self._settled) >= SETTLED_SHAPES:
+                    self._settled.clear()
+                self._settled[shapes] = estimate
+                return estimate
             graph = self._graph
         if graph is not None:
             sized = self._activations(c, graph, inputs, elements)
@@ -364,18 +393,28 @@ class WorkingMemory:
         """A run is let in on ``estimate``: its class counts it (until measured, or for
         good if it came from the graph). True if that raised the model's largest
         figure."""
+        if estimate.settled:
+            return False
         with self._lock:
             c = self.classes.setdefault(estimate.key, _Class())
+            if estimate.bytes <= c.admitted and (not estimate.graph
+                                                 or estimate.bytes <= c.floor):
+                return False  # nothing to count anew
             c.admitted = max(c.admitted, estimate.bytes)
             if estimate.graph:
                 c.floor = max(c.floor, estimate.bytes)
+            self._settled.clear()
             return self._recount()
 
-    def run(self, run: Callable[[], Any]) -> Any:
-        """Call ``run()`` (a model run not measured), counted as running: a measurement
-        meanwhile is not taken as its model's own."""
-        with self._meter.running():
-            return run()
+    def run(self, run: Callable[..., Any], *args: Any) -> Any:
+        """Call ``run(*args)`` (a model run not measured), counted as running: a
+        measurement meanwhile is not taken as its model's own."""
+        meter = self._meter
+        meter.begin_run()
+        try:
+            return run(*args)
+        finally:
+            meter.end_run()
 
     def measure(self, key: tuple[Any, ...], inputs: dict[str, NDArray[Any]],
                 run: Callable[[], Any]) -> tuple[Any, bool]:
@@ -389,6 +428,7 @@ class WorkingMemory:
         """Note a measurement of ``used`` bytes for class ``key``; True if the model's
         largest figure changed."""
         with self._lock:
+            self._settled.clear()
             c = self.classes.setdefault(key, _Class())
             c.tries += 1
             if not alone and (self._graph is not None or c.tries < TRIES):

@@ -98,18 +98,20 @@ class PlacedModel(LoadedModel):
         # may not refuse them as cleanly
         copy = self._copy(inputs) if keep else None
         started = time.perf_counter()
-        ok = kept = False
+        ok = False
         try:
             result = engine.run(inputs, outputs)
             ok = True
             return result
         finally:
             took = time.perf_counter() - started
-            with self._lock:
+            with self._lock:  # one turn of the lock on the way out
                 self.busy_s += took
                 kept = ok and copy is not None and self._keep(copy, took)
                 self.runs += 1
-            self._leave(engine)
+                done = self._left(engine)
+            if done:
+                engine.unload()
             if kept and self._on_sample is not None:
                 self._on_sample()
 
@@ -122,13 +124,19 @@ class PlacedModel(LoadedModel):
     def _leave(self, engine: LoadedModel) -> None:
         """A run left ``engine``; the last run out of a retired engine unloads it."""
         with self._lock:
-            left = self._active[id(engine)] = self._active[id(engine)] - 1
-            done = left == 0 and any(e is engine for e in self._retired)
-            if done:
-                self._retired = [e for e in self._retired if e is not engine]
-                del self._active[id(engine)]
+            done = self._left(engine)
         if done:
             engine.unload()
+
+    def _left(self, engine: LoadedModel) -> bool:
+        """Count a run out of ``engine`` (caller holds ``_lock``); True if it was the last
+        one in a retired engine, which the caller then unloads."""
+        left = self._active[id(engine)] = self._active[id(engine)] - 1
+        done = left == 0 and any(e is engine for e in self._retired)
+        if done:
+            self._retired = [e for e in self._retired if e is not engine]
+            del self._active[id(engine)]
+        return done
 
     def run_unsampled(self, inputs: Inputs) -> Inputs:
         """One run that is not kept as a sample nor counted as busy (the warm-up)."""

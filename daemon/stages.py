@@ -53,11 +53,17 @@ class Busy:
     executors read to name a stuck stage, and that ``abandon`` answers."""
 
     def __init__(self) -> None:
-        # thread name -> (stage, since, what, the requests inside the call)
-        self._calls: dict[str, tuple[str, float, str, tuple[Any, ...]]] = {}
+        # thread name -> (stage, since, what, the requests inside the call, what's
+        # arguments)
+        self._calls: dict[str, tuple[str, float, str, tuple[Any, ...], tuple[Any, ...]]] = {}
 
-    def begin(self, stage: str, what: str, held: tuple[Any, ...] = ()) -> None:
-        self._calls[threading.current_thread().name] = (stage, time.monotonic(), what, held)
+    def begin(self, stage: str, what: str, held: tuple[Any, ...] = (),
+              *args: Any) -> None:
+        """The calling thread begins a call of ``stage``, described by ``what % args``
+        (formatted only when read: a model's every run passes here), with the requests
+        ``held`` inside it."""
+        self._calls[threading.current_thread().name] = (stage, time.monotonic(), what, held,
+                                                        args)
 
     def end(self) -> None:
         self._calls.pop(threading.current_thread().name, None)
@@ -75,7 +81,8 @@ class Busy:
         """(thread, stage, since, what) of each call running for longer than
         ``after_s`` seconds, longest first."""
         now = time.monotonic()
-        return sorted(((name, c[0], c[1], c[2]) for name, c in list(self._calls.items())
+        return sorted(((name, c[0], c[1], c[2] % c[4] if c[4] else c[2])
+                       for name, c in list(self._calls.items())
                        if now - c[1] > after_s), key=lambda c: c[2])
 
     def stuck(self, after_s: float = 0.0) -> list[str]:

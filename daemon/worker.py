@@ -246,7 +246,7 @@ class Workers:
                 return
             if self._expired(item):
                 continue
-            self.busy.begin("pre", f"pre-processing request {item.request.id}", (item,))
+            self.busy.begin("pre", "pre-processing request %s", (item,), item.request.id)
             try:
                 values = run_steps(self.spec.pre, dict(item.request.inputs),
                                    f"model {self.name}")
@@ -264,8 +264,8 @@ class Workers:
             if job is STOP:
                 self._stage_ended("post", self._post_q, None)
                 return
-            self.busy.begin("post", f"post-processing request {job.item.request.id}",
-                            (job.item,))
+            self.busy.begin("post", "post-processing request %s", (job.item,),
+                            job.item.request.id)
             try:
                 out = run_steps(self.spec.post, job.outputs, f"model {self.name}")
                 self._finish(job.item, Reply(job.item.request.id,
@@ -332,10 +332,12 @@ class Workers:
                    wanted: list[str] | None) -> dict[str, Any]:
         """One run of the model on ``inputs`` for ``jobs``: noted as busy, measured for
         the metrics."""
-        first = jobs[0].item.request.id
-        self.busy.begin("infer", f"running request {first}" if len(jobs) == 1 else
-                        f"running a batch of {len(jobs)} requests ({first}, ...)",
-                        tuple(j.item for j in jobs))
+        first = jobs[0].item
+        if len(jobs) == 1:
+            self.busy.begin("infer", "running request %s", (first,), first.request.id)
+        else:
+            self.busy.begin("infer", "running a batch of %d requests (%s, ...)",
+                            tuple(j.item for j in jobs), len(jobs), first.request.id)
         try:
             started = time.monotonic()
             outputs = self.model.run(inputs, wanted)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 import re
+import threading
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -247,7 +248,36 @@ _FLOATS = frozenset({"float16", "float32", "float64", "bfloat16", "float8_e4m3fn
                      "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
 
 
-def aligned(inputs: dict[str, NDArray[Any]]) -> dict[str, NDArray[Any]]:
+SCRATCH_BYTES = 64 * 2**10
+"""Bytes of each thread's scratch buffer for :func:`aligned` with ``scratch=True``: small
+inputs are copied there, at 64-byte offsets, instead of into fresh allocations."""
+SCRATCH_INPUT = 4 * 2**10
+"""An input of at most this many bytes goes to the scratch buffer (copying it costs less
+than asking numpy for its address)."""
+
+_scratch = threading.local()
+
+
+def _scratch_buffer() -> NDArray[np.uint8]:
+    """This thread's scratch buffer, starting at a multiple of :data:`ALIGNMENT`."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        raw = np.empty(SCRATCH_BYTES + ALIGNMENT, np.uint8)
+        start = -raw.ctypes.data % ALIGNMENT
+        buf = _scratch.buf = raw[start:start + SCRATCH_BYTES]
+    return buf  # type: ignore[no-any-return]
+
+
+def _copy_aligned(array: NDArray[Any]) -> NDArray[Any]:
+    raw = np.empty(array.nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    copy = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
+def aligned(inputs: dict[str, NDArray[Any]], scratch: bool = False
+            ) -> dict[str, NDArray[Any]]:
     """``inputs`` with every floating-point tensor at an address that is a multiple of
     :data:`ALIGNMENT` (a copy of each one that is not; the others as they are).
 
@@ -256,19 +286,30 @@ def aligned(inputs: dict[str, NDArray[Any]]) -> dict[str, NDArray[Any]]:
     onnxruntime's float reductions take different code paths at different alignments
     (ReduceSum over 3x257 float32 gave 3 different results over 16 offsets). Integer
     tensors are exact anyway and are not copied (an image stays where it is).
+
+    Args:
+        inputs: the tensors.
+        scratch: copy small tensors (up to :data:`SCRATCH_INPUT` bytes each) into this
+            thread's scratch buffer, without looking where they are: the copies are
+            valid only until this thread calls ``aligned(..., scratch=True)`` again (an
+            engine's run that reads them and returns outputs of its own).
     """
     out = inputs
+    offset = 0
     for name, array in inputs.items():
-        if array.ctypes.data % ALIGNMENT == 0 or array.nbytes == 0:
+        nbytes = array.nbytes
+        if nbytes == 0 or dtype_name(array) not in _FLOATS:
             continue
-        if dtype_name(array) not in _FLOATS:
+        if scratch and nbytes <= SCRATCH_INPUT and offset + nbytes <= SCRATCH_BYTES:
+            copy = np.ndarray(array.shape, array.dtype, _scratch_buffer(), offset)
+            copy[...] = array
+            offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
+        elif array.ctypes.data % ALIGNMENT == 0:
             continue
+        else:
+            copy = _copy_aligned(array)
         if out is inputs:
             out = dict(inputs)
-        raw = np.empty(array.nbytes + ALIGNMENT, np.uint8)
-        start = -raw.ctypes.data % ALIGNMENT
-        copy = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
-        copy[...] = array
         out[name] = copy
     return out
 

@@ -200,7 +200,9 @@ class OrtModel(LoadedModel):
     def run(self, inputs: dict[str, NDArray[Any]],
             outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
         names = outputs or self._output_names
-        inputs = aligned(inputs)  # the same bits whatever address the input is at
+        # the same bits whatever address the input is at; the scratch copies live
+        # until this thread's next run, and onnxruntime's outputs are its own memory
+        inputs = aligned(inputs, scratch=True)
         try:
             if self._raw:
                 return self._run_raw(inputs, names)

@@ -191,3 +191,30 @@ def test_a_class_that_cannot_fit_the_budget_is_refused_before_it_runs(models_dir
         in e.value.message and "over the cache budget of 96.0 MiB" in e.value.message
     assert [r["shapes"]["x"] for r in det["working_memory"]] == [[1, 4, 64, 64]]
     assert det["memory_bytes"] <= 96 * 2**20
+
+
+def test_a_measured_class_settles_and_any_new_figure_unsettles_it():
+    """A run of a measured class costs one look-up once admitted at its figure; a new
+    measurement (or a new engine) is seen at the next estimate."""
+    working = WorkingMemory("test")
+    small = {"x": np.zeros((1, 1000), np.float32)}
+    key = shape_class(small)
+    working.record(key, 1000, 4000)
+    first = working.estimate(small)
+    assert (first.bytes, first.measure, first.settled) == (4000, False, False)
+    assert working.describe()[0]["admitted_bytes"] is None
+    working.admit(first)
+    assert working.describe()[0]["admitted_bytes"] == 4000
+    settled = working.estimate(small)
+    assert settled.settled and settled.bytes == 4000
+    assert working.estimate(small) is settled  # one look-up
+    assert not working.admit(settled) and working.peak == 4000
+    assert working.describe()[0]["admitted_bytes"] == 4000
+    working.record(key, 1000, 9000)  # measured again, larger: the look-up is gone
+    again = working.estimate(small)
+    assert (again.bytes, again.settled) == (9000, False)
+    working.admit(again)
+    resettled = working.estimate(small)
+    assert resettled.settled and resettled.bytes == 9000
+    working.use(None, "openvino")  # another engine: looked up anew (still measured)
+    assert working.estimate(small) is not resettled

@@ -52,3 +52,41 @@ def test_arena_options_reach_the_session_and_its_runs(models_dir):
     finally:
         off.unload()
         shared.unload()
+
+
+def test_small_inputs_are_aligned_in_a_scratch_buffer_the_outputs_never_share(tmp_path):
+    """OrtModel.run copies small float inputs into its thread's scratch buffer (64-byte
+    aligned, reused by the next run): the outputs must be onnxruntime's own memory, so a
+    reply still being sent is not overwritten by the next run. A Reshape whose output
+    could alias its input is the case that would show it."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    from inferd.libbackends.contract import ALIGNMENT, aligned
+
+    shape = helper.make_tensor("s", TensorProto.INT64, [2], [2, 2])
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "s"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])], [shape])
+    model_proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model_proto.ir_version = 8
+    path = tmp_path / "reshape.onnx"
+    onnx.save(model_proto, path)
+    frame = bytes(range(80))
+    x = np.frombuffer(frame, np.float32, count=4, offset=40)  # as libzmq places a frame
+    assert x.ctypes.data % ALIGNMENT
+    copy = aligned({"x": x}, scratch=True)["x"]
+    assert copy.ctypes.data % ALIGNMENT == 0 and np.array_equal(copy, x)
+    model = OnnxRuntimeCpuBackend().load(path, LoadOptions())
+    try:
+        first = model.run({"x": x})["y"]
+        kept = first.copy()
+        second = model.run({"x": np.full(4, 7, np.float32)})["y"]
+        assert np.array_equal(first, kept) and np.array_equal(first.reshape(-1), x)
+        assert (second == 7).all()
+        scratch = aligned({"x": x}, scratch=True)["x"]
+        assert not np.shares_memory(first, scratch) and not np.shares_memory(second, scratch)
+    finally:
+        model.unload()
