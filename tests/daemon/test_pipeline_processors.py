@@ -108,3 +108,19 @@ def test_an_empty_image_to_ocr_is_a_client_error(registry: ProcessorRegistry,
     with pytest.raises(ModelError, match="'image' is empty") as e:
         build(registry, "ocr.det_pre")({"image": np.zeros(shape, np.uint8)})
     assert e.value.code == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize("mean, std", [(0.5, 0.5), (0.4, 0.25)])
+def test_det_pre_normalizes_as_the_numpy_formula(registry: ProcessorRegistry, mean: float,
+                                                 std: float) -> None:
+    """ocr.det_pre's one-pass OpenCV normalization is (pixel / 255 - mean) / std, NCHW,
+    channels in the image's order (BGR stays BGR), as RapidOCR computes it in numpy."""
+    cv2 = pytest.importorskip("cv2")
+    img = np.random.default_rng(1).integers(0, 256, (736, 1000, 3), dtype=np.uint8)
+    img[0, 0] = (0, 128, 255)
+    v = build(registry, "ocr.det_pre", mean=mean, std=std)({"image": img})
+    resized = cv2.resize(img, (v["x"].shape[3], v["x"].shape[2]))
+    expected = ((resized.astype(np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)[None]
+    assert v["x"].dtype == np.float32 and v["x"].flags.c_contiguous
+    assert v["x"].shape == (1, 3, 736, 992)
+    np.testing.assert_allclose(v["x"], expected, rtol=0, atol=1e-6)
