@@ -114,6 +114,13 @@ class ModelCaller:
                               ErrorCode.DEADLINE_EXCEEDED) from None
 
 
+RELEASED = object()
+"""What a frame's value becomes once every node that reads it has it (task-parallel:
+once they have all run; pipeline: once they have all taken it from the edge), so that
+its array is not held until the frame's last node: the OCR detector's 18 MiB input is
+let go when the detector has it, not when the last node reads the image's size."""
+
+
 def _deadline(ticket: Any) -> float | None:
     return getattr(ticket, "deadline", None)
 
@@ -206,6 +213,14 @@ class _TaskRun:
         self.ex, self.request, self.ticket = ex, request, ticket
         self.packets: dict[str, dict[str, Any]] = {INPUT: dict(request.inputs)}
         self.waiting = {n.name: {p for p in n.producers if p != INPUT} for n in ex.spec.nodes}
+        # the nodes still to read each value (the graph's outputs, read at the end, are
+        # not counted): a value is released once they have all run
+        outputs = set(ex.spec.outputs.values())
+        self.readers: dict[tuple[str, str], int] = {}
+        for n in ex.spec.nodes:
+            for ref in set(n.inputs.values()) - outputs:
+                self.readers[ref] = self.readers.get(ref, 0) + 1
+        self.ran = 0  # nodes that finished
         self.lock = threading.Lock()
         self.finished = False
 
@@ -240,6 +255,14 @@ class _TaskRun:
             return
         with self.lock:
             self.packets[name] = out
+            for ref in set(node.inputs.values()):
+                if ref in self.readers:
+                    self.readers[ref] -= 1
+                    if self.readers[ref] == 0:
+                        src, value = ref
+                        values = self.packets[src]
+                        if value in values.keys():  # not an EmptyLists' any key
+                            self.packets[src] = {**values, value: RELEASED}
             ready = []
             for n, deps in self.waiting.items():
                 deps.discard(name)
@@ -247,7 +270,8 @@ class _TaskRun:
                     ready.append(n)
             for n in ready:
                 del self.waiting[n]
-            complete = not self.waiting and all(n.name in self.packets for n in spec.nodes)
+            self.ran += 1
+            complete = self.ran == len(spec.nodes)
         if complete:
             try:
                 self.end(Reply(self.request.id,
@@ -286,14 +310,22 @@ class EdgeClosed(Exception):
 class Edge:
     """A bounded multi-consumer queue: each consumer sees every packet in order; a packet
     is dropped once every consumer has taken it; ``put`` blocks while ``capacity`` packets
-    are still held (:data:`STOP` never waits for room)."""
+    are still held (:data:`STOP` never waits for room).
 
-    def __init__(self, name: str, consumers: list[str], capacity: int) -> None:
+    ``reads`` (consumer -> the values it reads; a consumer not named reads all): a
+    consumer is given a :class:`Packet` with only the values it reads (the others
+    :data:`RELEASED`: it may hold the packet while it waits on its other edges), and
+    once the consumers that read a value have taken the packet, the copy the edge still
+    holds for the others lets it go too."""
+
+    def __init__(self, name: str, consumers: list[str], capacity: int,
+                 reads: dict[str, frozenset[str]] | None = None) -> None:
         self.name = name
         self.capacity = capacity
         self._buf: deque[Any] = deque()
         self._base = 0
         self._next = dict.fromkeys(consumers, 0)
+        self._reads = reads or {}
         self._cond = threading.Condition()
         self._closed = False
 
@@ -324,14 +356,35 @@ class Edge:
                 self._cond.wait()
             if self._closed:
                 return STOP
-            packet = self._buf[self._next[consumer] - self._base]
+            at = self._next[consumer] - self._base
+            packet = self._buf[at]
             self._next[consumer] += 1
+            if self._reads and isinstance(packet, Packet) and packet.values:
+                self._buf[at] = self._keeping(packet, self._waiting(at + self._base))
+                packet = self._keeping(packet, [consumer])
             low = min(self._next.values())
             while self._base < low:
                 self._buf.popleft()
                 self._base += 1
             self._cond.notify_all()
             return packet
+
+    def _waiting(self, index: int) -> list[str]:
+        """The consumers that have not taken packet ``index`` yet."""
+        return [c for c, n in self._next.items() if n <= index]
+
+    def _keeping(self, packet: Packet, consumers: list[str]) -> Packet:
+        """``packet`` with only the values ``consumers`` read (the others
+        :data:`RELEASED`); the same packet if they read all it holds."""
+        if any(c not in self._reads for c in consumers):
+            return packet
+        keep = frozenset().union(*(self._reads[c] for c in consumers))
+        values = packet.values or {}
+        if all(k in keep or v is RELEASED for k, v in values.items()):
+            return packet
+        return Packet(packet.request, packet.ticket,
+                      {k: v if k in keep else RELEASED for k, v in values.items()},
+                      packet.error)
 
     def close(self) -> list[Any]:
         """Close the edge: every packet still held is returned (for the caller to
@@ -362,8 +415,11 @@ class PipelineExecutor:
         self.edges: dict[str, Edge] = {}
         for producer in [INPUT, *[n.name for n in spec.nodes]]:
             consumers = spec.consumers(producer) + ([SINK] if producer in sinks else [])
+            reads = {n.name: frozenset(v for src, v in n.inputs.values() if src == producer)
+                     for n in spec.nodes if producer in n.producers}
+            reads[SINK] = frozenset(v for src, v in spec.outputs.values() if src == producer)
             self.edges[producer] = Edge(producer, consumers, spec.input_queue_size
-                                        if producer == INPUT else spec.queue_size)
+                                        if producer == INPUT else spec.queue_size, reads)
         self._sink_sources = sorted(sinks)
         self.busy = Busy()
         self._threads = [threading.Thread(target=self._placed, args=(self._node_loop, n.name),
@@ -442,11 +498,13 @@ class PipelineExecutor:
                 out.put(STOP)
                 return
             result = self._step(name, node, sources, packets)
+            del packets  # not held while this node waits for its next frame
             try:
                 out.put(result)
             except EdgeClosed:  # abandoned while this node ran (see abandon)
                 self._give_up([result])
                 return
+            del result
 
     def _step(self, name: str, node: Any, sources: list[str], packets: list[Packet]) -> Packet:
         """One frame through one node: its result packet, or the error that ends it."""
@@ -486,6 +544,7 @@ class PipelineExecutor:
                 except Exception as e:
                     reply = graph_failure(first.request, self.spec.name, e)
             self._sink.send(first.ticket, reply)
+            del packets, first, reply  # not held while the next frame is awaited
 
 
 def graph_failure(request: Request, graph: str, e: Exception) -> Reply:

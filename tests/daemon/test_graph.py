@@ -485,3 +485,102 @@ def test_a_graph_call_to_a_full_model_queue_waits_for_room_within_its_deadline(
         assert r.error.code is ErrorCode.DEADLINE_EXCEEDED, r.error
     finally:
         h.stop()
+
+
+# --------------------------------------------------------------------------- released values
+
+HOLDER = """
+import threading, weakref
+import numpy as np
+GATE = threading.Event()
+REFS = []
+def big():
+    def step(values):
+        x = np.ones((256, 1024), np.float32)  # 1 MiB
+        REFS.append(weakref.ref(x))
+        return {"big": x, "small": values["x"]}
+    return step
+def use():
+    return lambda values: {"n": np.asarray(float(values["big"].sum()))}
+def gate():
+    def step(values):
+        GATE.wait()
+        return values
+    return step
+PROCESSORS = {"big": big, "use": use, "gate": gate}
+"""
+
+RELEASE = """executor = "{executor}"
+queue_size = 1
+inputs = ["x"]
+[outputs]
+small = "last.small"
+n = "last.n"
+[[nodes]]
+name = "make"
+processor = "big"
+inputs = {{ x = "input.x" }}
+[[nodes]]
+name = "use"
+processor = "use"
+inputs = {{ big = "make.big" }}
+[[nodes]]
+name = "wait"
+processor = "gate"
+inputs = {{ n = "use.n" }}
+[[nodes]]
+name = "last"
+processor = "rename"
+params = {{ mapping = {{}} }}
+inputs = {{ small = "make.small", n = "wait.n" }}
+"""
+
+
+@pytest.mark.parametrize("executor", ["pipeline", "task"])
+def test_a_value_is_let_go_once_every_node_that_reads_it_has_it(
+        tmp_path: Path, models_dir: Path, executor: str) -> None:
+    """Issue 21 part 3: a frame's value is not held until the frame's last node. ``make``
+    gives ``big`` (read by ``use`` only) and ``small`` (read by ``last``, which also
+    waits for the gated ``wait``): while the frame waits at the gate, ``big`` is gone
+    from memory, and the reply still carries everything ``last`` read."""
+    h = Harness(tmp_path / "repo", models_dir, models=())
+    (tmp_path / "procs").mkdir()
+    (tmp_path / "procs" / "holder.py").write_text(HOLDER)
+    assert sorted(h.processors.load_directory(tmp_path / "procs")) == ["big", "gate", "use"]
+    import sys
+    mod = sys.modules["inferd_user_processors.holder"]
+    replies = Replies()
+    try:
+        h.write("rel", RELEASE.format(executor=executor))
+        x = np.arange(4, dtype=np.float32)
+        h.graphs.executor("rel").submit(Request("r", Op.INFER, model="rel",
+                                                inputs={"x": x}), replies.ticket("r"))
+        _until(lambda: len(mod.REFS) == 1 and mod.REFS[0]() is None, 5)
+        assert "r" not in replies.got  # still in flight: held at the gate
+    finally:
+        mod.GATE.set()
+    try:
+        (reply,) = replies.wait("r")
+        assert reply.error is None, reply.error
+        assert reply.outputs["small"].tolist() == x.tolist()
+        assert float(reply.outputs["n"]) == 256 * 1024
+    finally:
+        h.stop()
+
+
+def test_an_edge_releases_a_value_once_its_readers_took_the_packet() -> None:
+    """The pipeline's edge: consumer ``a`` reads ``x``, ``b`` reads ``meta``, ``c``
+    (not named) reads everything. Each is given what it reads; once ``a`` and ``c``
+    took the packet, the copy held for ``b`` no longer holds ``x``."""
+    from inferd.daemon.executors import RELEASED, Packet
+
+    edge = Edge("e", ["a", "b", "c"], 2, {"a": frozenset({"x"}), "b": frozenset({"meta"})})
+    req = Request("r", Op.INFER, model="g", inputs={})
+    values = {"x": np.zeros(3), "meta": 1}
+    edge.put(Packet(req, None, values))
+    got = edge.get("a").values
+    assert got["x"] is values["x"] and got["meta"] is RELEASED
+    assert edge.get("c").values is values  # c reads all: the packet as put
+    held = edge.get("b").values
+    assert held["meta"] == 1 and held["x"] is RELEASED
+    assert values["x"] is not RELEASED and edge.held() == 0
