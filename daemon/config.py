@@ -143,6 +143,10 @@ def _mmap_threshold(v: Any) -> int:
     return size
 
 
+def _arenas(v: Any) -> int:
+    return 0 if v == "auto" else _int_upto(64)(v)
+
+
 def _path_or_off(v: Any) -> str:
     if isinstance(v, str) and (v == "" or v.startswith("/")):
         return v
@@ -276,6 +280,8 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "warmup_dim": Setting(64, _int_upto(65536), "a positive integer up to 65536"),
         "malloc_mmap_threshold": Setting("32MiB", _mmap_threshold, "a size ('4MiB') or "
                                          "'auto' (glibc's own sliding threshold)"),
+        "malloc_arenas": Setting(2, _arenas, "an integer from 1 to 64, or 'auto' (glibc's "
+                                 "default: eight per core)"),
     },
     "logging": {
         "level": Setting("info", _level, "one of debug, info, warning, error, critical"),

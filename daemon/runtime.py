@@ -29,7 +29,7 @@ from inferd.daemon.reload import ReloadRuns
 from inferd.daemon.repository import Repository
 from inferd.daemon.systemd import Notifier, Watchdog, watchdog_interval
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure
-from inferd.ipc.libc import set_mmap_threshold
+from inferd.ipc.libc import set_arena_max, set_mmap_threshold
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import ReplySink, Ticket
 from inferd.ipc.access import Access
@@ -151,6 +151,7 @@ class Runtime:
 
     def start(self) -> None:
         """Register backends, bind the socket and start the preload in the background."""
+        set_arena_max(self.config.cache.malloc_arenas)
         set_mmap_threshold(self.config.cache.malloc_mmap_threshold)
         load_backends(self.registry, self.config)
         load_global(self.customops, self.config)

@@ -1,4 +1,4 @@
-"""The C allocator's two knobs the daemon uses, in one place (glibc only; elsewhere
+"""The C allocator's knobs the daemon uses, in one place (glibc only; elsewhere
 they do nothing and say so).
 
 - :func:`malloc_trim`: give the free pages of the heap back to the system. Freed
@@ -7,6 +7,10 @@ they do nothing and say so).
   count memory that an earlier model left behind.
 - :func:`set_mmap_threshold` (``mallopt(M_MMAP_THRESHOLD)``): blocks at least this big
   are mapped on their own and unmapped when freed, instead of staying in the heap.
+- :func:`set_arena_max` (``mallopt(M_ARENA_MAX)``): how many heaps (arenas) threads
+  share. glibc gives threads that allocate at once heaps of their own, up to eight per
+  core, and what one thread frees stays in its heap for that thread: the daemon's model
+  workers and graph threads would each keep the high-water mark of their own runs.
 
 It sits on the ground floor (beside the errors and dtypes) because the wire (the
 per-client limits), the backends (the custom-op planner) and the daemon (the cache's
@@ -25,6 +29,8 @@ M_TRIM_THRESHOLD = -1
 """glibc's mallopt parameter number for the trim threshold."""
 M_MMAP_THRESHOLD = -3
 """glibc's mallopt parameter number for the mmap threshold."""
+M_ARENA_MAX = -8
+"""glibc's mallopt parameter number for the most arenas."""
 
 
 def _function(name: str, argtypes: list[type], restype: type) -> Callable[..., int] | None:
@@ -67,4 +73,24 @@ def set_mmap_threshold(size: int) -> bool:
         return False
     _MALLOPT(M_TRIM_THRESHOLD, 2 * int(size))
     log.debug("glibc mmap threshold fixed at %d bytes", size)
+    return True
+
+
+def set_arena_max(arenas: int) -> bool:
+    """Let glibc make at most ``arenas`` heaps for all threads (0: leave its default of
+    eight per core). Threads already given a heap keep it, so call it early.
+
+    Returns:
+        True if the limit was set; False if ``arenas`` asks for the default, the C
+        library has no mallopt (logged), or mallopt refused the value (logged).
+    """
+    if arenas <= 0:
+        return False
+    if _MALLOPT is None:
+        log.warning("cache.malloc_arenas ignored: this C library has no mallopt")
+        return False
+    if not _MALLOPT(M_ARENA_MAX, int(arenas)):
+        log.warning("cache.malloc_arenas = %d refused by mallopt", arenas)
+        return False
+    log.debug("glibc arenas limited to %d", arenas)
     return True

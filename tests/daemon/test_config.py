@@ -30,6 +30,7 @@ def test_defaults_without_a_file():
     assert cfg.server.max_message_bytes == 256 * 2**20
     assert cfg.server.socket_mode == 0o660
     assert cfg.server.cpu_affinity == []
+    assert cfg.cache.malloc_arenas == 2
     assert cfg.source is None
 
 
@@ -45,6 +46,8 @@ def test_defaults_without_a_file():
     ("[modles]\n", "unknown section [modles]"),
     ("[models]\npreloads = []\n", "unknown key [models] preloads"),
     ("[models\n", "not valid TOML"),
+    ("[cache]\nmalloc_arenas = 0\n",
+     "[cache] malloc_arenas = 0: expected an integer from 1 to 64, or 'auto'"),
 ])
 def test_invalid_config_names_file_key_value_and_expectation(tmp_path, text, words):
     path = tmp_path / "bad.toml"

@@ -44,3 +44,36 @@ def test_blocks_over_the_threshold_leave_the_process_when_freed():
     held, left = int(out[0]), int(out[1])
     assert held >= 100 * 2**20, held
     assert left < held // 2 + 16 * 2**20, (held, left)
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+@pytest.mark.parametrize("limit", [0, 2])
+def test_the_arena_limit_bounds_the_heaps_threads_get(limit: int) -> None:
+    # Process-wide: in a fresh interpreter. Each new thread that allocates gets a heap
+    # (arena) of its own, up to eight per core; with the limit they share at most
+    # ``limit``. glibc's malloc_stats() prints one "Arena N:" block per heap to stderr.
+    code = f"""if True:
+        import ctypes, threading
+        from inferd.ipc.libc import set_arena_max
+        assert set_arena_max({limit}) is {limit > 0}
+        start, done = threading.Barrier(7), threading.Event()
+        def work():
+            block = bytearray(1 << 20)  # a malloc on this thread
+            start.wait()
+            done.wait()
+        threads = [threading.Thread(target=work) for _ in range(6)]
+        for t in threads:
+            t.start()
+        start.wait()
+        ctypes.CDLL(None).malloc_stats()
+        done.set()
+        for t in threads:
+            t.join()
+    """
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stderr
+    arenas = err.count("Arena ")
+    if limit:
+        assert 1 <= arenas <= limit, err
+    else:
+        assert arenas >= 3, err  # the main heap and the threads' own (2 cores: up to 16)
