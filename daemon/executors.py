@@ -349,6 +349,13 @@ class Edge:
             self._cond.notify_all()
             return True
 
+    def wait_for_room(self) -> None:
+        """Wait until a put would not block (or the edge is closed): a producer asks
+        before it takes its next frame, so that it never holds a finished one it cannot
+        put (with ``capacity`` 1, one frame waits for the consumer, not two)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or len(self._buf) < self.capacity)
+
     def get(self, consumer: str) -> Any:
         """The consumer's next packet; :data:`STOP` once the edge is closed."""
         with self._cond:
@@ -492,6 +499,7 @@ class PipelineExecutor:
         sources = sorted(node.producers)
         out = self.edges[name]
         while True:
+            out.wait_for_room()
             packets = [self.edges[s].get(name) for s in sources]
             if any(p is STOP for p in packets):
                 self._give_up(packets)  # taken from an edge closed meanwhile: answered

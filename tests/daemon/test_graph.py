@@ -584,3 +584,69 @@ def test_an_edge_releases_a_value_once_its_readers_took_the_packet() -> None:
     held = edge.get("b").values
     assert held["meta"] == 1 and held["x"] is RELEASED
     assert values["x"] is not RELEASED and edge.held() == 0
+
+
+AHEAD = """
+import threading, weakref
+import numpy as np
+PASS = threading.Semaphore(0)
+REFS, ALIVE = [], []
+def make():
+    def step(values):
+        x = np.ones((256, 1024), np.float32)
+        REFS.append(weakref.ref(x))
+        ALIVE.append(sum(r() is not None for r in REFS))
+        return {"big": x}
+    return step
+def slow():
+    def step(values):
+        PASS.acquire()
+        return {"n": np.asarray(float(values["big"][0, 0]))}
+    return step
+PROCESSORS = {"make": make, "slow": slow}
+"""
+
+AHEAD_GRAPH = """executor = "pipeline"
+queue_size = 1
+inputs = ["x"]
+[outputs]
+n = "slow.n"
+[[nodes]]
+name = "make"
+processor = "make"
+inputs = { x = "input.x" }
+[[nodes]]
+name = "slow"
+processor = "slow"
+inputs = { big = "make.big" }
+"""
+
+
+def test_a_pipeline_node_does_not_make_a_frame_its_full_edge_cannot_take(
+        tmp_path: Path, models_dir: Path) -> None:
+    """Issue 21 part 3: with queue_size 1, a producer waits for room before it takes its
+    next frame, so one frame waits for the slow consumer and none more sits finished in
+    the producer's hands: at most two of ``make``'s frames are alive at once (the one
+    ``slow`` holds, the one on the edge). Before, a third one waited in ``put``."""
+    h = Harness(tmp_path / "repo", models_dir, models=())
+    (tmp_path / "procs").mkdir()
+    (tmp_path / "procs" / "ahead.py").write_text(AHEAD)
+    assert sorted(h.processors.load_directory(tmp_path / "procs")) == ["make", "slow"]
+    import sys
+    mod = sys.modules["inferd_user_processors.ahead"]
+    replies = Replies()
+    try:
+        h.write("ahead", AHEAD_GRAPH)
+        ex = h.graphs.executor("ahead")
+        for i in range(5):
+            ex.submit(Request(f"r{i}", Op.INFER, model="ahead",
+                              inputs={"x": np.zeros(1, np.float32)}), replies.ticket(f"r{i}"))
+        for i in range(5):
+            _until(lambda: len(mod.REFS) >= min(5, i + 2))  # the edge holds the next
+            mod.PASS.release()
+            replies.wait(f"r{i}")
+        assert len(mod.ALIVE) == 5 and max(mod.ALIVE) <= 2, mod.ALIVE
+    finally:
+        for _ in range(5):
+            mod.PASS.release()
+        h.stop()
