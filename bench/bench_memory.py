@@ -16,10 +16,14 @@ whole process (VmHWM from /proc, and RSS sampled every 5 ms for the daemon):
    graph served in turn: the daemon's peak vs (budget + idle RSS) x 1.1.
 
 ``--policies`` adds the arena policies of docs/cache.md (once each);
+``--engine-settings`` adds the floor under other engine settings (onnxruntime's arena off
+and its other arena policies, OpenVINO static or dynamic shapes and its runtime cache),
+each against RapidOCR's peak and images/s;
 ``--placement-first`` turns measured placement off (``[placement] mode = "first"``: no
 rival engine is loaded and run beside the first requests). Every figure is printed, met
 or not; nothing fails on a timing.
-Run: .venv/bin/python bench/bench_memory.py [--policies] [--no-budget] [--placement-first]
+Run: .venv/bin/python bench/bench_memory.py [--policies] [--engine-settings] [--no-budget]
+[--placement-first]
 """
 
 from __future__ import annotations
@@ -145,12 +149,13 @@ from inferd.daemon.model_settings import read_settings
 from inferd.daemon.placement import backend_options
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
-from inferd.ipc.libc import set_mmap_threshold
+from inferd.ipc.libc import set_arena_max, set_mmap_threshold
 from inferd.ipc.protocol import Op, Request
 from inferd.libbackends.contract import DeviceKind, LoadOptions
 from bench_memory import images, peak_rss
 engine, repo_dir = sys.argv[1], Path(sys.argv[2])
-config = load_config(None)
+config = load_config(Path(sys.argv[3]) if sys.argv[3] else None)
+set_arena_max(config.cache.malloc_arenas)
 set_mmap_threshold(config.cache.malloc_mmap_threshold)
 steps = [("python, numpy, inferd's graph code", peak_rss()[0])]
 if engine == "openvino":
@@ -158,6 +163,8 @@ if engine == "openvino":
 else:
     from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend as B
 backend = B()
+if json.loads(sys.argv[4]):  # OpenVINO CPU properties no inferd setting gives (a trial)
+    backend._get_core().set_property("CPU", json.loads(sys.argv[4]))
 ort = config.onnxruntime
 models = {{}}
 for name in ("ocr-det", "ocr-cls", "ocr-rec"):
@@ -183,17 +190,23 @@ for im in batch:
         packets[node.name] = run_node(spec, node, gather(spec.name, node, packets), call, None)
     out = graph_outputs(spec, packets, Request("r", Op.INFER, "ocr", None, {{}}))
     texts.append(out["texts"].tolist())
+    if len(texts) == 1:
+        steps.append(("first image (peak)", peak_rss()[1]))
 elapsed = time.perf_counter() - t0
 print(json.dumps({{"peak": peak_rss()[1], "seconds": elapsed, "steps": steps,
                    "texts": texts}}))
 """
 
 
-def floor(repo: Path, engine: str) -> dict[str, Any]:
-    """The three OCR models on ``engine`` with the daemon's settings, in a bare process
-    running the graph's nodes one after another (see the module docstring)."""
+def floor(repo: Path, engine: str, config: Path | None = None,
+          openvino: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The three OCR models on ``engine`` with the daemon's settings (or those of the
+    inferd.toml ``config``; ``openvino``: CPU properties set on OpenVINO's core), in a
+    bare process running the graph's nodes one after another (see the module
+    docstring)."""
     code = FLOOR_CHILD.format(root=str(ROOT / "bench"))
-    proc = subprocess.run([sys.executable, "-c", code, engine, str(repo)],
+    proc = subprocess.run([sys.executable, "-c", code, engine, str(repo),
+                           str(config or ""), json.dumps(openvino or {})],
                           capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"the floor process failed:\n{proc.stderr[-3000:]}")
@@ -255,10 +268,10 @@ def idle_and_engines(tmp: Path) -> None:
               f"{counted / MiB:.1f} MiB of it)")
 
 
-def openvino_repo(tmp: Path) -> Path:
+def openvino_repo(tmp: Path, static: bool = True) -> Path:
     """The demo repository with every OCR model placed on OpenVINO first, the detector
-    with static shapes (one camera, one size)."""
-    repo = tmp / "repo-openvino"
+    with static shapes (one camera, one size) unless not ``static``."""
+    repo = tmp / ("repo-openvino" if static else "repo-openvino-dynamic")
     for name in ("ocr-det", "ocr-cls", "ocr-rec", "vad"):
         (repo / name).mkdir(parents=True)
         link_tree(MODELS / name / "1", repo / name / "1")
@@ -266,7 +279,7 @@ def openvino_repo(tmp: Path) -> Path:
             if (MODELS / name / "model.toml").exists() else ""
         if name != "vad":
             toml = 'backends = ["openvino", "cpu"]\n' + toml
-        if name == "ocr-det":
+        if name == "ocr-det" and static:
             toml += "[openvino]\nstatic_shapes = 2\n"
         (repo / name / "model.toml").write_text(toml)
     (repo / "ocr").mkdir()
@@ -405,6 +418,41 @@ def compare(name: str, runs: list[dict[str, Any]], rapid: dict[str, Any],
                + [("six images one at a time (peak)", floor_run["peak"])])
 
 
+def engine_settings(tmp: Path, rapid: dict[str, Any], ov_repo: Path) -> None:
+    """``--engine-settings`` (issue 21 part 3, item 3): is there an engine setting whose
+    floor (the bare process above) is lower, at >= 1.3x RapidOCR's images/s? Each
+    floor median of 3; its images/s is one image at a time, as RapidOCR runs."""
+    dynamic = openvino_repo(tmp, static=False)
+    trials: list[tuple[str, str, Path, str, dict[str, Any] | None]] = [
+        ("onnxruntime, shipped settings", "onnxruntime", MODELS, "", None),
+        ("onnxruntime, arena off", "onnxruntime", MODELS,
+         "[onnxruntime]\nmemory_arena = false\n", None),
+        ("onnxruntime, own arena per model + shrinkage", "onnxruntime", MODELS,
+         '[onnxruntime]\narena_extend_strategy = "next_power_of_two"\n', None),
+        ("onnxruntime, shared arena, no shrinkage", "onnxruntime", MODELS,
+         "[onnxruntime]\narena_shrinkage = false\n", None),
+        ("onnxruntime, no memory pattern", "onnxruntime", MODELS,
+         "[onnxruntime]\nmemory_pattern = false\n", None),
+        ("openvino, detector static (2 shapes)", "openvino", ov_repo, "", None),
+        ("openvino, dynamic shapes", "openvino", dynamic, "", None),
+        ("openvino, dynamic, CPU_RUNTIME_CACHE_CAPACITY = 0 (not an inferd setting)",
+         "openvino", dynamic, "", {"CPU_RUNTIME_CACHE_CAPACITY": 0}),
+    ]
+    print("engine settings, the floor (bare process, median of 3) vs RapidOCR "
+          f"({rapid['peak'] / MiB:.0f} MiB, {rapid['rate']:.2f} img/s); target <= 0.8x "
+          "its peak at >= 1.3x its images/s:")
+    for i, (name, engine, repo, toml, props) in enumerate(trials):
+        config = tmp / f"engine-{i}.toml"
+        config.write_text(toml)
+        runs = [floor(repo, engine, config, props) for _ in range(3)]
+        peak = median([r["peak"] for r in runs])
+        rate = median([N_IMAGES / r["seconds"] for r in runs])
+        mem, speed = peak / rapid["peak"], rate / rapid["rate"]
+        ok = mem <= 0.8 and speed >= 1.3
+        print(f"  {name:72s} peak {peak / MiB:4.0f} MiB ({mem:.2f}x), {rate:.2f} img/s "
+              f"({speed:.2f}x): {'MET' if ok else 'MISSED'}")
+
+
 def main() -> None:
     batch = images()
     tmp = Path(tempfile.mkdtemp(prefix="inferd-b", dir="/tmp"))
@@ -427,6 +475,8 @@ def main() -> None:
             floor_run = sorted(floors, key=lambda f: f["peak"])[1]
             runs = [inferd_graph(tmp, name, toml, batch, repo) for _ in range(3)]
             compare(name, runs, rapid, floor_run)
+        if "--engine-settings" in sys.argv:
+            engine_settings(tmp, rapid, ov_repo)
         if "--policies" in sys.argv:
             for name, toml in list(POLICIES.items())[1:]:
                 r = inferd_graph(tmp, name, toml, batch)
