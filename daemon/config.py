@@ -41,6 +41,14 @@ def _int_upto(limit: int) -> Callable[[Any], int]:
     return check
 
 
+def _count_upto(limit: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if v == 0 and not isinstance(v, bool):
+            return 0
+        return _int_upto(limit)(v)
+    return check
+
+
 def _seconds(v: Any) -> float:
     # TOML has inf and nan; a comparison with nan is False, so nan is refused too.
     if positive_float(v) <= MAX_SECONDS:
@@ -228,6 +236,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "instances": Setting(1, _int_upto(256), "a positive integer up to 256"),
         "allow_external_links": Setting(False, boolean, "true or false"),
         "stuck_after_s": Setting(10.0, _seconds, "a positive number of seconds"),
+        "io_run_max_us": Setting(200, _count_upto(10**6), "an integer from 0 to 1000000"),
     },
     "backends": {
         "paths": Setting([], string_list, "a list of absolute directory paths"),

@@ -146,6 +146,19 @@ class ModelEntry:
             # Last: the put wakes a worker, which then waits for this thread's GIL.
             self.queue.put(item)
 
+    def begin_io_run(self, workers: Workers, keep_alive: float | None) -> bool:
+        """Count a request in flight that the calling thread runs itself on
+        ``workers`` (:meth:`Workers.run_on_io_thread`), if they serve this entry now and
+        nothing else of it is queued or running (so it takes no turn from another
+        request); False: queue it instead."""
+        with self.lock:
+            if (self._state is not State.READY or self.workers is not workers
+                    or self.in_flight):
+                return False
+            self.in_flight += 1
+            self.touch(keep_alive)
+            return True
+
     def done(self, ok: bool) -> None:
         """A request left the model, answered (the workers call it)."""
         with self.lock:
@@ -218,5 +231,6 @@ class ModelEntry:
             "placement": [{**p, "backend": self.backend if p.get("backend") else None}
                           for p in self.workers.placement()] if self.workers else [],
             "batching": self.workers.batching() if self.workers else None,
+            "io_thread_runs": self.workers.io_thread_runs if self.workers else 0,
             "plan": m.describe().get("plan") if m else None,
         }

@@ -179,12 +179,26 @@ class ModelManager:
 
     # ----------------------------------------------------------------- requests
 
-    def submit(self, request: Request, ticket: AnyTicket) -> None:
-        """Queue an infer request (I/O thread). Raises InferdError to refuse it."""
+    def submit(self, request: Request, ticket: AnyTicket, io_thread: bool = False) -> None:
+        """Queue an infer request. Raises InferdError to refuse it.
+
+        Args:
+            request: the request.
+            ticket: its record.
+            io_thread: the caller is the I/O thread with a wire request (``ticket.size``):
+                a small request to a model that runs it in less time than the two thread
+                hand-overs would cost is run here and now (``[models] io_run_max_us``,
+                :meth:`Workers.may_run_on_io_thread`).
+        """
         if request.model is None:
             raise ModelError("infer needs 'model'")
         keep_alive = request_keep_alive(request.params)
         entry = self.entry(request.model, request.version)
+        workers = entry.workers
+        if (io_thread and workers is not None and workers.may_run_on_io_thread(ticket.size)
+                and not self._stopping.is_set() and entry.begin_io_run(workers, keep_alive)):
+            workers.run_on_io_thread(WorkItem(request, ticket))
+            return
         self._enqueue(entry, WorkItem(request, ticket), keep_alive)
 
     def _enqueue(self, entry: ModelEntry, item: WorkItem, keep_alive: float | None) -> None:
@@ -272,7 +286,8 @@ class ModelManager:
                           loaded.settings.instances, on_done=entry.done,
                           spec=loaded.pipeline, backend=loaded.placement.backend,
                           observe=self._observer.for_model(entry.name)
-                          if self._observer is not None else None)
+                          if self._observer is not None else None,
+                          io_run_max_s=self.config.models.io_run_max_us / 1e6)
         entry.memory.loaded(loaded.figures, loaded.graph, loaded.placement.backend)
         entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive)
         workers.start()

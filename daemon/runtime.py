@@ -374,7 +374,7 @@ class Runtime:
         if op is Op.INFER:
             self.watch.track(ticket)  # answered at its deadline, whatever a stage does
             if known:
-                self.models.submit(request, ticket)
+                self.models.submit(request, ticket, io_thread=True)
             else:  # a graph, a model added since the scan, or a wrong name: the disk
                 self.inline.submit(request, ticket, lambda: self._infer_unknown(request,
                                                                                 ticket))

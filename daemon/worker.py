@@ -30,6 +30,7 @@ that a new load's workers can serve the model's queue.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,13 @@ from inferd.ipc.replies import AnyTicket, ReplySink
 from inferd.libbackends.contract import LoadedModel, check_inputs, check_outputs
 
 log = logging.getLogger(__name__)
+
+IO_RUN_AFTER = 32
+"""Runs in a row, each shorter than ``[models] io_run_max_us``, after which a model's
+request may run on the I/O thread (:meth:`Workers.may_run_on_io_thread`)."""
+IO_RUN_MAX_BYTES = 64 * 2**10
+"""The largest request (bytes of its message) that may run on the I/O thread."""
+
 
 @dataclass(slots=True)
 class WorkItem:
@@ -88,12 +96,16 @@ class Workers:
         backend: the backend id, shown in the placement.
         observe: called after each run of the model with the requests' tickets, when
             the run started and how long it took (monotonic seconds): metrics.
+        io_run_max_s: a request may run on the I/O thread once the model's last
+            :data:`IO_RUN_AFTER` runs each took less than this (0: never; see
+            :meth:`may_run_on_io_thread`).
     """
 
     def __init__(self, name: str, model: LoadedModel, work: WorkQueue, sink: ReplySink,
                  instances: int = 1, on_done: Callable[[bool], None] | None = None,
                  spec: PipelineSpec | None = None, backend: str | None = None,
-                 observe: Callable[[list[Any], float, float], None] | None = None) -> None:
+                 observe: Callable[[list[Any], float, float], None] | None = None,
+                 io_run_max_s: float = 0.0) -> None:
         self.name = name
         self.model = model
         self.spec = spec or PipelineSpec()
@@ -126,6 +138,17 @@ class Workers:
             self._add("post", f"inferd-{name}-post", self._post_loop)
         self.batches = 0
         self.batched_requests = 0
+        # Only a model whose requests go straight to the infer stage alone, without
+        # waiting for company, may run on the I/O thread; a pinned one only where the
+        # I/O thread's cores are among the model's (known at its first request there).
+        spec = self.spec
+        self._io_run_max_s = io_run_max_s if (
+            not spec.pre and not spec.post
+            and (self.max_batch == 1 or spec.max_delay_ms == 0)) else 0.0
+        self._io_cores: bool | None = None if spec.cpu_affinity else True
+        self._short_runs = 0  # runs in a row shorter than _io_run_max_s
+        self.io_thread_runs = 0
+        """Requests run on the I/O thread (``inferctl models``: ``io_thread_runs``)."""
 
     def _add(self, stage: str, thread_name: str, target: Callable[[Placement], None],
              backend: str | None = None) -> None:
@@ -194,6 +217,32 @@ class Workers:
                     ErrorCode.UNAVAILABLE, f"model {self.name}: its workers were given up "
                     f"while the request waited between stages: {why}")))
             q.put(STOP)  # wakes its readers; they end by STOP's rule
+
+    # ----------------------------------------------------------------- on the I/O thread
+
+    def may_run_on_io_thread(self, size: int) -> bool:
+        """Whether a request of ``size`` bytes may run on the calling thread (the I/O
+        thread) instead of being handed to this model's threads: two thread hand-overs
+        cost more than such a run. Only a model whose last :data:`IO_RUN_AFTER` runs
+        were all short (a first run that hangs never gets here), and never a pinned
+        model on a thread outside its cores. The caller makes sure that nothing of this
+        model is queued or running (:meth:`ModelEntry.begin_io_run`)."""
+        if (self._short_runs < IO_RUN_AFTER or size > IO_RUN_MAX_BYTES
+                or self._abandoned or not self._io_run_max_s):
+            return False
+        if self._io_cores is None:  # asked on the I/O thread, whose cores stay
+            cores = set(self.spec.cpu_affinity or ())
+            self._io_cores = os.sched_getaffinity(0) <= cores
+        return bool(self._io_cores)
+
+    def run_on_io_thread(self, item: WorkItem) -> None:
+        """Serve ``item`` on the calling thread as an inference thread would: its
+        deadline and inputs checked, the run noted as busy (the stuck watch names the
+        thread) and measured, the reply sent through the sink."""
+        self.io_thread_runs += 1
+        job = Job(item, item.request.inputs)
+        if self._check(job):
+            self._run_single(job, 1)
 
     # ----------------------------------------------------------------- stages
 
@@ -344,6 +393,8 @@ class Workers:
             seconds = time.monotonic() - started
         finally:
             self.busy.end()
+        if self._io_run_max_s:  # a long run sends the model's requests to its threads
+            self._short_runs = self._short_runs + 1 if seconds < self._io_run_max_s else 0
         if self._observe is not None:
             self._observe([j.item.ticket for j in jobs], started, seconds)
         return outputs
