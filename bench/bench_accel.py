@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import (  # noqa: E402
     MODELS, DaemonProcess, cls_client, cpu_note, ocr_stream, placements, rapidocr,
     run_client_processes,
-    settle_placement, verdict,
+    settle_placement, toml_with, verdict,
 )
 
 from inferd.ipc import Client  # noqa: E402
@@ -213,7 +213,7 @@ def ocr_arm(tmp: Path, label: str, backend: str | None, det_threads: int,
         if backend is not None:
             extra = f'backends = ["{backend}"]\n{extra}'
             if name == "ocr-det" and det_threads:
-                extra += f"[{backend}]\nthreads = {det_threads}\n"
+                extra = toml_with(extra, backend, f"threads = {det_threads}")
         (repo / name / "model.toml").write_text(extra)
     (repo / "ocr").mkdir()
     shutil.copy(MODELS / "ocr" / "graph.toml", repo / "ocr")

@@ -122,6 +122,16 @@ def placements(endpoint: str, why: bool = False) -> dict[str, str]:
                 for m in c.models() if m.get("backend")}
 
 
+def toml_with(text: str, table: str, line: str) -> str:
+    """``text`` (a model.toml) with ``line`` (``key = value``) added to its ``[table]``,
+    made at the end when it has none (a second ``[table]`` header is a TOML error, and
+    the shipped model.toml may have one: ocr-det's ``[openvino]``)."""
+    header = f"[{table}]\n"
+    if header in text:
+        return text.replace(header, header + line + "\n", 1)
+    return text + ("\n" if text and not text.endswith("\n") else "") + header + line + "\n"
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
