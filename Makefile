@@ -17,7 +17,7 @@ SYSTEM_PACKAGES := python3-venv gcc g++ libc6-dev libzmq3-dev libjansson-dev pkg
 	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev \
 	mesa-vulkan-drivers vulkan-tools libvulkan1
 
-.PHONY: setup system-packages run test test-fast bench clean examples deb deb-test lint libinferd \
+.PHONY: setup system-packages run test test-fast soak bench clean examples deb deb-test lint libinferd \
         venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64 wheels apt-repo
 
 setup: system-packages $(STAMP) models/.complete
@@ -58,11 +58,23 @@ run: setup
 	@echo "  $(PY) -c \"import numpy as np; from inferd.ipc import Client; print(Client().infer('ocr-cls', {'x': np.zeros((1,3,48,192), np.float32)}))\""
 	exec $(VENV)/bin/inferd --config config/inferd.toml --socket $(SOCKET) --models models --preload ocr-cls
 
+# pytest with bytecode caches on: where the environment sets PYTHONDONTWRITEBYTECODE,
+# pytest rewrote every test module's asserts again on each run (~15 s of collection
+# here) and every daemon, inferctl and client process a test starts compiled inferd
+# again (~0.5 s each). The caches are __pycache__ folders, which git ignores.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q
+
+# `make test` runs everything but the long repetitions marked `soak` (the 20 SIGTERM
+# runs, the 100,000-message fuzz and soak), each of which it also runs at a smaller
+# count; `make soak` runs those; CI runs both.
 test: setup libinferd
-	$(PY) -m pytest -q
+	$(PYTEST) -m "not soak"
 
 test-fast: setup libinferd
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow and not soak"
+
+soak: setup libinferd
+	$(PYTEST) -m soak
 
 # libinferd, the C client library (docs/libinferd.md): ipc/c/build/libinferd.so.0 and
 # inferd.pc; its tests (tests/ipc/test_libinferd*.py) build its C test programs, plain and
@@ -92,7 +104,7 @@ $(RKNN_STAMP): packaging/rknn/simulator-requirements.txt
 
 # The simulator tests (also part of `make test`, where they skip without the venv).
 test-rknn: setup venv-rknn
-	INFERD_TEST_RKNN=1 $(PY) -m pytest -q -m rknn
+	INFERD_TEST_RKNN=1 $(PYTEST) -m rknn
 
 lint: setup
 	$(PY) -m pip install --quiet ruff mypy

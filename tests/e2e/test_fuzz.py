@@ -83,7 +83,15 @@ def test_fuzz_fast(start_daemon, short_tmp, models_dir):
 
 
 @pytest.mark.slow
+def test_fuzz_20k(start_daemon, short_tmp, models_dir):
+    """`make test`'s long fuzz: the same checks as the 100,000 below, ~15 s on 2 cores."""
+    _fuzz(start_daemon, short_tmp, models_dir, 20_000)
+
+
+@pytest.mark.slow
+@pytest.mark.soak
 def test_fuzz_100k(start_daemon, short_tmp, models_dir):
+    """The issue's >= 100,000 messages, in `make soak` (~70 s on 2 cores)."""
     _fuzz(start_daemon, short_tmp, models_dir, 100_000)
 
 

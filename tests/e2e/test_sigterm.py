@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -53,10 +52,21 @@ def _sigterm_with_work_queued(start_daemon, short_tmp, models_dir, run: int) -> 
     assert "inferd exited cleanly" in log
 
 
-def test_sigterm_with_200_queued_and_2s_grace_20_times(start_daemon, short_tmp, models_dir):
-    for run in range(RUNS):
+def _runs(start_daemon, short_tmp, models_dir, runs: int) -> None:
+    for run in range(runs):
         try:
             _sigterm_with_work_queued(start_daemon, short_tmp, models_dir, run)
         except (AssertionError, RequestError) as e:
-            raise AssertionError(f"run {run + 1} of {RUNS}: {e}") from e
-        time.sleep(0)
+            raise AssertionError(f"run {run + 1} of {runs}: {e}") from e
+
+
+def test_sigterm_with_200_queued_and_2s_grace_3_times(start_daemon, short_tmp, models_dir):
+    """What every run proves; the 20 runs of the issue are the soak test below."""
+    _runs(start_daemon, short_tmp, models_dir, 3)
+
+
+@pytest.mark.soak
+def test_sigterm_with_200_queued_and_2s_grace_20_times(start_daemon, short_tmp, models_dir):
+    """The exit races this caught (SIGABRT from a native thread, a reply sent on a closed
+    socket) came in some runs only: 20 runs (SIGTERM_RUNS), in `make soak`."""
+    _runs(start_daemon, short_tmp, models_dir, RUNS)
