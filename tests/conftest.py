@@ -30,10 +30,14 @@ def models_dir() -> Path:
     return MODELS
 
 
+def _short_path() -> Path:
+    return Path(tempfile.mkdtemp(prefix="inferd-t", dir="/tmp"))
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
     """A short temporary directory: ipc socket paths are limited to ~107 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="inferd-t", dir="/tmp"))
+    path = _short_path()
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -100,24 +104,41 @@ class Daemon:
         return self.proc.returncode
 
 
-@pytest.fixture
-def start_daemon(short_tmp: Path) -> Iterator:
-    """Factory: ``start_daemon(*args, env=None, ready=True, wrap=None) -> Daemon``;
-    stopped after."""
+def _daemons(default_workdir: Path) -> Iterator:
     started: list[Daemon] = []
 
     def start(*args: str, env: dict[str, str] | None = None, ready: bool = True,
               workdir: Path | None = None, wrap: list[str] | None = None) -> Daemon:
-        d = Daemon(workdir or short_tmp, list(args), env, wrap)
+        d = Daemon(workdir or default_workdir, list(args), env, wrap)
         started.append(d)
         if ready:
             d.wait_ready()
         return d
 
+    start.workdir = default_workdir  # type: ignore[attr-defined]
     yield start
     for d in started:
         if d.proc.poll() is None:
             d.stop()
+
+
+@pytest.fixture
+def start_daemon(short_tmp: Path) -> Iterator:
+    """Factory: ``start_daemon(*args, env=None, ready=True, wrap=None) -> Daemon``;
+    stopped after."""
+    yield from _daemons(short_tmp)
+
+
+@pytest.fixture(scope="module")
+def module_daemon() -> Iterator:
+    """``start_daemon`` for a module's fixture that starts one daemon for several tests
+    (in a directory of its own; stopped after the module's last test). Only for tests
+    that leave the daemon as they found it: nothing loaded or unloaded that another
+    test's result depends on, no state they count. ``module_daemon.workdir`` is that
+    directory."""
+    workdir = _short_path()
+    yield from _daemons(workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

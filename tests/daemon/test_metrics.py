@@ -45,11 +45,13 @@ def poll(fn, timeout: float = 30.0):
         time.sleep(0.05)
 
 
-@pytest.fixture
-def metrics_daemon(models_dir, start_daemon, short_tmp):
-    config = short_tmp / "inferd.toml"
-    config.write_text(f'[metrics]\ntextfile = "{short_tmp}/metrics.prom"\ninterval_s = 0.1\n'
-                      f'listen = "unix:{short_tmp}/metrics.sock"\n')
+def _metrics_daemon(start_daemon, models_dir: Path, tmp: Path):
+    """A daemon that has answered OK_REQUESTS + BAD_REQUESTS requests to ocr-cls and one
+    to a model that does not exist. Placement "first": the counts of loads and runs are
+    the requests' own, whatever measuring would do between the tests."""
+    config = tmp / "inferd.toml"
+    config.write_text(f'[metrics]\ntextfile = "{tmp}/metrics.prom"\ninterval_s = 0.1\n'
+                      f'listen = "unix:{tmp}/metrics.sock"\n[placement]\nmode = "first"\n')
     d = start_daemon("--models", str(models_dir), "--preload", "ocr-cls",
                      env={"INFERD_CONFIG": str(config)})
     x = np.zeros((1, 3, 48, 192), np.float32)
@@ -61,7 +63,20 @@ def metrics_daemon(models_dir, start_daemon, short_tmp):
                 c.infer("ocr-cls", {"x": np.zeros((1, 2), np.float32)})
         with pytest.raises(RequestError):
             c.infer("no-such-model", {"x": x})
-    return d, short_tmp
+    return d, tmp
+
+
+@pytest.fixture(scope="module")
+def metrics_daemon(models_dir, module_daemon):
+    """One for the tests that only read its metrics (other ops than infer count
+    nowhere)."""
+    return _metrics_daemon(module_daemon, models_dir, module_daemon.workdir)
+
+
+@pytest.fixture
+def own_metrics_daemon(models_dir, start_daemon, short_tmp):
+    """One for a test that changes what the others read."""
+    return _metrics_daemon(start_daemon, models_dir, short_tmp)
 
 
 def _check_counts(s: dict[str, list]) -> None:
@@ -167,8 +182,8 @@ def test_daemon_refuses_a_network_listen_address(start_daemon, short_tmp: Path):
     assert "[metrics] listen = '0.0.0.0:9464'" in d.log() and "never a network" in d.log()
 
 
-def test_one_unload_counts_once(metrics_daemon):
-    d, _ = metrics_daemon
+def test_one_unload_counts_once(own_metrics_daemon):
+    d, _ = own_metrics_daemon
     with d.client() as c:
         c.unload("ocr-cls")
         s = families(c.call("metrics")["text"])

@@ -57,9 +57,16 @@ def _save(model: onnx.ModelProto, repo: Path, name: str) -> None:
     onnx.save(model, repo / name / "1" / "model.onnx")
 
 
-def test_invalid_argument(start_daemon, models_dir) -> None:
+@pytest.fixture(scope="module")
+def served(module_daemon, models_dir):
+    """One daemon with the demo models for the tests below that only send it requests
+    (ocr-cls loaded; ocr-det is loaded by none but test_deadline_exceeded)."""
+    return module_daemon("--models", str(models_dir), "--preload", "ocr-cls")
+
+
+def test_invalid_argument(served) -> None:
     """Malformed messages and inputs that do not fit: fix the request."""
-    d = start_daemon("--models", str(models_dir), "--preload", "ocr-cls")
+    d = served
     reply = raw(d.endpoint, [b"INFERD/0", b'{"id":"a","op":"ping"}'])
     assert reply.error is not None and reply.error.code is ErrorCode.INVALID_ARGUMENT
     assert raw(d.endpoint, [TAG, b'{"id":"b"}']).error.code is ErrorCode.INVALID_ARGUMENT
@@ -72,8 +79,8 @@ def test_invalid_argument(start_daemon, models_dir) -> None:
         assert code is ErrorCode.INVALID_ARGUMENT
 
 
-def test_not_found(start_daemon, models_dir) -> None:
-    d = start_daemon("--models", str(models_dir))
+def test_not_found(served) -> None:
+    d = served
     with d.client() as c:
         code, message = code_of(lambda: c.infer("idnetity", {"x": X}))
         assert code is ErrorCode.NOT_FOUND and "ocr-cls" in message  # lists what exists
@@ -116,17 +123,17 @@ def test_resource_exhausted(start_daemon, short_tmp, models_dir) -> None:
     assert code is ErrorCode.RESOURCE_EXHAUSTED and "max_message_bytes" in message
 
 
-def test_deadline_exceeded(start_daemon, models_dir) -> None:
+def test_deadline_exceeded(served) -> None:
     """A request that waits past its timeout_ms (here: behind the model's load)."""
-    d = start_daemon("--models", str(models_dir))
+    d = served
     with d.client() as c:
         code, message = code_of(lambda: c.infer("ocr-det", {"x": np.zeros(
             (1, 3, 64, 64), np.float32)}, timeout=0.001))
     assert code is ErrorCode.DEADLINE_EXCEEDED, message
 
 
-def test_unsupported(start_daemon, models_dir) -> None:
-    d = start_daemon("--models", str(models_dir))
+def test_unsupported(served) -> None:
+    d = served
     reply = raw(d.endpoint, [TAG, b'{"id":"u","op":"frobnicate"}'])
     assert reply.id == "u" and reply.error is not None
     assert reply.error.code is ErrorCode.UNSUPPORTED and "frobnicate" in reply.error.message

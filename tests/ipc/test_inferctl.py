@@ -19,9 +19,15 @@ def inferctl(endpoint: str, *args: str, timeout: float = 60) -> subprocess.Compl
                            *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
-def daemon(models_dir, start_daemon):
-    return start_daemon("--models", str(models_dir), "--preload", "ocr-cls")
+@pytest.fixture(scope="module")
+def daemon(models_dir, module_daemon, tmp_path_factory):
+    """One daemon for the module's tests: each leaves it as it found it (ocr-cls loaded,
+    vad unloaded). Placement "first": a measured move of ocr-cls after one test's
+    requests would change the backend another test reads."""
+    config = tmp_path_factory.mktemp("inferctl") / "inferd.toml"
+    config.write_text('[placement]\nmode = "first"\n')
+    return module_daemon("--config", str(config), "--models", str(models_dir),
+                         "--preload", "ocr-cls")
 
 
 def test_status_and_models_tables_and_json(daemon):

@@ -102,9 +102,12 @@ def ncnn_plugin(tmp_path_factory: pytest.TempPathFactory) -> Backend:
     return registry.records["ncnn"].backend
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest, tmp_path: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Backend:
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> Backend:
+    """Each backend through the loader once for the module's tests, as the daemon holds
+    one instance of each for all its loads (a load through the loader probes the
+    plugin in a child process: 1-2 s a test when each test loaded its own)."""
     ident = request.param
     if ident == "rknn":
         return request.getfixturevalue("rknn_simulator")
@@ -123,8 +126,9 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path,
     else:
         src = (request.getfixturevalue("python_example") if ident == "onnx-reference"
                else request.getfixturevalue("elementwise_so"))
-        copy_into(src, tmp_path / "backends")
-        Loader(registry, builtins=()).load([tmp_path / "backends"])
+        backends = tmp_path_factory.mktemp("backends")
+        copy_into(src, backends)
+        Loader(registry, builtins=()).load([backends])
     [candidate] = [c for c in registry.candidates if c.backend == ident]
     assert candidate.status is CandidateStatus.REGISTERED, candidate
     return registry.records[ident].backend
