@@ -9,6 +9,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from inferd.daemon import inline
 from inferd.daemon.inline import InlineOps
 from inferd.ipc import Client
@@ -45,6 +47,7 @@ def test_a_flooding_client_waits_behind_its_own_requests_not_the_others() -> Non
     assert sorted(ran) == sorted([f"a{i}" for i in range(30)] + ["b"])
 
 
+@pytest.mark.slow
 def test_too_many_waiting_are_refused_and_every_request_is_answered(
         start_daemon: Any, short_tmp: Path) -> None:
     d = start_daemon()

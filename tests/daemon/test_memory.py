@@ -101,6 +101,7 @@ def repo(models_dir, short_tmp):
     return root
 
 
+@pytest.mark.slow
 def test_daemon_counts_working_memory_and_refuses_bad_options(repo, start_daemon):
     # onnxruntime only: no other backend to fall back on
     (repo / "ocr-cls" / "model.toml").write_text(
@@ -168,6 +169,7 @@ def test_without_a_graph_the_largest_class_is_scaled_and_each_run_admitted():
     assert budget.calls == [(4000, False, True)]
 
 
+@pytest.mark.slow
 def test_a_class_that_cannot_fit_the_budget_is_refused_before_it_runs(models_dir,
                                                                         start_daemon,
                                                                         short_tmp):

@@ -100,6 +100,7 @@ def _check_counts(s: dict[str, list]) -> None:
     assert value(s, "inferd_uptime_seconds") > 0
 
 
+@pytest.mark.slow
 def test_textfile_counts_the_requests_made(metrics_daemon):
     d, tmp = metrics_daemon
     path = tmp / "metrics.prom"
@@ -116,6 +117,7 @@ def test_textfile_counts_the_requests_made(metrics_daemon):
     assert not list(tmp.glob(".metrics.prom.*")), "temporary file left beside the textfile"
 
 
+@pytest.mark.slow
 def test_metrics_op_and_http_endpoint(metrics_daemon):
     d, tmp = metrics_daemon
     with d.client() as c:
@@ -140,6 +142,7 @@ def test_metrics_op_and_http_endpoint(metrics_daemon):
     conn.close()
 
 
+@pytest.mark.slow
 def test_inferctl_top_once(metrics_daemon):
     d, _ = metrics_daemon
     r = subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--socket", d.endpoint,
@@ -174,6 +177,7 @@ def test_listen_refuses_anything_else(text):
         parse_listen(text)
 
 
+@pytest.mark.slow
 def test_daemon_refuses_a_network_listen_address(start_daemon, short_tmp: Path):
     config = short_tmp / "inferd.toml"
     config.write_text('[metrics]\nlisten = "0.0.0.0:9464"\n')
@@ -182,6 +186,7 @@ def test_daemon_refuses_a_network_listen_address(start_daemon, short_tmp: Path):
     assert "[metrics] listen = '0.0.0.0:9464'" in d.log() and "never a network" in d.log()
 
 
+@pytest.mark.slow
 def test_one_unload_counts_once(own_metrics_daemon):
     d, _ = own_metrics_daemon
     with d.client() as c:
@@ -191,6 +196,7 @@ def test_one_unload_counts_once(own_metrics_daemon):
     assert value(s, "inferd_model_evictions_total", model="ocr-cls") == 0
 
 
+@pytest.mark.slow
 def test_graph_requests_are_counted(start_daemon, models_dir):
     """Requests to a graph count under the graph's name (they were not counted at all
     before the ticket became the request's record), its model nodes' calls under each

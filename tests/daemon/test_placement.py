@@ -182,6 +182,7 @@ def postponed(caplog: Any, timeout: float = 30.0) -> str:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_the_faster_backend_takes_over_and_the_slower_is_unloaded(repo: Path) -> None:
     slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
     placer, registry, room = make([slow, fast], None)
@@ -213,6 +214,7 @@ def test_the_faster_backend_takes_over_and_the_slower_is_unloaded(repo: Path) ->
     assert all(m.unloaded for m in fast.models)
 
 
+@pytest.mark.slow
 def test_a_candidate_with_wrong_results_is_never_chosen(repo: Path, caplog: Any) -> None:
     ok, wrong = SleepBackend("ok", SLOW_S), SleepBackend("wrong", FAST_S, scale=2.0)
     placer, registry, _ = make([ok, wrong], None)
@@ -232,6 +234,7 @@ def test_a_candidate_with_wrong_results_is_never_chosen(repo: Path, caplog: Any)
         model.unload()
 
 
+@pytest.mark.slow
 def test_the_decision_survives_a_restart_and_a_new_version_measures_again(
         repo: Path, tmp_path: Path) -> None:
     state = tmp_path / "state"
@@ -278,6 +281,7 @@ def test_the_decision_survives_a_restart_and_a_new_version_measures_again(
     assert "fast 1.1 cpu" in key["backends"]
 
 
+@pytest.mark.slow
 def test_a_rival_runs_only_on_inputs_a_client_sent_and_the_first_engine_answered(
         repo: Path) -> None:
     """The crash of 698a2f0 (test_onnx_node_cases: SIGSEGV in OpenVINO's CPU plugin):
@@ -334,6 +338,7 @@ def test_unloading_at_once_after_the_first_request_never_runs_a_freed_engine(
     assert all(m.unloaded for m in slow.models + fast.models)
 
 
+@pytest.mark.slow
 def test_measuring_waits_while_the_daemon_serves_and_runs_between_requests(
         repo: Path) -> None:
     """While a request is in flight (busy() True) nothing is loaded or run for
@@ -365,6 +370,7 @@ def test_measuring_waits_while_the_daemon_serves_and_runs_between_requests(
         model.unload()
 
 
+@pytest.mark.slow
 def test_one_rival_at_a_time_and_the_loser_freed_at_once(repo: Path) -> None:
     """Three backends: the serving engine plus at most one rival is ever loaded (each
     load checks), counted one model's cost at a time; a slower rival is unloaded before
@@ -395,6 +401,7 @@ def test_one_rival_at_a_time_and_the_loser_freed_at_once(repo: Path) -> None:
         model.unload()
 
 
+@pytest.mark.slow
 def test_a_rival_that_needs_more_than_half_the_memory_available_waits(
         repo: Path, caplog: Any, monkeypatch: Any) -> None:
     """Without a cache budget too: the machine's available memory bounds a rival."""
@@ -455,6 +462,7 @@ def test_one_backend_named_in_model_toml_is_obeyed(repo: Path) -> None:
         model.unload()
 
 
+@pytest.mark.slow
 def test_a_rival_that_fails_to_load_is_not_chosen_and_says_why(repo: Path) -> None:
     slow = SleepBackend("slow", SLOW_S)
     broken = SleepBackend("broken", FAST_S, fail="no kernel for If")
@@ -471,6 +479,7 @@ def test_a_rival_that_fails_to_load_is_not_chosen_and_says_why(repo: Path) -> No
         model.unload()
 
 
+@pytest.mark.slow
 def test_measuring_waits_while_the_cache_is_short_of_memory(repo: Path,
                                                            caplog: Any) -> None:
     slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
@@ -490,6 +499,7 @@ def test_measuring_waits_while_the_cache_is_short_of_memory(repo: Path,
         model.unload()
 
 
+@pytest.mark.slow
 def test_the_time_limit_stops_measuring(repo: Path) -> None:
     slow = SleepBackend("slow", 0.3)
     fast = SleepBackend("fast", FAST_S)
@@ -506,6 +516,7 @@ def test_the_time_limit_stops_measuring(repo: Path) -> None:
         model.unload()
 
 
+@pytest.mark.slow
 def test_within_a_graph_the_slowest_stage_gets_the_idle_cores(repo: Path,
                                                              monkeypatch: Any) -> None:
     (repo / "g").mkdir()
@@ -529,6 +540,7 @@ def test_within_a_graph_the_slowest_stage_gets_the_idle_cores(repo: Path,
         model.unload()
 
 
+@pytest.mark.slow
 def test_threads_set_in_model_toml_are_not_measured(repo: Path, monkeypatch: Any) -> None:
     (repo / "g").mkdir()
     (repo / "g" / "graph.toml").write_text('[[nodes]]\nname = "a"\nmodel = "m"\n')
@@ -547,6 +559,7 @@ def test_threads_set_in_model_toml_are_not_measured(repo: Path, monkeypatch: Any
         model.unload()
 
 
+@pytest.mark.slow
 def test_remeasure_forgets_the_decision_and_measures_again(repo: Path,
                                                            tmp_path: Path) -> None:
     slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from inferd.daemon.reload import ReloadRuns
 from inferd.ipc.protocol import Op
 from tests.e2e.test_cache_reload import add_version, poll
@@ -52,6 +54,7 @@ def test_a_failed_run_answers_each_of_its_requests_with_the_error() -> None:
     assert len(answers) == 3 and all(isinstance(e, RuntimeError) for e in answers)
 
 
+@pytest.mark.slow
 def test_twenty_reloads_and_sighups_against_a_daemon(models_dir: Path, short_tmp: Path,
                                                     start_daemon: Any) -> None:
     repo = short_tmp / "repo"

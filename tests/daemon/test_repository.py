@@ -23,6 +23,8 @@ from inferd.ipc import Client, RequestError
 from inferd.ipc.protocol import Op
 from tests.e2e.test_cache_reload import add_version, poll, rows
 
+pytestmark = pytest.mark.slow  # each test runs a daemon or a child process: seconds
+
 
 
 def unprivileged() -> list[str]:

@@ -174,6 +174,7 @@ def test_watchdog_pings_only_while_the_probe_says_healthy(notify_socket):
         n.close()
 
 
+@pytest.mark.slow
 def test_a_full_notify_queue_never_freezes_the_daemon(short_tmp, caplog):
     """Nobody reads the notify socket and its queue is full: a message waits at most
     SEND_TIMEOUT_S, without the GIL (other threads keep running meanwhile), is dropped

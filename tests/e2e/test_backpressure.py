@@ -244,6 +244,7 @@ def test_a_greedy_client_does_not_starve_a_polite_one(start_daemon, models_dir, 
     assert sorted(overtaken)[len(overtaken) // 2] <= 50, overtaken
 
 
+@pytest.mark.slow
 def test_the_queued_requests_of_a_client_that_disconnects_are_dropped_not_run(
         start_daemon, models_dir, short_tmp):
     """Item 5: what a gone client held is dropped. 300 ocr-rec requests (about 6 s of

@@ -27,6 +27,7 @@ def _prlimit(soft: int, hard: int) -> list[str]:
     return ["prlimit", f"--nofile={soft}:{hard}", "--"]
 
 
+@pytest.mark.slow
 def test_the_open_files_limit_is_raised_to_the_hard_one(start_daemon: Any,
                                                          short_tmp: Path) -> None:
     d = start_daemon(wrap=_prlimit(1024, 4096))

@@ -20,6 +20,8 @@ from inferd.ipc.errors import ErrorCode
 from inferd.ipc.protocol import TAG, Op, Reply, Request, decode_reply, encode_request
 from tests.links import link_tree
 
+pytestmark = pytest.mark.slow  # each test runs a daemon or a child process: seconds
+
 X = np.zeros((1, 3, 48, 192), np.float32)  # one ocr-cls input
 
 

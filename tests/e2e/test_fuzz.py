@@ -95,6 +95,7 @@ def test_fuzz_100k(start_daemon, short_tmp, models_dir):
     _fuzz(start_daemon, short_tmp, models_dir, 100_000)
 
 
+@pytest.mark.slow
 def test_refused_peer_cannot_kill_the_daemon_with_one_header(start_daemon, short_tmp,
                                                              models_dir):
     """Issue 12 item 1: the headers that killed the daemon through _refuse."""

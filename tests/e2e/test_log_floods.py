@@ -53,6 +53,7 @@ def _lines(d: Any) -> int:
     return len(d.log().splitlines())
 
 
+@pytest.mark.slow
 def test_an_explicit_load_of_a_broken_model_is_remembered_until_its_files_change(
         start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
     d = start_daemon("--models", str(_repo(short_tmp, models_dir)))

@@ -16,6 +16,8 @@ from inferd.ipc import RequestError
 from tests.e2e.ocr_images import fonts_available, render
 from tests.links import link_tree
 
+pytestmark = pytest.mark.slow  # each test runs a daemon or a child process: seconds
+
 MiB = 2**20
 BUDGET = 512 * MiB
 
@@ -116,7 +118,6 @@ def _inputs(model: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndar
     return out
 
 
-@pytest.mark.slow
 def test_the_estimate_is_within_30_percent_of_the_measured_peak(
         start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
     repo = _repo(short_tmp, models_dir, graph=False)

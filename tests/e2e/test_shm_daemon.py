@@ -12,6 +12,7 @@ from inferd.ipc import Region
 from tests.e2e.test_wire_bits import reduce_sum_model
 
 
+@pytest.mark.slow
 def test_big_tensor_in_and_out_through_shared_memory(start_daemon, short_tmp) -> None:
     repo = short_tmp / "repo"
     reduce_sum_model(repo)

@@ -13,11 +13,14 @@ import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import zmq
 from onnx import TensorProto, helper
 
 from inferd.ipc.protocol import Op, Request, decode_reply, encode_request
 from inferd.libbackends.contract import aligned
+
+pytestmark = pytest.mark.slow  # each test runs a daemon or a child process: seconds
 
 TYPES = {"b": (TensorProto.BFLOAT16, ml_dtypes.bfloat16),
          "f": (TensorProto.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn),

@@ -36,6 +36,7 @@ def test_the_man_page_names_every_command_and_option() -> None:
     assert missing == []
 
 
+@pytest.mark.slow
 def test_version() -> None:
     r = subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--version"],
                        capture_output=True, text=True, timeout=60)

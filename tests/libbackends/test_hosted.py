@@ -42,6 +42,7 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
+@pytest.mark.slow
 def test_probe_load_run_unload_through_a_host(elementwise_model: Path) -> None:
     b = backend()
     probe = b.probe()
@@ -96,6 +97,7 @@ def test_missing_interpreter_is_an_unavailable_backend(tmp_path: Path,
     assert "host interpreter /nonexistent/bin/python not found" in c.reason
 
 
+@pytest.mark.slow
 def test_a_factory_that_raises_in_the_host_is_the_probe_reason() -> None:
     probe = backend(env={"HOSTED_TEST_FAIL": "factory"}).probe()
     assert not probe.available
@@ -104,6 +106,7 @@ def test_a_factory_that_raises_in_the_host_is_the_probe_reason() -> None:
     assert (probe.available, probe.reason) == (False, "no device node /dev/hosted-test0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value, code, words", [
     (1001, ErrorCode.UNAVAILABLE, "was killed by SIGSEGV during run"),
     pytest.param(1002, ErrorCode.DEADLINE_EXCEEDED, "hung: no answer within 1 s to run; "
@@ -141,6 +144,7 @@ def test_restarts_are_bounded(elementwise_model: Path) -> None:
     model.unload()
 
 
+@pytest.mark.slow
 def test_a_crash_during_load_is_a_load_error(elementwise_model: Path) -> None:
     with pytest.raises(InferdError, match="was killed by SIGSEGV during load"):
         backend().load(elementwise_model, LoadOptions(options={"crash_on_load": True}))
@@ -169,6 +173,7 @@ def test_the_host_ends_when_the_daemon_dies(elementwise_model: Path, tmp_path: P
     assert not alive(pid), "the host outlived the process that started it"
 
 
+@pytest.mark.slow
 def test_the_host_imports_only_what_it_needs(tmp_path: Path) -> None:
     # The host's interpreter is another venv: the host module and the bootstrap must not
     # pull in the daemon's dependencies (onnx, onnxruntime, psutil) or its other parts.

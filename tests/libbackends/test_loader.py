@@ -40,6 +40,7 @@ def _config(paths: list[str], from_cli: bool = False) -> SimpleNamespace:
                            overridden=frozenset({"backends.paths"} if from_cli else ()))
 
 
+@pytest.mark.slow
 def test_the_cli_flag_beats_the_environment_which_beats_the_config(tmp_path: Path) -> None:
     for d in ("cli", "env", "cfg"):
         (tmp_path / d).mkdir()
@@ -252,6 +253,7 @@ def test_several_registries_load_the_same_directory(zoo, elementwise_model: Path
     model.unload()
 
 
+@pytest.mark.slow
 def test_an_unreadable_file_as_an_unprivileged_user(short_tmp: Path, python_example: Path
                                                     ) -> None:
     """As root every regular file is readable, so this drops to nobody (65534) in a
@@ -354,6 +356,7 @@ def addon_dir(tmp_path: Path) -> Path:
     return tmp_path / "backends"
 
 
+@pytest.mark.slow
 def test_onnxruntime_comes_from_the_addon_plugin_when_not_built_in(addon_dir: Path) -> None:
     out = _run_addon(addon_dir)
     builtin, gpu, _openvino, addon = out["candidates"]
@@ -369,6 +372,7 @@ def test_onnxruntime_comes_from_the_addon_plugin_when_not_built_in(addon_dir: Pa
     assert out["ort"].startswith(str(addon_dir / "onnxruntime" / "site"))
 
 
+@pytest.mark.slow
 def test_the_addon_plugin_is_a_duplicate_when_onnxruntime_is_built_in(addon_dir: Path
                                                                       ) -> None:
     r = Registry()
@@ -384,6 +388,7 @@ def test_the_addon_plugin_is_a_duplicate_when_onnxruntime_is_built_in(addon_dir:
 # --------------------------------------------------------------------- the docs' example
 
 
+@pytest.mark.slow
 def test_the_python_plugin_in_the_docs_loads_and_runs(tmp_path: Path) -> None:
     docs = (Path(__file__).resolve().parents[2] / "docs" / "backends.md").read_text()
     block = docs.split("```python\n# /usr/lib/inferd/backends/doubler.py\n", 1)[1]
@@ -406,6 +411,7 @@ def test_a_plugin_that_exits_at_import_is_contained(tmp_path: Path) -> None:
                                              "import raised SystemExit: 3")
 
 
+@pytest.mark.slow
 def test_loading_native_plugins_leaks_no_fd_thread_or_process(
         tmp_path: Path, elementwise_so: Path, broken_so) -> None:  # type: ignore[no-untyped-def]
     import threading

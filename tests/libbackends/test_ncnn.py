@@ -135,6 +135,7 @@ def test_with_vulkan_hidden_there_is_no_gpu_kind_and_a_gpu_load_says_why(
                           "Vulkan driver answered"), out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", [DeviceKind.CPU, DeviceKind.GPU])
 def test_cls_and_rec_in_fp32_are_within_1e_5_of_onnxruntime(
         backend, cache: Path, kind: DeviceKind) -> None:
@@ -159,6 +160,7 @@ def test_cls_and_rec_in_fp32_are_within_1e_5_of_onnxruntime(
         rec.unload()
 
 
+@pytest.mark.slow
 def test_det_on_the_cpu_matches_onnxruntime(backend, cache: Path) -> None:
     det = backend.load(_model("ocr-det"), _options(cache))
     try:
@@ -169,6 +171,7 @@ def test_det_on_the_cpu_matches_onnxruntime(backend, cache: Path) -> None:
         det.unload()
 
 
+@pytest.mark.slow
 def test_fp16_on_vulkan_is_within_the_documented_tolerance(backend, cache: Path) -> None:
     # docs/backends.md: fp16 differs by up to ~2e-3 on ocr-cls's probabilities
     require_vulkan()
@@ -181,6 +184,7 @@ def test_fp16_on_vulkan_is_within_the_documented_tolerance(backend, cache: Path)
         model.unload()
 
 
+@pytest.mark.slow
 def test_the_conversion_is_cached_by_the_files_hash_and_the_shapes(
         backend, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from inferd.libbackends.ncnn_convert import cache_key, file_digest
@@ -219,6 +223,7 @@ def test_inputs_from_the_wire_give_the_same_results(backend, cache: Path) -> Non
         model.unload()
 
 
+@pytest.mark.slow
 def test_runs_on_vulkan_from_several_threads(backend, cache: Path) -> None:
     require_vulkan()
     model = backend.load(_model("ocr-cls"), _options(cache, DeviceKind.GPU))
@@ -241,6 +246,7 @@ def test_runs_on_vulkan_from_several_threads(backend, cache: Path) -> None:
     assert errors == []
 
 
+@pytest.mark.slow
 def test_ncnn_files_beside_the_onnx_are_used_without_pnnx(
         backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a board without pnnx: `inferd-convert ncnn` wrote the files on a development machine

@@ -70,6 +70,7 @@ def test_results_match_onnxruntime(backend: OpenVinoBackend, name: str) -> None:
         reference.unload()
 
 
+@pytest.mark.slow
 def test_the_probe_leaves_the_device_plugins_out_of_this_process(tmp_path: Path) -> None:
     # Listing the devices loads every device plugin (the GPU plugin brings OpenCL and its
     # ICD, pocl with LLVM here: 96 MiB); the probe lists them in a child process.
@@ -86,6 +87,7 @@ def test_the_probe_leaves_the_device_plugins_out_of_this_process(tmp_path: Path)
     assert out[2:] == ["False", "False"]
 
 
+@pytest.mark.slow
 def test_static_shapes_compile_one_copy_per_shape_up_to_the_limit(
         backend: OpenVinoBackend) -> None:
     path = _model("ocr-cls")

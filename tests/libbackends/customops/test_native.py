@@ -20,6 +20,8 @@ from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
 from tests.libbackends.customops import kit
 from tests.libbackends.customops.conftest import build_test_op
 
+pytestmark = pytest.mark.slow  # each test runs a daemon or a child process: seconds
+
 ZOO = {  # library name -> (-D flag, stage, reason fragment)
     "segv": ("SEGV_IN_GET", "contract checked",
              "crashed with SIGSEGV while calling inferd_customop_get()"),
