@@ -106,20 +106,40 @@ def test_discovery_is_sorted_across_the_search_path_and_loads_one_file_once(
 # --------------------------------------------------------------------- every stage
 
 
-@pytest.fixture
-def zoo(tmp_path: Path, broken_so, python_example, elementwise_so):  # type: ignore[no-untyped-def]
-    directory = tmp_path / "backends"
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory, broken_so, python_example, elementwise_so):  # type: ignore[no-untyped-def]
+    directory = tmp_path_factory.mktemp("zoo") / "backends"
     expected = make_plugin_zoo(directory, broken_so, python_example, elementwise_so)
     return directory, expected
 
 
+@pytest.fixture(scope="module")
+def zoo_loaded(zoo):  # type: ignore[no-untyped-def]
+    """The zoo through one Loader with the built-ins, and the log records of that load:
+    read by two tests (a load of the zoo takes ~10 s here: a child per plugin, and the
+    hanging one costs probe_timeout_s)."""
+    directory, _ = zoo
+    registry = Registry()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("inferd.libbackends")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        Loader(registry, probe_timeout_s=3.0).load([directory])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return registry, records
+
+
 @pytest.mark.slow  # the hanging plugin costs probe_timeout_s
-def test_every_broken_plugin_is_skipped_at_its_stage(zoo, caplog: pytest.LogCaptureFixture
+def test_every_broken_plugin_is_skipped_at_its_stage(zoo, zoo_loaded
                                                      ) -> None:  # type: ignore[no-untyped-def]
     directory, expected = zoo
-    registry = Registry()
-    with caplog.at_level(logging.INFO, logger="inferd.libbackends"):
-        Loader(registry, probe_timeout_s=3.0).load([directory])
+    registry, records = zoo_loaded
     got = {Path(c.path).name: c for c in registry.candidates}
     assert set(got) == set(expected) | {f"built-in:{b.name}" for b in BUILTINS}
     for name, (stage, status, words) in expected.items():
@@ -131,7 +151,7 @@ def test_every_broken_plugin_is_skipped_at_its_stage(zoo, caplog: pytest.LogCapt
     assert [b.id for b in registry.available()] == ["onnxruntime", "openvino", "elementwise-c",
                                                     "onnx-reference"]
     # One WARNING per failed or unavailable candidate, with the structured fields.
-    warned = {r.PLUGIN_PATH: r for r in caplog.records if r.levelno == logging.WARNING}
+    warned = {r.PLUGIN_PATH: r for r in records if r.levelno == logging.WARNING}
     for name, (stage, status, words) in expected.items():
         path = str(directory / name)
         if status in ("failed", "unavailable"):
@@ -235,11 +255,10 @@ def test_a_package_plugin_with_relative_imports(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # the hanging plugin costs probe_timeout_s
-def test_several_registries_load_the_same_directory(zoo, elementwise_model: Path
+def test_several_registries_load_the_same_directory(zoo, zoo_loaded, elementwise_model: Path
                                                     ) -> None:  # type: ignore[no-untyped-def]
     directory, _ = zoo
-    first, second = Registry(), Registry()
-    Loader(first, probe_timeout_s=3.0).load([directory])
+    first, second = zoo_loaded[0], Registry()  # a second load in the same process
     Loader(second, probe_timeout_s=3.0).load([directory])
     assert [c.to_json() for c in first.candidates] == [c.to_json() for c in second.candidates]
     for ident in ("elementwise-c", "onnx-reference"):
