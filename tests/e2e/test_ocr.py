@@ -41,10 +41,16 @@ def reference(engine: Any, image: np.ndarray) -> tuple[list[str], np.ndarray]:
     return [r[1] for r in result], np.array([r[0] for r in result], np.float32)
 
 
-@pytest.fixture
-def ocr_repo(short_tmp: Path, models_dir: Path) -> Path:
+@pytest.fixture(scope="module")
+def daemon(module_daemon: Any, models_dir: Path) -> Any:
+    """One daemon for the module over :func:`ocr_repo`'s repository: the tests send it
+    requests, and the one that unloads the graph loads it again."""
+    return module_daemon("--models", str(ocr_repo(module_daemon.workdir, models_dir)))
+
+
+def ocr_repo(workdir: Path, models_dir: Path) -> Path:
     """A repository with the three OCR models, the ocr graph and a task-parallel copy."""
-    repo = short_tmp / "repo"
+    repo = workdir / "repo"
     repo.mkdir()
     for name in ("ocr-det", "ocr-cls", "ocr-rec"):
         (repo / name).mkdir()
@@ -61,9 +67,7 @@ def ocr_repo(short_tmp: Path, models_dir: Path) -> Path:
     return repo
 
 
-def test_ocr_graph_matches_rapidocr_on_generated_images(start_daemon: Any, ocr_repo: Path,
-                                                        rapid: Any) -> None:
-    daemon = start_daemon("--models", str(ocr_repo))
+def test_ocr_graph_matches_rapidocr_on_generated_images(daemon: Any, rapid: Any) -> None:
     with daemon.client(timeout=120) as c:
         for lines, font, size, rotation in CASES:
             image = render(lines, font, size, rotation)
@@ -86,8 +90,7 @@ def test_ocr_graph_matches_rapidocr_on_generated_images(start_daemon: Any, ocr_r
         assert empty["texts"].shape == (0,) and empty["boxes"].shape == (0, 4, 2)
 
 
-def test_both_executors_agree_on_the_ocr_graph(start_daemon: Any, ocr_repo: Path) -> None:
-    daemon = start_daemon("--models", str(ocr_repo))
+def test_both_executors_agree_on_the_ocr_graph(daemon: Any) -> None:
     with daemon.client(timeout=120) as c:
         images = [render(*case) for case in CASES[:3]]
         pending = [(c.submit("infer", "ocr", inputs={"image": im}),
@@ -119,11 +122,9 @@ def test_both_executors_agree_on_the_ocr_graph(start_daemon: Any, ocr_repo: Path
         assert e.value.code is ErrorCode.INVALID_ARGUMENT and "uint8" in e.value.message
 
 
-def test_inferctl_infer_ocr_prints_the_texts_of_a_png(start_daemon: Any, ocr_repo: Path,
-                                                      short_tmp: Path) -> None:
+def test_inferctl_infer_ocr_prints_the_texts_of_a_png(daemon: Any, short_tmp: Path) -> None:
     from PIL import Image
 
-    daemon = start_daemon("--models", str(ocr_repo))
     png = short_tmp / "photo.png"
     Image.fromarray(render(["Hello world 123"], "DejaVuSans.ttf", 32)[:, :, ::-1]).save(png)
     out = subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--socket",
