@@ -9,24 +9,23 @@ wire name (docs/protocol.md, "Tensor frames"). numpy itself has no bfloat16, flo
 the wire the 4-bit integers are packed two per byte, the first element in the low
 nibble, as ONNX stores them (:func:`pack`, :func:`unpack`). Without ``ml_dtypes`` the
 names are still known, and a tensor of one of those types is refused with
-UNSUPPORTED, naming the package (:func:`numpy_dtype`).
+UNSUPPORTED, naming the package (:func:`numpy_dtype`). ``ml_dtypes`` is imported when a
+tensor of one of its types first comes by, not before: its import alone takes about a
+second (it computes its types' limits), which every daemon start, ``inferctl`` call and
+client process would pay.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import threading
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from inferd.ipc.errors import ErrorCode, ProtocolError
-
-ml_dtypes: Any
-try:
-    ml_dtypes = importlib.import_module("ml_dtypes")
-except ImportError:  # the Debian package: bookworm has no python3-ml-dtypes
-    ml_dtypes = None
 
 STRING = "string"
 """dtype name of a string tensor."""
@@ -41,10 +40,9 @@ PACKED = frozenset({"int4", "uint4"})
 
 NUMERIC_DTYPES: dict[str, np.dtype[Any]] = {
     name: np.dtype(name).newbyteorder("<") for name in _NUMPY_TYPES}
-"""wire name -> little-endian numpy dtype of every numeric type this process can hold
-(the ``ml_dtypes`` ones only where that package is installed)."""
-if ml_dtypes is not None:
-    NUMERIC_DTYPES.update({name: np.dtype(getattr(ml_dtypes, name)) for name in ML_DTYPES})
+"""wire name -> little-endian numpy dtype of every numeric type this process holds (the
+``ml_dtypes`` ones once :func:`numpy_dtype` or :func:`dtype_name` has needed them, where
+that package is installed)."""
 
 WIRE_DTYPES = (*_NUMPY_TYPES, *ML_DTYPES, STRING)
 """Every wire dtype name."""
@@ -54,6 +52,26 @@ MISSING_ML_DTYPES = ("needs the Python package ml_dtypes, which is not installed
 
 # dtype -> wire name; a dict lookup is much cheaper than numpy's dtype.name property
 _WIRE_NAMES: dict[np.dtype[Any], str] = {dt: name for name, dt in NUMERIC_DTYPES.items()}
+_ml_tried = False
+_ml_lock = threading.Lock()
+
+
+def _add_ml_dtypes() -> bool:
+    """Imports ``ml_dtypes`` (once) and adds its types to :data:`NUMERIC_DTYPES`;
+    whether they are there."""
+    global _ml_tried
+    with _ml_lock:
+        if not _ml_tried:
+            _ml_tried = True
+            try:
+                ml = importlib.import_module("ml_dtypes")
+            except ImportError:  # the Debian package: bookworm has no python3-ml-dtypes
+                return False
+            for name in ML_DTYPES:
+                dt = np.dtype(getattr(ml, name))
+                _WIRE_NAMES[dt] = name
+                NUMERIC_DTYPES[name] = dt
+        return ML_DTYPES[0] in NUMERIC_DTYPES
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:
@@ -67,6 +85,8 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
     if dt is not None:
         return dt
     if name in ML_DTYPES:
+        if _add_ml_dtypes():
+            return NUMERIC_DTYPES[name]
         raise ProtocolError(f"dtype {name} {MISSING_ML_DTYPES}", ErrorCode.UNSUPPORTED)
     raise ProtocolError(f"dtype {name!r} is not a numeric wire dtype")
 
@@ -104,6 +124,10 @@ def dtype_name(array: NDArray[Any]) -> str:
         return name
     if array.dtype.kind in "OUT":
         return STRING
+    if "ml_dtypes" in sys.modules and _add_ml_dtypes():  # an array of one of its types
+        name = _WIRE_NAMES.get(array.dtype)
+        if name is not None:
+            return name
     name = array.dtype.name  # e.g. a big-endian float32 (encode_tensors swaps it)
     if name not in NUMERIC_DTYPES:
         raise ProtocolError(f"dtype {array.dtype} is not carried by the protocol "

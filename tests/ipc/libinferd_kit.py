@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inferd.ipc.dtypes import NUMERIC_DTYPES, WIRE_DTYPES
+from inferd.ipc.dtypes import WIRE_DTYPES, numpy_dtype
 from tests.links import link_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def sample(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
         words = ["", "a", "Zürich", "\u65e5\u672c", "\U0001f600", "x" * 300]
         return np.array([words[i % len(words)] for i in rng.integers(0, 99, int(np.prod(shape)))],
                         dtype=object).reshape(shape)
-    dt = NUMERIC_DTYPES[dtype]
+    dt = numpy_dtype(dtype)
     n = int(np.prod(shape))
     if dtype in ("int4", "uint4"):
         low = -8 if dtype == "int4" else 0

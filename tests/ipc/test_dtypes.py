@@ -75,3 +75,24 @@ except ProtocolError as e:
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("UNSUPPORTED request inputs: tensor 'x': dtype bfloat16 "
                                "needs the Python package ml_dtypes"), r.stdout
+
+
+def test_ml_dtypes_is_imported_when_its_first_tensor_comes() -> None:
+    """Its import takes about a second: a daemon, inferctl or client that never meets
+    one of its types does not pay it; the first such tensor brings it in."""
+    code = """
+import sys
+import numpy as np
+import inferd.daemon.main, inferd.ipc.client, inferd.ipc.inferctl
+print("before", "ml_dtypes" in sys.modules)
+from inferd.ipc.protocol import decode_request
+header = (b'{"id":"r","op":"infer","model":"m","inputs":'
+          b'[{"name":"x","dtype":"bfloat16","shape":[2]}]}')
+x = decode_request([b"INFERD/1", header, b"\\0\\x3f\\0\\x40"]).inputs["x"]
+print("after", "ml_dtypes" in sys.modules, x.dtype, x.astype(np.float32).tolist())
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["before False", "after True bfloat16 [0.5, 2.0]"], \
+        r.stdout
