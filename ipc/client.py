@@ -22,7 +22,7 @@ from inferd.ipc import defs
 from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError, RequestError
 from inferd.ipc.protocol import Op, Reply, Request, decode_reply, encode_request
 from inferd.ipc.shm import Region, Registration, shm_path
-from inferd.ipc.transport import ipc_path, recv_frames, send_frames
+from inferd.ipc.transport import ipc_path, recv_frames, send_frames, tuned
 
 DEFAULT_ENDPOINT = defs.SOCKET
 DEFAULT_TIMEOUT = 30.0
@@ -155,7 +155,7 @@ class Client(_Base):
                  retry_exhausted: bool = False) -> None:
         super().__init__(endpoint, timeout, max_in_flight, retry_exhausted)
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock = tuned(self._ctx.socket(zmq.DEALER))
         self._sock.setsockopt(zmq.LINGER, 0)
         # Receive in short slices so threads sharing the client take turns; a blocking
         # recv with a timeout costs less per reply than a poll before each recv.
@@ -377,7 +377,7 @@ class AsyncClient(_Base):
         super().__init__(endpoint, timeout, max_in_flight, retry_exhausted)
         self._slots: asyncio.Semaphore | None = None  # made on first use, in its loop
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock = tuned(self._ctx.socket(zmq.DEALER))
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.endpoint)
         self._futures: dict[str, asyncio.Future[Reply]] = {}

@@ -44,7 +44,7 @@ from inferd.ipc.protocol import Op, Reply, Request, decode_request, encode_reply
 from inferd.ipc.replies import Observer, Ticket
 from inferd.ipc.shm import Regions, shm_path
 from inferd.ipc.socketfile import Listener, SocketLock, _chgrp
-from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames
+from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames, tuned
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class Server:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._lock = SocketLock(path)
             self._lock.acquire()
-        router = self._ctx.socket(zmq.ROUTER)
+        router = tuned(self._ctx.socket(zmq.ROUTER))
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 1000)
         router.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)

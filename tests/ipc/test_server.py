@@ -151,3 +151,27 @@ def test_a_local_ticket_is_answered_once() -> None:
     sink.send(ticket, Reply("g1"))
     assert [r.error.code for r in got if r.error] == [ErrorCode.CANCELLED] and len(got) == 1
     assert observed == [ticket] and ticket.code == "CANCELLED"
+
+
+def test_the_request_paths_sockets_copy_frames_below_the_threshold(harness: Harness) -> None:
+    """Frames under transport.COPY_THRESHOLD (256 KiB, over pyzmq's 64 KiB) are copied
+    when sent, by the daemon's ROUTER and by both clients: a zero-copy send of a 110 KB
+    ocr-cls input cost more CPU than its copy."""
+    import asyncio
+
+    from inferd.ipc import AsyncClient, Client
+    from inferd.ipc.transport import COPY_THRESHOLD
+
+    assert COPY_THRESHOLD == 256 * 2**10 > zmq.COPY_THRESHOLD
+    assert harness.server._router is not None
+    assert harness.server._router.copy_threshold == COPY_THRESHOLD
+    with Client(harness.server.endpoint) as c:
+        assert c._sock.copy_threshold == COPY_THRESHOLD
+
+    async def asynchronous() -> int:
+        ac = AsyncClient(harness.server.endpoint)
+        try:
+            return int(ac._sock.copy_threshold)
+        finally:
+            await ac.close()
+    assert asyncio.run(asynchronous()) == COPY_THRESHOLD
