@@ -139,7 +139,9 @@ def test_the_estimate_is_within_30_percent_of_the_measured_peak(
             report.append((model, shapes, round(row["bytes"] / MiB, 2),
                            round(row["admitted_bytes"] / MiB, 2)))
     # measured / activations is 1.8-1.9 for ocr-det, 2.4-2.6 for ocr-rec, 2.5-2.95 for
-    # ocr-cls, 1.4-1.9 for vad: onnxruntime's one factor (2.15) is within 30 % of each
+    # ocr-cls, 1.65-2.0 for vad (256x512 measures 2.49 or 3.0 MiB by where glibc puts the
+    # run's buffers): onnxruntime's one factor (2.1) is within 30 % of each, with little
+    # room at both ends (vad 256x512 +27 %, ocr-cls 6x3x48x192 -28 %)
     off = [r for r in report if abs(r[3] - r[2]) > 0.3 * r[2]]
     assert not off, f"estimate off (model, shapes, measured MiB, estimated MiB): {off}; " \
         f"all: {report}"
