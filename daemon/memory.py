@@ -55,10 +55,10 @@ FACTORS = {"onnxruntime": 2.1, "openvino": 2.0}
 needs (measured by the daemon on the demo models, each size in a fresh process after one
 tiny run: tests/e2e/test_memory_bound.py). onnxruntime with the shipped arena settings:
 ocr-det 1.80-1.92 (640² to 1280²), ocr-rec 2.4-2.6, ocr-cls 2.5-2.95, vad 1.65-2.0; 2.1
-keeps all four within 30 % (barely: one factor for all models is too coarse). OpenVINO: ocr-det 1.83-1.98, ocr-rec 1.88, ocr-cls 2.63
-(bench/bench_memory.py). A model's own measurements raise it where they find more,
-never lower it: a run that reuses memory another model's runs left resident measures
-low, and both may need it at once."""
+keeps all four within 30 % (barely: one factor for all models is too coarse). OpenVINO:
+ocr-det 1.83-1.98, ocr-rec 1.88, ocr-cls 2.63 (bench/bench_memory.py). A model's own
+measurements raise it where they find more, never lower it: a run that reuses memory
+another model's runs left resident measures low, and both may need it at once."""
 DEFAULT_FACTOR = 2.1
 """The factor of a backend not measured (onnxruntime's)."""
 MAX_FACTOR = 10.0
