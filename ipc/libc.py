@@ -55,6 +55,17 @@ def malloc_trim() -> bool:
     return True
 
 
+def _mallopt(param: int, value: int, key: str) -> bool:
+    """mallopt(``param``, ``value``) for config key ``key``; logs why it did not take."""
+    if _MALLOPT is None:
+        log.warning("%s ignored: this C library has no mallopt", key)
+        return False
+    if not _MALLOPT(param, int(value)):
+        log.warning("%s = %d refused by mallopt", key, value)
+        return False
+    return True
+
+
 def set_mmap_threshold(size: int) -> bool:
     """Fix glibc's mmap threshold at ``size`` bytes (0 or less: leave glibc's sliding
     default), so that blocks this big go back to the system when freed.
@@ -63,15 +74,9 @@ def set_mmap_threshold(size: int) -> bool:
         True if the threshold was set; False if ``size`` asks for the default, the C
         library has no mallopt (logged), or mallopt refused the value (logged).
     """
-    if size <= 0:
+    if size <= 0 or not _mallopt(M_MMAP_THRESHOLD, size, "cache.malloc_mmap_threshold"):
         return False
-    if _MALLOPT is None:
-        log.warning("cache.malloc_mmap_threshold ignored: this C library has no mallopt")
-        return False
-    if not _MALLOPT(M_MMAP_THRESHOLD, int(size)):
-        log.warning("cache.malloc_mmap_threshold = %d refused by mallopt", size)
-        return False
-    _MALLOPT(M_TRIM_THRESHOLD, 2 * int(size))
+    _MALLOPT(M_TRIM_THRESHOLD, 2 * int(size))  # type: ignore[misc]
     log.debug("glibc mmap threshold fixed at %d bytes", size)
     return True
 
@@ -84,13 +89,7 @@ def set_arena_max(arenas: int) -> bool:
         True if the limit was set; False if ``arenas`` asks for the default, the C
         library has no mallopt (logged), or mallopt refused the value (logged).
     """
-    if arenas <= 0:
-        return False
-    if _MALLOPT is None:
-        log.warning("cache.malloc_arenas ignored: this C library has no mallopt")
-        return False
-    if not _MALLOPT(M_ARENA_MAX, int(arenas)):
-        log.warning("cache.malloc_arenas = %d refused by mallopt", arenas)
+    if arenas <= 0 or not _mallopt(M_ARENA_MAX, arenas, "cache.malloc_arenas"):
         return False
     log.debug("glibc arenas limited to %d", arenas)
     return True
