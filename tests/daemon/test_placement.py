@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import threading
+import os
 import time
 import types
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from inferd.daemon.measure import Trial, difference, fastest, stage_threads
 from inferd.daemon.model_entry import ModelEntry
 from inferd.daemon.model_settings import ModelSettings, check_settings
 from inferd.daemon.placed_model import PlacedModel
-from inferd.daemon.placer import Placer
+from inferd.daemon.placer import GraphIndex, Placer
 from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.libbackends.contract import (
     Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec,
@@ -691,3 +692,35 @@ def test_a_store_that_cannot_be_read_or_written_measures_again(tmp_path: Path,
         store.put("m", 2, key, Decision("b", "cpu"))
     assert caplog.text.count("cannot be written") == 1
     assert store.get("m", 2, key) == Decision("b", "cpu")  # kept in memory
+
+
+def test_the_graph_index_reads_graphs_again_when_the_repository_changes(
+        tmp_path: Path) -> None:
+    """The placer asks at every load which graphs call the model; the answer is kept
+    until a folder is added or removed (the repository's mtime) or a reload clears it,
+    and a listing made in the repository's last mtime tick is not kept."""
+    repo = tmp_path / "repo"
+    for name in ("a", "b", "c"):
+        (repo / name / "1").mkdir(parents=True)
+    (repo / "g").mkdir()
+    (repo / "g" / "graph.toml").write_text(
+        '[[nodes]]\nname = "x"\nmodel = "a"\n[[nodes]]\nname = "y"\nmodel = "b"\n')
+    (repo / "bad").mkdir()
+    (repo / "bad" / "graph.toml").write_text("[[nodes]\n")  # unreadable: skipped
+    past = time.time() - 10
+    os.utime(repo, (past, past))
+    index = GraphIndex()
+    assert index.of(repo, "a") == [("g", ["a", "b"])]
+    assert index.of(repo, "c") == []
+    # kept: an edit in place is not seen until a reload clears the index
+    (repo / "g" / "graph.toml").write_text('[[nodes]]\nname = "x"\nmodel = "c"\n')
+    assert index.of(repo, "c") == []
+    index.clear()
+    assert index.of(repo, "c") == [("g", ["c"])]
+    # a new folder moves the repository's mtime: read again, and (racy) not kept
+    (repo / "h").mkdir()
+    (repo / "h" / "graph.toml").write_text('[[nodes]]\nname = "x"\nmodel = "a"\n')
+    assert index.of(repo, "a") == [("h", ["a"])]
+    (repo / "h" / "graph.toml").write_text('[[nodes]]\nname = "x"\nmodel = "b"\n')
+    assert index.of(repo, "b") == [("h", ["b"])]
+    assert index.of(tmp_path / "missing", "a") == []
