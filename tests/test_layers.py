@@ -13,10 +13,9 @@ The floors, from the ground up (docs/architecture.md, "Layers"):
 - ``inferd.daemon``: the process. It reaches the server loop only through the runtime.
 
 Each module is imported in a child forked from one interpreter that has imported only
-the third-party libraries the floors share (numpy, ml_dtypes, zmq) and nothing of
-inferd nor of an engine: its ``sys.modules`` after the import holds the same inferd
-modules as a fresh interpreter's would, without paying ~1 s of interpreter start and
-ml_dtypes import per module.
+the third-party libraries the floors share (numpy, zmq) and nothing of inferd, of an
+engine or of ml_dtypes: its ``sys.modules`` after the import holds the same inferd
+modules as a fresh interpreter's would, without paying an interpreter start per module.
 """
 
 from __future__ import annotations
@@ -53,16 +52,16 @@ HOSTED = {"inferd.libbackends.host", "inferd.libbackends.hosted"}
 
 
 ENGINES = ("onnxruntime", "openvino", "onnx")
+# Imported with the first tensor of its types (bfloat16, float8, int4), not before: it
+# cost ~1 s of every daemon start, inferctl call and client process (9337634).
+LAZY = ("ml_dtypes",)
+WATCHED = (*ENGINES, *LAZY)
 
 # Reads a module name a line, imports it in a forked child, prints the inferd and engine
 # modules the child then holds (JSON, one line), or the child's error.
 _FORKER = r"""
 import importlib, json, os, sys
 import numpy, zmq  # noqa: F401  shared by every floor; not what is checked
-try:
-    import ml_dtypes  # noqa: F401  (inferd.ipc.dtypes uses it where it is installed)
-except ImportError:
-    pass
 assert not [m for m in sys.modules if m.startswith("inferd") or m in %r]
 for line in sys.stdin:
     r, w = os.pipe()
@@ -83,7 +82,7 @@ for line in sys.stdin:
         got = f.read()
     _, status = os.waitpid(pid, 0)
     print(got or json.dumps({"error": f"the child died: wait status {status}"}), flush=True)
-""" % (ENGINES, ENGINES)
+""" % (WATCHED, WATCHED)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +132,12 @@ def test_the_backends_use_only_the_wire_vocabulary(forker, module: str) -> None:
 def test_the_client_brings_in_no_engine(forker) -> None:
     loaded = _loaded(forker, "inferd.ipc.client")
     assert not {m for m in loaded if m.startswith(("inferd.libbackends", "inferd.daemon"))}
-    assert not loaded & set(ENGINES), loaded & set(ENGINES)
+    assert not loaded & set(WATCHED), loaded & set(WATCHED)
+
+
+@pytest.mark.parametrize("module", ["inferd.ipc", "inferd.ipc.inferctl", "inferd.daemon.main"])
+def test_ml_dtypes_waits_for_a_tensor_of_its_types(forker, module: str) -> None:
+    assert not _loaded(forker, module) & set(LAZY)
 
 
 @pytest.mark.parametrize("module", ["inferd.daemon.models", "inferd.daemon.worker",
