@@ -18,16 +18,21 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 
 
-def make_identity_model(repo: Path, name: str = "identity", rank: int = 1) -> Path:
+def make_identity_model(repo: Path, name: str = "identity", rank: int = 1,
+                        then_cast: bool = False) -> Path:
     """A one-node ONNX model (Identity on float32, dynamic dims of the given rank) at
-    repo/name/1/model.onnx."""
+    repo/name/1/model.onnx; ``then_cast``: followed by a Cast to float32, which
+    onnxruntime drops, but which is no address-free op (the backend aligns the input)."""
     import onnx
     from onnx import TensorProto, helper
 
     dims = [f"d{i}" for i in range(rank)]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], name, [x], [y])
+    nodes = [helper.make_node("Identity", ["x"], ["t" if then_cast else "y"])]
+    if then_cast:
+        nodes.append(helper.make_node("Cast", ["t"], ["y"], to=TensorProto.FLOAT))
+    graph = helper.make_graph(nodes, name, [x], [y])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     path = repo / name / "1" / "model.onnx"

@@ -248,6 +248,26 @@ _FLOATS = frozenset({"float16", "float32", "float64", "bfloat16", "float8_e4m3fn
                      "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
 
 
+ADDRESS_FREE_OPS = frozenset({
+    "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Slice",
+    "Concat", "Split", "Gather", "GatherElements", "GatherND", "Expand", "Tile", "Pad",
+    "DepthToSpace", "SpaceToDepth", "ReverseSequence", "Compress", "ScatterElements",
+    "ScatterND", "Where", "Shape", "Size"})
+"""ONNX ops that only move, pick, fill or describe elements: onnxruntime's results of a
+model made of them alone do not depend on where its float inputs lie, so such a model
+needs no aligned copy (:func:`aligned`). The list is the test's, not a belief:
+tests/e2e/test_onnx_node_cases.py runs every ONNX node case made only of these ops with
+its float inputs at 16 offsets and finds one result each. Arithmetic is left out even
+where it came out the same (reductions, normalisations and Einsum did not), and so are
+Constant and ConstantOfShape, which no such case has beside a float input."""
+
+
+def address_free(op_types: set[str]) -> bool:
+    """Whether a model of ``op_types`` (every node's, sub-graphs included) gives the same
+    bits wherever its inputs lie (:data:`ADDRESS_FREE_OPS`)."""
+    return bool(op_types) and op_types <= ADDRESS_FREE_OPS
+
+
 SCRATCH_BYTES = 64 * 2**10
 """Bytes of each thread's scratch buffer for :func:`aligned` with ``scratch=True``: small
 inputs are copied there, at 64-byte offsets, instead of into fresh allocations."""

@@ -1,6 +1,7 @@
-"""An ONNX file's inputs and outputs (names, wire dtypes, shapes), read with the ``onnx``
-package alone: for the backends that convert ONNX for another engine (rknn, ncnn) and
-must present the ONNX model's tensors to the daemon."""
+"""What an ONNX file says, read with the ``onnx`` package alone: its inputs and outputs
+(names, wire dtypes, shapes), for the backends that convert ONNX for another engine
+(rknn, ncnn) and must present the ONNX model's tensors to the daemon; its op types, for
+the onnxruntime backend's choice of aligned inputs."""
 
 from __future__ import annotations
 
@@ -48,3 +49,30 @@ def onnx_specs(path: Path, backend: str) -> tuple[list[TensorSpec], list[TensorS
 
     return ([spec(v) for v in model.graph.input if v.name not in init],
             [spec(v) for v in model.graph.output])
+
+
+def op_types(path: Path) -> set[str]:
+    """The op types of every node of an ONNX file, those of sub-graphs (If, Loop, Scan
+    bodies) included.
+
+    Raises:
+        ModelError: the file is not a readable ONNX model.
+    """
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError and others for a broken file
+        raise ModelError(f"{path} is not a readable ONNX model: {type(e).__name__}: "
+                         f"{e}") from e
+    found: set[str] = set()
+    graphs = [model.graph]
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            found.add(node.op_type)
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    graphs.append(attr.g)
+                graphs.extend(attr.graphs)
+    return found

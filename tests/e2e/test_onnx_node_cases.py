@@ -2,24 +2,41 @@
 tensor case that in-process onnxruntime passes gives exactly onnxruntime's bits through
 the wire, for every dtype (bfloat16, float8, int4 and strings too), with zero daemon
 deaths. Cases are generated from the installed onnx package (tests/e2e/onnx_node_kit.py).
+
+And the list of ops whose models skip the aligned copy of their inputs
+(``contract.ADDRESS_FREE_OPS``): every case made only of them gives one result with its
+float inputs at 16 different offsets, the one of aligned inputs.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from onnx_node_kit import in_process, same_bits, tensor_cases  # noqa: E402
+from onnx_node_kit import Case, in_process, same_bits, tensor_cases  # noqa: E402
+
+from inferd.ipc.dtypes import dtype_name  # noqa: E402
+from inferd.libbackends.contract import (  # noqa: E402
+    _FLOATS, ADDRESS_FREE_OPS, ALIGNMENT, LoadOptions, aligned,
+)
+from inferd.libbackends.onnxfile import op_types  # noqa: E402
+from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def cases() -> list[Case]:
+    return tensor_cases()  # ~30 s: once for the module
+
+
 def test_every_case_onnxruntime_passes_gives_its_bits_through_the_daemon(
-        start_daemon, short_tmp: Path) -> None:
-    cases = tensor_cases()
+        cases: list[Case], start_daemon, short_tmp: Path) -> None:
     checked = []
     for case in cases:
         reference = in_process(case)
@@ -52,3 +69,63 @@ def test_every_case_onnxruntime_passes_gives_its_bits_through_the_daemon(
     assert not failed, f"{len(failed)} of {len(checked)} cases:\n" + "\n".join(failed)
     assert len(checked) > 1500  # the onnx 1.23 / onnxruntime 1.32 pair: 1,5xx
     assert d.proc.poll() is None
+
+
+def _at(array: Any, offset: int) -> Any:
+    """A copy of ``array`` at ``offset`` bytes past a multiple of ALIGNMENT."""
+    raw = np.empty(array.nbytes + 2 * ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT + offset
+    view = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    view[...] = array
+    return view
+
+
+def test_models_of_address_free_ops_give_one_result_at_16_input_offsets(
+        cases: list[Case], tmp_path: Path) -> None:
+    """The backend reads such a model's inputs where they lie (no aligned copy): each
+    case made only of ADDRESS_FREE_OPS, with a float input, run with its float inputs at
+    16 offsets (steps of the element size), gives the bits of its aligned inputs, and
+    the outputs never share the inputs' memory (a reply must not point into a request's
+    frame). Every op of the list is met in such a case; a model with a reduction is
+    still aligned."""
+    backend = OnnxRuntimeCpuBackend()
+    met: set[str] = set()
+    failed: list[str] = []
+    checked = 0
+    for case in cases:
+        path = tmp_path / f"{case.name}.onnx"
+        path.write_bytes(case.model)
+        ops = op_types(path)
+        floats = [k for k, v in case.data[0][0].items()
+                  if v.nbytes and dtype_name(v) in _FLOATS]
+        if not ops <= ADDRESS_FREE_OPS or not floats or in_process(case) is None:
+            continue
+        model = backend.load(path, LoadOptions())
+        assert model._align is False, case.name  # type: ignore[attr-defined]
+        try:
+            for inputs, _ in case.data:
+                want = model.run(aligned(inputs))
+                for k in range(16):
+                    moved = dict(inputs)
+                    for name in floats:
+                        moved[name] = _at(inputs[name], k * inputs[name].itemsize % ALIGNMENT)
+                    got = model.run(moved)
+                    if any(not same_bits(got[n], want[n]) for n in want):
+                        failed.append(f"{case.name}: offset {k} gives other bits")
+                        break
+                    if any(np.shares_memory(out, moved[n]) for out in got.values()
+                           for n in floats):
+                        failed.append(f"{case.name}: an output shares an input's memory")
+                        break
+        finally:
+            model.unload()
+        met |= ops
+        checked += 1
+    assert not failed, "\n".join(failed)
+    assert met == ADDRESS_FREE_OPS, f"never met in a case: {sorted(ADDRESS_FREE_OPS - met)}"
+    assert checked > 100  # the onnx 1.23 / onnxruntime 1.32 pair: 127
+    reduction = next(c for c in cases if c.name == "test_reduce_sum_default_axes_keepdims_random")
+    (tmp_path / "sum.onnx").write_bytes(reduction.model)
+    model = backend.load(tmp_path / "sum.onnx", LoadOptions())
+    assert model._align is True  # type: ignore[attr-defined]
+    model.unload()
