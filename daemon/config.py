@@ -289,7 +289,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "warmup_dim": Setting(64, _int_upto(65536), "a positive integer up to 65536"),
         "malloc_mmap_threshold": Setting("32MiB", _mmap_threshold, "a size ('4MiB') or "
                                          "'auto' (glibc's own sliding threshold)"),
-        "malloc_arenas": Setting("auto", _arenas, "an integer from 1 to 64, or 'auto' (glibc's "
+        "malloc_arenas": Setting(2, _arenas, "an integer from 1 to 64, or 'auto' (glibc's "
                                  "default: eight per core)"),
     },
     "logging": {

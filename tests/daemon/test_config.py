@@ -30,7 +30,7 @@ def test_defaults_without_a_file():
     assert cfg.server.max_message_bytes == 256 * 2**20
     assert cfg.server.socket_mode == 0o660
     assert cfg.server.cpu_affinity == []
-    assert cfg.cache.malloc_arenas == 0  # "auto": glibc's own default
+    assert cfg.cache.malloc_arenas == 2  # two glibc heaps for all threads (docs/cache.md)
     assert cfg.source is None
 
 

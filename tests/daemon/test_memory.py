@@ -220,3 +220,57 @@ def test_a_measured_class_settles_and_any_new_figure_unsettles_it():
     assert resettled.settled and resettled.bytes == 9000
     working.use(None, "openvino")  # another engine: looked up anew (still measured)
     assert working.estimate(small) is not resettled
+
+
+def test_a_model_gets_its_own_factor_from_its_runs_measured_alone(tmp_path):
+    """The backend's factor until a run of the model is measured; then the largest ratio
+    of measured working memory to activations among its runs (the load's first run only
+    from FIRST_RUN_FROM: it pays the engine's set-up). The figures are given, not
+    measured: what is tested is the arithmetic on them; a real graph sizes the runs."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from inferd.daemon.activations import Activations
+    from inferd.daemon.memory import FACTORS, FIRST_RUN_FROM
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1024])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1024])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["a"]),
+                               helper.make_node("Relu", ["a"], ["y"])], "g", [x], [y])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]),
+              str(path))
+    activations = Activations(path)
+    working = WorkingMemory("test")
+    working.use(activations, "onnxruntime")
+
+    def rows(n):
+        inputs = {"x": np.zeros((n, 1024), np.float32)}
+        return inputs, activations.peak({"x": (n, 1024)}).bytes
+
+    def run(n, ratio, alone=True):
+        inputs, live = rows(n)
+        estimate = working.estimate(inputs)
+        working.admit(estimate)
+        working.record(estimate.key, n * 1024, int(live * ratio), alone)
+        return estimate, live
+
+    first, live = run(256, 5.0)  # the load's first: set-up swamps it, no factor from it
+    assert live < FIRST_RUN_FROM
+    assert first.bytes == int(live * FACTORS["onnxruntime"]) and "onnxruntime's" in first.how
+    second, live = run(1024, 3.0)  # calibrates: 3.0
+    assert second.bytes == int(live * FACTORS["onnxruntime"])
+    third, live = run(2048, 2.0)  # on 3.0; its 2.0 lowers nothing
+    assert third.bytes == int(live * 3.0) and "measured on its runs" in third.how
+    beside, live = run(4096, 6.0, alone=False)  # beside another run: dropped
+    assert beside.bytes == int(live * 3.0)
+    inputs, live = rows(8192)
+    assert working.estimate(inputs).bytes == int(live * 3.0)
+    working.use(activations, "onnxruntime")  # loaded again on the same engine: kept
+    assert working.estimate(inputs).bytes == int(live * 3.0)
+    working.use(activations, "openvino")  # another engine: its prior again
+    assert working.estimate(inputs).bytes == int(live * FACTORS["openvino"])
+    low, live = run(8192 * 2, 0.5)  # a first run large enough, whose memory was reused
+    assert live >= FIRST_RUN_FROM
+    inputs, live = rows(8192 * 4)
+    assert working.estimate(inputs).bytes == int(live * 1.0)  # at least its activations
