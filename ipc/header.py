@@ -82,6 +82,10 @@ _DECODER = json.JSONDecoder(parse_int=_int, parse_float=_float, parse_constant=_
 # more digits than an integer may have, where the hook could find nothing.
 _PLAIN_INTS = json.JSONDecoder(parse_float=_float, parse_constant=_constant)
 _LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
+# The decoders' scanners (text, index) -> (value, end): decode() adds two Python frames
+# and two regular-expression matches around them.
+_SCANS = {_DECODER: _DECODER.scan_once,  # type: ignore[attr-defined]
+          _PLAIN_INTS: _PLAIN_INTS.scan_once}  # type: ignore[attr-defined]
 
 
 def depth(raw: bytes) -> int:
@@ -131,7 +135,14 @@ def parse(raw: bytes, kind: str, max_bytes: int | None = MAX_HEADER_BYTES) -> di
     try:
         # Decoded first: json.loads on bytes would guess the encoding each time.
         decoder = _DECODER if _LONG_DIGITS.search(raw) else _PLAIN_INTS
-        header = decoder.decode(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        try:
+            header, end = _SCANS[decoder](text, 0)
+        except StopIteration:  # leading whitespace, or not JSON: decode() says which
+            header, end = decoder.decode(text), len(text)
+        if end != len(text):  # trailing whitespace is allowed, anything else refused
+            found.clear()
+            header = decoder.decode(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise HeaderError(f"{kind} header is not valid UTF-8 JSON: {e}",
                           request_id=first_key_id(raw)) from None

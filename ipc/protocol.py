@@ -365,10 +365,18 @@ def _header(frames: Sequence[Frame], kind: str) -> dict[str, Any]:
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps would build one per call
+# Its C encoder, made once: JSONEncoder.encode makes a new one, and a dict of the objects
+# on the way to refuse circular ones, at every call (headers hold no cycles).
+_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)
+_C_ENCODE = None if _MAKE_ENCODER is None else _MAKE_ENCODER(
+    None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ":", ",", False,
+    False, True)
 
 
 def _dumps(obj: Any) -> bytes:
-    return _ENCODER.encode(obj).encode("utf-8")
+    if _C_ENCODE is None:
+        return _ENCODER.encode(obj).encode("utf-8")
+    return "".join(_C_ENCODE(obj, 0)).encode("utf-8")
 
 
 _REQUEST_KEYS = {"id", "op", "model", "version", "inputs", "outputs", "timeout_ms",

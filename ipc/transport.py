@@ -34,15 +34,21 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
 
 
+_SEND = zmq.backend.Socket.send
+"""pyzmq's compiled send, without ``zmq.Socket.send``'s Python-level wrapper (which only
+adds the DRAFT ``routing_id`` and ``group`` arguments): 0.4 instead of 1.0 us a frame."""
+
+
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
-    """``send_multipart(frames, flags, copy=False)`` without enum arithmetic.
+    """``send_multipart(frames, flags, copy=False)`` without enum arithmetic or pyzmq's
+    Python-level wrappers (a blocking socket, not an asyncio one).
 
     pyzmq still copies frames below its copy threshold, which is cheaper for them.
     """
-    last = len(frames) - 1
-    more = flags | SNDMORE
-    for i, frame in enumerate(frames):
-        sock.send(frame, more if i < last else flags, copy=False)
+    send, more = _SEND, flags | SNDMORE
+    for frame in frames[:-1]:
+        send(sock, frame, more, False)
+    send(sock, frames[-1], flags, False)
 
 
 def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:

@@ -207,6 +207,12 @@ class OrtModel(LoadedModel):
         # False for a model made only of ops whose results do not depend on where the
         # inputs lie (contract.ADDRESS_FREE_OPS): its inputs are read where they are
         self._align = align
+        # On the CPU provider alone, the binding's own run: InferenceSession.run only
+        # adds checks the daemon made already (every input there, check_inputs), for
+        # graph capture and OrtValue feeds (neither used here) and the fallback from
+        # another execution provider to the CPU (2 us a run).
+        cpu_only = session.get_providers() == ["CPUExecutionProvider"]
+        self._run = getattr(session, "_sess", session).run if cpu_only else session.run
         self.inputs = tuple(_spec(a, str(path)) for a in session.get_inputs())
         self.outputs = tuple(_spec(a, str(path)) for a in session.get_outputs())
         self._output_names = [o.name for o in self.outputs]
@@ -223,7 +229,7 @@ class OrtModel(LoadedModel):
         try:
             if self._raw:
                 return self._run_raw(inputs, names)
-            results = self._session.run(names, inputs, self._run_options)
+            results = self._run(names, inputs, self._run_options)
         except Exception as e:  # onnxruntime raises its own exception classes
             # Its INVALID_ARGUMENT status is about the inputs (a dimension the model
             # fixes); any other failure is the engine's: INTERNAL (docs/protocol.md).
@@ -267,7 +273,7 @@ class OrtModel(LoadedModel):
         return out
 
     def unload(self) -> None:
-        self._session = None
+        self._session = self._run = None
 
 
 class LazyOnnxRuntime:
