@@ -350,7 +350,9 @@ class Server:
                 self._connection_events()
             listener = self._listener
             if listener is not None and listener.paused and listener.waiting_fd in events:
-                self._closed_new(listener.refuse_waiting())
+                self._release_brake()  # descriptors may have gone without an event
+                if listener.paused:
+                    self._closed_new(listener.refuse_waiting())
             if self._router in events:
                 self._receive_request(refuse=stopping_since is not None)
         self._close()
@@ -479,8 +481,9 @@ class Server:
                         "close", fds, limit.fd_limit - fds, limit.count())
 
     def _release_brake(self) -> None:
-        """After a batch of events: end a pause for descriptors once they are 32 below
-        :attr:`Connections.fd_brake`; the count's own bound then decides."""
+        """After a batch of events, and when a connection waits while paused: end a
+        pause for descriptors once they are 32 below :attr:`Connections.fd_brake`; the
+        count's own bound then decides."""
         if not self._braked:
             return
         if _open_fds() > self.connections.fd_brake - 32:
