@@ -121,6 +121,9 @@ def test_a_stuck_stage_holds_no_deadline_no_control_operation_and_no_shutdown(
         start_daemon, short_tmp: Path, repo: Path, target: str) -> None:
     d = _start(start_daemon, short_tmp)
     with d.client(timeout=60) as c:
+        # Loaded first: at load 5 a first request's load took longer than its 1 s, all six
+        # expired in the queue, nothing ever ran, and no stage was stuck to report.
+        c.load(target)
         # 1. deadlines: five requests queued behind the stuck one, 1 s each
         t0 = time.monotonic()
         first = c.submit("infer", target, X, timeout=1.0)
