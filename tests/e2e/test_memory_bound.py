@@ -168,12 +168,12 @@ def test_the_estimate_is_within_30_percent_of_the_measured_peak(
     # ocr-det 1.93, ocr-rec 2.6-2.62, ocr-cls 2.76-3.21, vad 1.65-2.0 (256 rows: 1.65-1.71
     # or 1.98 by the heap's layout). On its own factor each model is within 16 %; on the
     # prior, before anything of it is measured, no one factor can be within 30 % of both
-    # ocr-cls 6x3x48x192 and vad 256x512 (3.21 / 1.65 = 1.95x): 2.3 is -28 % to +39 %,
-    # checked within -35 % / +45 %
+    # ocr-cls 6x3x48x192 and vad 256x512 (3.21 / 1.65 = 1.95x): 2.1 is -35 % to +27 %,
+    # checked within -40 % / +30 % (more would refuse the graph test's small image above)
     off = [r for r in report if abs(r[3] - r[2]) > 0.3 * r[2]]
     assert not off, f"estimate off (model, shapes, measured MiB, estimated MiB): {off}; " \
         f"all: {report}; measured ratios and the factor after the first: {factors}"
-    prior_off = [r for r in first if not 0.65 * r[2] <= r[3] <= 1.45 * r[2]]
+    prior_off = [r for r in first if not 0.6 * r[2] <= r[3] <= 1.3 * r[2]]
     assert not prior_off, f"first size off on the prior: {prior_off}; all: {first}"
 
 
