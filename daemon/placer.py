@@ -31,6 +31,7 @@ import psutil
 from inferd.daemon import measure
 from inferd.daemon.budget import estimate_cost, format_bytes
 from inferd.daemon.memory import METER, LoadFigures, model_cost
+from inferd.daemon.graph import GRAPH_FILE
 from inferd.daemon.decisions import (
     Decision, DecisionKey, DecisionStore, candidate_label, cpu_model, file_sha256,
 )
@@ -57,7 +58,6 @@ POLL_S = 0.005
 MACHINE_SHARE = 0.5
 """A rival is loaded only if what it needs is at most this share of the memory the
 machine has available (with or without a cache budget, which counts it too)."""
-GRAPH_FILE = "graph.toml"
 
 
 def _read_graphs(root: str) -> list[tuple[str, list[str]]]:

@@ -24,6 +24,7 @@ from inferd.ipc.protocol import (
 )
 from inferd.ipc.replies import LocalTicket, ReplySink, Ticket
 from inferd.ipc.server import Server
+from tests.e2e.test_cache_reload import poll
 
 
 class Harness:
@@ -200,7 +201,7 @@ def test_accepting_pauses_when_the_descriptors_near_the_limit_before_they_are_co
                 s.setsockopt(zmq.LINGER, 0)
                 s.connect(h.server.endpoint)
                 socks.append(s)
-            _until(lambda: "descriptors are open" in caplog.text)
+            poll(lambda: "descriptors are open" in caplog.text)
             assert listener.paused
             assert h.server.connections.count() < h.server.connections.max  # not the count
             for s in socks:
@@ -212,7 +213,7 @@ def test_accepting_pauses_when_the_descriptors_near_the_limit_before_they_are_co
             probe.setsockopt(zmq.LINGER, 0)
             probe.connect(h.server.endpoint)
             socks.append(probe)
-            _until(lambda: not listener.paused)
+            poll(lambda: not listener.paused)
         assert "accepting new connections again" in caplog.text
         assert h.call([TAG, b'{"op":"ping","id":"p"}']).result == {"pong": True}
     finally:
@@ -220,10 +221,3 @@ def test_accepting_pauses_when_the_descriptors_near_the_limit_before_they_are_co
             s.close(0)
         ctx.term()
 
-
-def _until(check: Any, timeout: float = 20.0) -> None:
-    import time
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
