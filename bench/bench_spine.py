@@ -4,8 +4,10 @@ baselines measured in the same run. The four figures of issue 19, with their goa
 1. a 16 B infer round trip (4 float32 through an identity model) vs a raw pyzmq
    DEALER/ROUTER echo over ipc:// of the same bytes (p50; goal <= 2.0), beside what the
    floor is made of (the raw echo of inferd's three frames, the same with one
-   onnxruntime run in the echo server, a ping answered on the I/O thread, one hand-over
-   between two Python threads) and the latency tuning of docs/configuration.md;
+   onnxruntime run in the echo server, the same decoded and encoded with inferd's
+   codec on both sides (the "skeleton": the least any request path kept in Python does), a ping
+   answered on the I/O thread, one hand-over between two Python threads) and the
+   latency tuning of docs/configuration.md;
 2. a 4.9 MB float32 tensor (1x3x640x640) identity round trip vs the raw echo of the
    same bytes (p50; goal <= 1.3), beside what the onnxruntime backend's 64-byte
    alignment copy of such an input costs (libzmq puts a received frame's bytes 40 or 56
@@ -52,13 +54,17 @@ from common import (  # noqa: E402
 )
 
 from inferd.ipc import Client, Region  # noqa: E402
-from inferd.ipc.protocol import Op, Request, encode_request  # noqa: E402
+from inferd.ipc.protocol import (  # noqa: E402
+    Op, Reply, Request, decode_reply, decode_request, encode_reply, encode_request,
+)
+from inferd.ipc.transport import recv_frames, send_frames  # noqa: E402
 from inferd.libbackends.contract import ALIGNMENT, aligned  # noqa: E402
 
 TUNED_CORE = 0
 
 
-def echo_server(endpoint: str, ready: Any, core: int | None, model: str | None) -> None:
+def echo_server(endpoint: str, ready: Any, core: int | None, model: str | None,
+                skeleton: bool = False) -> None:
     if core is not None:
         os.sched_setaffinity(0, {core})  # before the context: libzmq's thread too
     run = None
@@ -77,6 +83,9 @@ def echo_server(endpoint: str, ready: Any, core: int | None, model: str | None) 
         frames = s.recv_multipart(copy=False)
         if len(frames) == 2 and frames[1].bytes == b"quit":
             break
+        if skeleton and run is not None:
+            send_frames(s, skeleton_answer(frames, run))
+            continue
         if run is not None:
             run(["y"], {"x": np.frombuffer(frames[-1], np.float32)})
         s.send_multipart(frames, copy=False)
@@ -84,16 +93,42 @@ def echo_server(endpoint: str, ready: Any, core: int | None, model: str | None) 
     ctx.term()
 
 
+def skeleton_answer(frames: list[Any], run: Callable[..., Any]) -> list[Any]:
+    """The least a Python server of inferd's protocol does for one infer request, with
+    inferd's own codec: the request decoded (header and tensors, views of the frames),
+    one onnxruntime run, the reply encoded. No ticket, admission, access check,
+    deadline, metrics, model cache or worker: the floor under any request path kept
+    in Python."""
+    request = decode_request(frames[1:])
+    (y,) = run(["y"], request.inputs)
+    return [frames[0], *encode_reply(Reply(request.id, outputs={"y": y}))]
+
+
+def skeleton_call(sock: zmq.Socket, x: np.ndarray) -> Callable[[], None]:
+    """The client side of :func:`skeleton_answer`, with inferd's codec and sends: the
+    request encoded and sent, the reply received and decoded (tensors as views)."""
+    ids = iter(range(1 << 62))
+
+    def call() -> None:
+        send_frames(sock, encode_request(Request(
+            id=f"s-{next(ids)}", op=Op.INFER, model="identity", inputs={"x": x},
+            timeout_ms=30000)))
+        decode_reply(recv_frames(sock))
+    return call
+
+
 class Echo:
     """A raw pyzmq ROUTER echo in its own process (on ``core`` if given; running the
-    identity ``model`` once per message if given)."""
+    identity ``model`` once per message if given; ``skeleton``: answering as
+    :func:`skeleton_answer` instead of echoing)."""
 
-    def __init__(self, core: int | None = None, model: Path | None = None) -> None:
+    def __init__(self, core: int | None = None, model: Path | None = None,
+                 skeleton: bool = False) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="inferd-e", dir="/tmp"))
         self.endpoint = f"ipc://{self.dir}/echo.sock"
         ready = mp.Event()
         self.proc = mp.Process(target=echo_server, args=(self.endpoint, ready, core,
-                                                              model and str(model)))
+                                                              model and str(model), skeleton))
         self.proc.start()
         ready.wait(10)
         self.ctx = zmq.Context()
@@ -398,6 +433,7 @@ def main() -> None:
     tuned = DaemonProcess("--models", str(tuned_repo), config=tuned_repo / "inferd.toml")
     handed = DaemonProcess("--models", str(handed_repo), config=handed_repo / "inferd.toml")
     echo, echo_core, echo_ort = Echo(), Echo(core), Echo(model=identity)
+    skeleton = Echo(model=identity, skeleton=True)
     small = np.ones(4, dtype=np.float32)  # 16 bytes
     big = np.random.default_rng(0).random((1, 3, 640, 640), dtype=np.float32)
     request = encode_request(Request(id="0123abcd-1", op=Op.INFER, model="identity",
@@ -416,6 +452,7 @@ def main() -> None:
             "raw_core": echo_core.round_trip([small.data]),
             "raw_3": echo.round_trip(request),
             "raw_3_ort": echo_ort.round_trip(request),
+            "skeleton": skeleton_call(skeleton.sock, small),
             "ping": c.ping,
             "infer": infer_call(c, "identity", small),
             "handed": infer_call(ch, "identity", small),
@@ -429,6 +466,7 @@ def main() -> None:
                 (f"  the same, echo server on core {core}", "raw_core", "raw"),
                 ("raw echo of inferd's 3 request frames", "raw_3", "raw"),
                 ("  the same + one onnxruntime run of the model", "raw_3_ort", "raw"),
+                ("  + inferd's codec both sides (the skeleton)", "skeleton", "raw"),
                 ("inferd ping (answered on the I/O thread)", "ping", "raw"),
                 ("inferd infer, default placement", "infer", "raw"),
                 ("  the same, io_run_max_us = 0 (two hand-overs)", "handed", "raw"),
@@ -441,6 +479,12 @@ def main() -> None:
         line = f"default placement: {verdict(p50['infer'] / p50['raw'], 2.0, False)}"
         print(f"   {line}")
         goals.append(f"1. 16 B infer / raw echo, p50:       {line}")
+        # The floor under any Python request path: what inferd's features cost above it.
+        floor = (f"the Python skeleton x{p50['skeleton'] / p50['raw']:.2f} the raw echo; "
+                 f"inferd infer x{p50['infer'] / p50['skeleton']:.2f} the skeleton, ping "
+                 f"x{p50['ping'] / p50['skeleton']:.2f}")
+        print(f"   {floor}")
+        goals.append(f"   {floor}")
         print(f"   tuned placement:   {verdict(p50['tuned'] / p50['raw_core'], 2.0, False)}")
 
         blocks, per = 15, 20
@@ -522,7 +566,7 @@ def main() -> None:
                          ("ocr-cls batch 1, measured", u_cls_m),
                          ("ocr-cls batch 8", u_cls8)):
             print(split_row(label, u))
-    for e in (echo, echo_core, echo_ort):
+    for e in (echo, echo_core, echo_ort, skeleton):
         e.close()
     tuned.stop()
     handed.stop()
