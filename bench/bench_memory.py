@@ -11,7 +11,10 @@ whole process (VmHWM from /proc, and RSS sampled every 5 ms for the daemon):
    at images/s >= 1.3x; the daemon's peak vs the floor, target <= 1.15x; once with the
    shipped defaults, once with every model on OpenVINO (the detector with
    ``[openvino] static_shapes = 2``, as shipped) beside its own OpenVINO floor, with a
-   breakdown of where the daemon's memory goes (idle, each load, the graph's run);
+   breakdown of where the daemon's memory goes (idle, each load, the graph's run); and
+   once with every OCR model on ncnn's CPU path (examples/ocr-ncnn: fp32, the input
+   shapes pnnx traces at) beside its own ncnn floor (skipped, saying why, without
+   ncnn or pnnx);
 3. with ``cache.max_memory = 320MiB`` (and 256MiB) the four demo models and then the
    graph served in turn: the daemon's peak vs (budget + idle RSS) x 1.1.
 
@@ -19,11 +22,13 @@ whole process (VmHWM from /proc, and RSS sampled every 5 ms for the daemon):
 ``--engine-settings`` adds the floor under other engine settings (onnxruntime's arena off
 and its other arena policies, OpenVINO static or dynamic shapes and its runtime cache),
 each against RapidOCR's peak and images/s;
+``--only ncnn`` runs the ncnn arm alone (RapidOCR, the ncnn floor and the daemon in
+turn, 3 rounds: a few minutes);
 ``--placement-first`` turns measured placement off (``[placement] mode = "first"``: no
 rival engine is loaded and run beside the first requests). Every figure is printed, met
 or not; nothing fails on a timing.
 Run: .venv/bin/python bench/bench_memory.py [--policies] [--engine-settings] [--no-budget]
-[--placement-first]
+[--placement-first] [--only ncnn]
 """
 
 from __future__ import annotations
@@ -161,6 +166,8 @@ set_mmap_threshold(config.cache.malloc_mmap_threshold)
 steps = [("python, numpy, inferd's graph code", peak_rss()[0])]
 if engine == "openvino":
     from inferd.libbackends.openvino_backend import OpenVinoBackend as B
+elif engine == "ncnn":
+    from inferd.libbackends.ncnn_backend import NcnnBackend as B
 else:
     from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend as B
 backend = B()
@@ -170,9 +177,10 @@ ort = config.onnxruntime
 models = {{}}
 for name in ("ocr-det", "ocr-cls", "ocr-rec"):
     settings = read_settings(name, repo_dir / name)
-    options = LoadOptions(ort.intra_op_threads, ort.inter_op_threads, ort.allow_spinning,
+    options = LoadOptions(settings.threads or ort.intra_op_threads, ort.inter_op_threads,
+                          ort.allow_spinning,
                           options=backend_options(config, settings, backend.id),
-                          kind=DeviceKind.CPU)
+                          kind=DeviceKind.CPU, threads=settings.threads)
     models[name] = backend.load(repo_dir / name / "1" / "model.onnx", options)
     steps.append((f"{{name}} loaded", peak_rss()[0]))
 spec = load_graph_file(Repository(repo_dir), "ocr", ProcessorRegistry())
@@ -289,12 +297,49 @@ def openvino_repo(tmp: Path, static: bool = True) -> Path:
     return repo
 
 
+NCNN_SETTINGS = ROOT / "examples" / "ocr-ncnn"
+"""The model.toml of each OCR model on ncnn's CPU path (fp32, pnnx's input shapes)."""
+NCNN_PLUGIN = ROOT / "packaging" / "backends" / "ncnn"
+
+
+def ncnn_setup(tmp: Path) -> tuple[Path, Path]:
+    """The demo repository with every OCR model on ncnn (examples/ocr-ncnn's model.toml),
+    and an inferd.toml that loads the ncnn plugin from the source tree and keeps pnnx's
+    conversions in ``tmp`` (converted once, by the first process that loads a model).
+    No ``allow_software_vulkan``: ncnn registers the CPU only (lavapipe is no GPU)."""
+    repo = tmp / "repo-ncnn"
+    for name in ("ocr-det", "ocr-cls", "ocr-rec"):
+        (repo / name).mkdir(parents=True)
+        link_tree(MODELS / name / "1", repo / name / "1")
+        shutil.copy(NCNN_SETTINGS / name / "model.toml", repo / name)
+    (repo / "ocr").mkdir()
+    shutil.copy(MODELS / "ocr" / "graph.toml", repo / "ocr")
+    shutil.copytree(NCNN_PLUGIN, tmp / "backends" / "ncnn",
+                    ignore=shutil.ignore_patterns("__pycache__", "vendor"))
+    config = tmp / "ncnn.toml"
+    config.write_text(f'[backends]\npaths = ["{tmp / "backends"}"]\n'
+                      f'[ncnn]\ncache_dir = "{tmp / "ncnn-cache"}"\n')
+    return repo, config
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages (the machine is shared: every figure is
+    printed beside them)."""
+    return "load " + " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def rapidocr() -> dict[str, Any]:
     """RapidOCR in a process of its own: images/s and that process's peak RSS."""
     out = subprocess.run([sys.executable, "-c", RAPID_CHILD.format(bench=str(ROOT / "bench"))],
                          capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
+
+ONLY = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv[:-1] else ""
+"""``--only ncnn``: the ncnn arm alone, with RapidOCR run beside it (a few minutes, not
+the whole bench's quarter of an hour)."""
+if ONLY not in ("", "ncnn"):
+    raise SystemExit(f"bench_memory: --only {ONLY}: the one arm that runs alone is ncnn")
 
 PLACEMENT = ('[placement]\nmode = "first"\n' if "--placement-first" in sys.argv else "")
 """``--placement-first``: every daemon keeps the first backend that loads (no rival engine
@@ -319,14 +364,18 @@ def inferd_graph(tmp: Path, name: str, toml: str, batch: list[np.ndarray],
             steps.append(("after one image (peak so far)", sampler.read()))
             elapsed, texts = ocr_stream(c, batch)
             cache = c.status()["cache"]["used_bytes"]
-            working = {m["name"]: m.get("memory_working_bytes") or 0 for m in c.models()}
+            listed = c.models()
+            working = {m["name"]: m.get("memory_working_bytes") or 0 for m in listed}
+            placed = {m["name"]: f"{m.get('backend')} {m.get('device_kind')}"
+                      for m in listed if m.get("backend")}
         rss, peak = peak_rss(daemon.proc.pid)[0], sampler.read()
         steps.append(("six images in flight (peak)", peak))
     finally:
         sampler.stop()
         daemon.stop()
     return {"seconds": elapsed, "peak": peak, "rss_after": rss, "idle": idle,
-            "cache": cache, "texts": texts, "steps": steps, "working": working}
+            "cache": cache, "texts": texts, "steps": steps, "working": working,
+            "placed": placed}
 
 
 DEMO_INPUTS = {
@@ -455,10 +504,72 @@ def engine_settings(tmp: Path, rapid: dict[str, Any], ov_repo: Path) -> None:
               f"({speed:.2f}x): {'MET' if ok else 'MISSED'}")
 
 
+def mibs(runs: list[dict[str, Any]]) -> str:
+    """The runs' peaks in MiB, in order."""
+    return ", ".join(f"{r['peak'] / MiB:.0f}" for r in runs)
+
+
+def ncnn_missing() -> str:
+    """Why the ncnn arm cannot run here ("" when it can)."""
+    import importlib.util
+
+    from inferd.libbackends.ncnn_convert import pnnx_binary
+
+    if importlib.util.find_spec("ncnn") is None:
+        return "pip ncnn is not installed (make setup)"
+    if pnnx_binary() is None:
+        return "pnnx is not installed (make setup: pip install --no-deps pnnx)"
+    return ""
+
+
+def ncnn_arm(tmp: Path, batch: list[np.ndarray], rapid: dict[str, Any] | None) -> None:
+    """Every OCR model on ncnn's CPU path (examples/ocr-ncnn): the floor (a bare process,
+    the three models on ncnn with the same settings) and the daemon's graph, 3 runs each,
+    against RapidOCR's figures of this run (``rapid``), or, when None (``--only ncnn``),
+    RapidOCR run in turn with them, one of each per round, so that all three see the
+    same load."""
+    name = "every OCR model on ncnn CPU"
+    why = ncnn_missing()
+    if why:
+        print(f"inferd, {name}: not run: {why}")
+        return
+    repo, config = ncnn_setup(tmp)
+    floor(repo, "ncnn", config)  # pnnx converts the three models into the cache: not counted
+    rapids, floors, runs = [], [], []
+    for i in range(3):
+        if rapid is None:
+            rapids.append(rapidocr())
+        floors.append(floor(repo, "ncnn", config))
+        runs.append(inferd_graph(tmp, name, config.read_text(), batch, repo))
+        print(f"  ncnn round {i + 1} of 3 done, {loadavg()}", flush=True)
+    if rapid is None:
+        rapid = {"rate": median([N_IMAGES / r["seconds"] for r in rapids]),
+                 "peak": median([r["peak"] for r in rapids]), "texts": rapids[0]["texts"]}
+        print(f"RapidOCR 1.4.4 (own process, its defaults, median of 3, one run before "
+              f"each ncnn round): {rapid['rate']:.2f} img/s, peak RSS "
+              f"{rapid['peak'] / MiB:.0f} MiB "
+              f"({mibs(rapids)}); 0.8x of it: "
+              f"{0.8 * rapid['peak'] / MiB:.0f} MiB")
+    peak = median([f["peak"] for f in floors])
+    rate = median([N_IMAGES / f["seconds"] for f in floors])
+    same = sum(a == b for a, b in zip(floors[0]["texts"], rapid["texts"]))
+    print(f"the floor on ncnn CPU (bare process, the three models, one image at a time, "
+          f"median of 3): peak RSS {peak / MiB:.0f} MiB ({peak / rapid['peak']:.2f}x "
+          f"RapidOCR; {mibs(floors)}), "
+          f"{rate:.2f} img/s ({rate / rapid['rate']:.2f}x RapidOCR); same texts as "
+          f"RapidOCR {same}/{N_IMAGES}; {loadavg()}")
+    compare(name, runs, rapid, sorted(floors, key=lambda f: f["peak"])[1])
+    print("  placed: " + ", ".join(f"{k} on {v}" for k, v in runs[0]["placed"].items()))
+
+
 def main() -> None:
     batch = images()
     tmp = Path(tempfile.mkdtemp(prefix="inferd-b", dir="/tmp"))
+    print(loadavg())
     try:
+        if ONLY == "ncnn":
+            ncnn_arm(tmp, batch, None)
+            return
         idle_and_engines(tmp)
         rapids = [rapidocr() for _ in range(3)]
         rapid = {"rate": median([N_IMAGES / r["seconds"] for r in rapids]),
@@ -477,6 +588,7 @@ def main() -> None:
             floor_run = sorted(floors, key=lambda f: f["peak"])[1]
             runs = [inferd_graph(tmp, name, toml, batch, repo) for _ in range(3)]
             compare(name, runs, rapid, floor_run)
+        ncnn_arm(tmp, batch, rapid)
         if "--engine-settings" in sys.argv:
             engine_settings(tmp, rapid, ov_repo)
         if "--policies" in sys.argv:

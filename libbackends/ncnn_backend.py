@@ -25,7 +25,12 @@ own default, where Mali and Adreno gain: storage and arithmetic in half precisio
 ``threads`` (ncnn's CPU threads for one run; default 1), ``device`` (``"auto"``: the
 first hardware Vulkan device, discrete before integrated before virtual; or a Vulkan
 device index), ``input_shapes`` (the shapes pnnx traces at), ``cache_dir`` (the
-conversion cache; default ``<state directory>/ncnn``) and ``allow_software_vulkan``.
+conversion cache; default ``<state directory>/ncnn``), ``allow_software_vulkan``, and
+on the CPU what a run's memory costs: ``memory_pool`` (``"net"``, ncnn's own: the net
+keeps every buffer of its runs in a pool until it is unloaded, so its largest run's
+working memory stays resident; ``"run"``: each row's buffers come from a pool of its
+own, returned to malloc when the row ends) and ``winograd`` / ``sgemm`` (ncnn's faster
+convolutions, which need workspace; ``false``: the direct convolution).
 """
 
 from __future__ import annotations
@@ -54,8 +59,13 @@ from inferd.libbackends.ncnn_convert import (
 log = logging.getLogger(__name__)
 
 OPTION_KEYS = ("precision", "threads", "device", "input_shapes", "cache_dir",
-               "allow_software_vulkan")
+               "allow_software_vulkan", "memory_pool", "winograd", "sgemm")
 PRECISIONS = ("fp32", "fp16")
+MEMORY_POOLS = ("net", "run")
+RUN_POOL_FIT = 0.75
+"""``memory_pool = "run"``: a buffer is reused for a request at least this share of its
+size (ncnn's ``size_compare_ratio``; the net's own pool takes any larger buffer, so a
+small request can hold a large one while a large request allocates anew)."""
 PROBE_TIMEOUT_S = 60.0
 """How long the child process that lists the Vulkan devices may take."""
 PARAM_MAGIC = "7767517"
@@ -137,9 +147,11 @@ class NcnnModel(LoadedModel):
     """One ``ncnn.Net``; every row of every run takes its own extractor (ncnn lets
     several extractors of one net run at once)."""
 
-    def __init__(self, ncnn: Any, net: Any, converted: Converted, device: str) -> None:
+    def __init__(self, ncnn: Any, net: Any, converted: Converted, device: str,
+                 run_pool: bool = False) -> None:
         self._ncnn = ncnn
         self._net = net
+        self._run_pool = run_pool
         self._path = converted.param
         self.device = device
         self.inputs = converted.inputs
@@ -161,24 +173,44 @@ class NcnnModel(LoadedModel):
         results: dict[str, list[NDArray[Any]]] = {n: [] for n in names}
         for r in range(rows.pop()):
             ex = net.create_extractor()
-            for blob, name in self._in_blobs:
-                # a Mat made from an array points into it without holding it, and ncnn's
-                # in-place layers write there (a wire frame is read-only; a temporary
-                # copy may be freed before the run): each row is copied into a Mat of
-                # ncnn's own while the array it points into is held here
-                row = np.ascontiguousarray(inputs[name][r], dtype=np.float32)
-                ex.input(blob, self._ncnn.Mat(row).clone())
-            for name in names:
-                blob, want = self._out_blobs[name]
-                code, mat = ex.extract(blob)
-                if code != 0:
-                    raise BackendError(f"ncnn failed to run {self._path}: extracting "
-                                       f"{blob} ({name!r}) returned {code}")
-                results[name].append(_fit(np.array(mat), want, name))
+            pools = self._row_pools(ex)
+            try:
+                for blob, name in self._in_blobs:
+                    # a Mat made from an array points into it without holding it, and
+                    # ncnn's in-place layers write there (a wire frame is read-only; a
+                    # temporary copy may be freed before the run): each row is copied
+                    # into a Mat of ncnn's own while the array it points into is held
+                    row = np.ascontiguousarray(inputs[name][r], dtype=np.float32)
+                    ex.input(blob, self._ncnn.Mat(row).clone())
+                for name in names:
+                    blob, want = self._out_blobs[name]
+                    code, mat = ex.extract(blob)
+                    if code != 0:
+                        raise BackendError(f"ncnn failed to run {self._path}: extracting "
+                                           f"{blob} ({name!r}) returned {code}")
+                    results[name].append(_fit(np.array(mat), want, name))
+                    del mat  # a copy: nothing of the row's pools outlives the row
+            finally:
+                ex.clear()  # the row's blobs go back to its pools, which free them
+                for pool in pools:
+                    pool.clear()
         return {n: np.stack(rows_) if rows_ else
                 np.zeros((0, *[d if isinstance(d, int) else 0 for d in
                                self._out_blobs[n][1]]), np.float32)
                 for n, rows_ in results.items()}
+
+    def _row_pools(self, ex: Any) -> tuple[Any, ...]:
+        """``memory_pool = "run"``: a blob and a workspace pool of the row's own, set on
+        its extractor (the caller holds them until the extractor is gone; ``extract``
+        returns a copy made outside them)."""
+        if not self._run_pool:
+            return ()
+        blobs, work = self._ncnn.PoolAllocator(), self._ncnn.PoolAllocator()
+        for pool in (blobs, work):
+            pool.set_size_compare_ratio(RUN_POOL_FIT)
+        ex.set_blob_allocator(blobs)
+        ex.set_workspace_allocator(work)
+        return blobs, work
 
     def unload(self) -> None:
         net, self._net = self._net, None
@@ -251,7 +283,8 @@ class NcnnBackend(Backend):
         where = device.label() if device else "cpu"
         log.info("ncnn: %s loaded on %s (%s, %d thread(s))", converted.param, where,
                  settings["precision"], settings["threads"])
-        return NcnnModel(self._ncnn, net, converted, where)
+        return NcnnModel(self._ncnn, net, converted, where,
+                         run_pool=device is None and settings["memory_pool"] == "run")
 
     # ----------------------------------------------------------------- helpers
 
@@ -260,7 +293,8 @@ class NcnnBackend(Backend):
         the key."""
         out: dict[str, Any] = {"precision": "fp32", "threads": 1, "device": "auto",
                                "input_shapes": {}, "cache_dir": "",
-                               "allow_software_vulkan": self._allow_software}
+                               "allow_software_vulkan": self._allow_software,
+                               "memory_pool": "net", "winograd": True, "sgemm": True}
         for key, value in options.options.items():
             where = f"model.toml [ncnn] {key} = {value!r}"
             if key not in OPTION_KEYS:
@@ -274,7 +308,9 @@ class NcnnBackend(Backend):
                                                 and value >= 0),
                   "input_shapes": isinstance(value, dict),
                   "cache_dir": isinstance(value, str),
-                  "allow_software_vulkan": isinstance(value, bool)}[key]
+                  "allow_software_vulkan": isinstance(value, bool),
+                  "memory_pool": value in MEMORY_POOLS,
+                  "winograd": isinstance(value, bool), "sgemm": isinstance(value, bool)}[key]
             if not ok:
                 expected = {"precision": "'fp32' or 'fp16'",
                             "threads": "an integer >= 1",
@@ -282,7 +318,9 @@ class NcnnBackend(Backend):
                             "input_shapes": "a table of input name = shape, e.g. "
                                             "{x = [[1, 3, 48, 320], [1, 3, 48, 640]]}",
                             "cache_dir": "a folder path",
-                            "allow_software_vulkan": "true or false"}[key]
+                            "allow_software_vulkan": "true or false",
+                            "memory_pool": "'net' or 'run'",
+                            "winograd": "true or false", "sgemm": "true or false"}[key]
                 raise ModelError(f"{where}: expected {expected}", ErrorCode.INTERNAL)
             out[key] = value
         if options.threads:  # the placement's choice (model.toml threads, or measured)
@@ -386,6 +424,8 @@ class NcnnBackend(Backend):
         half = settings["precision"] == "fp16"
         opt.use_fp16_packed = opt.use_fp16_storage = opt.use_fp16_arithmetic = half
         opt.use_bf16_storage = False
+        opt.use_winograd_convolution = settings["winograd"]
+        opt.use_sgemm_convolution = settings["sgemm"]
         opt.use_vulkan_compute = device is not None
         if device is not None:
             net.set_vulkan_device(device.index)

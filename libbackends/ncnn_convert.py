@@ -23,6 +23,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -35,6 +36,8 @@ from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.libbackends.contract import TensorSpec
 
 log = logging.getLogger(__name__)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+"""The colour codes pnnx's onnxruntime writes into its messages."""
 
 PARAM, BIN, SIDECAR = "model.ncnn.param", "model.ncnn.bin", "model.ncnn.json"
 PNNX_ENV = "INFERD_PNNX"
@@ -184,9 +187,13 @@ def convert_into(dest: Path, onnx: Path, shapes: tuple[tuple[tuple[int, ...], ..
             raise ModelError(f"ncnn cannot convert {onnx}: cannot run {binary}: "
                              f"{e.strerror}", ErrorCode.NOT_FOUND) from e
         if proc.returncode != 0 or not (work / PARAM).is_file():
-            tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
-            raise ModelError(f"pnnx cannot convert {onnx} (exit status {proc.returncode})"
-                             f": {tail or 'no message'}", ErrorCode.INTERNAL)
+            lines = ANSI.sub("", proc.stdout + proc.stderr).strip().splitlines()
+            tail = " | ".join(line.strip() for line in lines[-3:] if line.strip())
+            raise ModelError(f"pnnx cannot convert {onnx} (exit status {proc.returncode}) "
+                             f"traced at input shapes {' and '.join(map(_shape_arg, shapes))}"
+                             f": {tail or 'no message'}; a model whose reshapes need its "
+                             f"real input sizes converts with them in model.toml [ncnn] "
+                             f"input_shapes (docs/backends.md)", ErrorCode.INTERNAL)
         write_sidecar(work / SIDECAR, inputs, outputs, shapes, onnx)
         if whole_folder:
             for extra in work.iterdir():

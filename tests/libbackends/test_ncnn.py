@@ -171,6 +171,77 @@ def test_det_on_the_cpu_matches_onnxruntime(backend, cache: Path) -> None:
         det.unload()
 
 
+def test_a_pool_per_run_and_the_direct_convolution_match_onnxruntime(
+        backend, cache: Path) -> None:
+    """``memory_pool = "run"`` (each row's buffers in pools of its own, freed when the
+    row ends), with and without winograd and sgemm: the same results, batches included
+    (a row's pools must not be freed under the next row), run after run."""
+    det = backend.load(_model("ocr-det"), _options(cache, memory_pool="run", winograd=False,
+                                                   sgemm=False))
+    cls = backend.load(_model("ocr-cls"), _options(cache, memory_pool="run"))
+    try:
+        for _ in range(2):
+            _compare(det, _model("ocr-det"), RNG.random((2, 3, 64, 96), dtype=np.float32),
+                     1e-5)
+            _compare(cls, _model("ocr-cls"), RNG.random((3, 3, 48, 192), dtype=np.float32),
+                     1e-5)
+    finally:
+        det.unload()
+        cls.unload()
+
+
+@pytest.mark.slow
+def test_a_trace_that_crashes_pnnx_says_which_shapes_and_what_to_give(
+        backend, tmp_path: Path) -> None:
+    """ocr-rec's height and width are free in its ONNX file: traced at the default
+    320x320 a Reshape that needs height 48 fails inside pnnx (a crash); the message
+    names the shapes and the model.toml key, without pnnx's colour codes."""
+    with pytest.raises(InferdError) as info:
+        backend.load(_model("ocr-rec"), _options(tmp_path))
+    message = info.value.message
+    assert info.value.code is ErrorCode.INTERNAL
+    assert "pnnx cannot convert " in message and "\x1b" not in message, message
+    assert "traced at input shapes [1,3,320,320] and [1,3,640,640]: " in message, message
+    assert message.endswith("converts with them in model.toml [ncnn] input_shapes "
+                            "(docs/backends.md)"), message
+
+
+RUN_POOL_CHILD = """
+import ctypes, sys
+import numpy as np
+from inferd.libbackends.contract import DeviceKind, LoadOptions
+from inferd.libbackends.ncnn_backend import NcnnBackend
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+model = NcnnBackend().load(__import__("pathlib").Path(sys.argv[1]), LoadOptions(
+    kind=DeviceKind.CPU, options={"cache_dir": sys.argv[2], "memory_pool": sys.argv[3]}))
+x = np.random.default_rng(1).random((1, 3, 640, 640), dtype=np.float32)
+before = rss()
+for _ in range(3):
+    model.run({"x": x})
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+print(before, rss())
+"""
+
+
+@pytest.mark.slow
+def test_a_pool_per_run_gives_the_working_memory_back_when_the_run_ends(
+        backend, cache: Path) -> None:
+    """ocr-det at 640x640 (over 100 MiB of buffers): with ncnn's own pool
+    (``memory_pool = "net"``) the net keeps them after its runs; with a pool per run
+    they go back to malloc, which gives them back to the system (each side in a process
+    of its own: resident sizes, no timings)."""
+    kept = {}
+    for pool in ("net", "run"):
+        out = subprocess.run([sys.executable, "-c", RUN_POOL_CHILD, str(_model("ocr-det")),
+                              str(cache), pool], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert "FATAL" not in out.stderr, out.stderr  # ncnn: a pool freed too early
+        loaded, after = map(int, out.stdout.split())
+        kept[pool] = after - loaded
+    assert kept["net"] > 64 * 2**20 and kept["run"] < kept["net"] / 4, kept
+
+
 @pytest.mark.slow
 def test_fp16_on_vulkan_is_within_the_documented_tolerance(backend, cache: Path) -> None:
     # docs/backends.md: fp16 differs by up to ~2e-3 on ocr-cls's probabilities
@@ -327,6 +398,10 @@ def test_bad_options_and_models_are_clear_load_errors(backend, cache: Path) -> N
         ({"precision": "fp8"}, "model.toml [ncnn] precision = 'fp8': expected 'fp32' or "
                                "'fp16'"),
         ({"threads": 0}, "model.toml [ncnn] threads = 0: expected an integer >= 1"),
+        ({"memory_pool": "arena"}, "model.toml [ncnn] memory_pool = 'arena': expected 'net' "
+                                   "or 'run'"),
+        ({"winograd": "no"}, "model.toml [ncnn] winograd = 'no': expected true or false"),
+        ({"sgemm": 0}, "model.toml [ncnn] sgemm = 0: expected true or false"),
         ({"colour": "blue"}, "model.toml [ncnn] colour: unknown key; known keys: precision, "),
         ({"input_shapes": {"y": [1, 3, 48, 192]}}, "names inputs ['y']; the model's inputs "
                                                    "are ['x']"),
