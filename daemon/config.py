@@ -136,6 +136,12 @@ def _ncnn_precision(v: Any) -> str:
     raise ValueError
 
 
+def _ncnn_memory_pool(v: Any) -> str:
+    if v in ("net", "run"):
+        return str(v)
+    raise ValueError
+
+
 def _arena_cap(v: Any) -> int:
     if v in (0, "unlimited", "none"):
         return 0
@@ -275,6 +281,9 @@ SCHEMA: dict[str, dict[str, Setting]] = {
     "ncnn": {
         "threads": Setting(1, positive_int, "a positive integer"),
         "precision": Setting("fp32", _ncnn_precision, "'fp32' or 'fp16'"),
+        "memory_pool": Setting("net", _ncnn_memory_pool, "'net' or 'run'"),
+        "winograd": Setting(True, boolean, "true or false"),
+        "sgemm": Setting(True, boolean, "true or false"),
         "allow_software_vulkan": Setting(False, boolean, "true or false"),
         "cache_dir": Setting("", _path_or_off, "an absolute folder path, or \"\" for "
                              "the state directory's ncnn/"),

@@ -17,7 +17,7 @@ from inferd.daemon.model_settings import SCHEMA, ModelSettings, check_settings, 
 from inferd.daemon.models import ModelManager
 from inferd.daemon.placement import backend_options
 from inferd.daemon.repository import Repository
-from inferd.ipc.errors import ErrorCode, ModelError
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.replies import ReplySink
 from inferd.libbackends.contract import LoadOptions
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
@@ -75,6 +75,23 @@ def test_backend_options_are_the_model_table_over_the_config_section() -> None:
     assert backend_options(config, check_settings("m", {"openvino": {"x": 1}}),
                            "openvino") == {**vars(config.openvino), "x": 1}
     assert backend_options(config, s, "rknn") == {}  # no section, no table
+
+
+def test_ncnn_memory_settings_come_from_inferd_toml_and_a_model_overrides_them(
+        tmp_path: Path) -> None:
+    (tmp_path / "inferd.toml").write_text(
+        '[ncnn]\nmemory_pool = "run"\nwinograd = false\nsgemm = false\n')
+    config = load_config(tmp_path / "inferd.toml")
+    lean = backend_options(config, check_settings("m", {}), "ncnn")
+    assert (lean["memory_pool"], lean["winograd"], lean["sgemm"]) == ("run", False, False)
+    fast = backend_options(config, check_settings("m", {"ncnn": {"winograd": True}}), "ncnn")
+    assert (fast["memory_pool"], fast["winograd"]) == ("run", True)
+    default = backend_options(load_config(None), check_settings("m", {}), "ncnn")
+    assert (default["memory_pool"], default["winograd"], default["sgemm"]) == ("net", True, True)
+    (tmp_path / "inferd.toml").write_text('[ncnn]\nmemory_pool = "arena"\n')
+    with pytest.raises(InferdError) as e:
+        load_config(tmp_path / "inferd.toml")
+    assert "memory_pool" in e.value.message and "'net' or 'run'" in e.value.message
 
 
 @pytest.mark.parametrize("content, words", [
