@@ -9,6 +9,16 @@ is answered RESOURCE_EXHAUSTED at once, so one client cannot fill the models' qu
 daemon's memory for the others; a lone request is always admitted (its size is bounded
 by ``max_message_bytes``). A client with nothing in flight has no entry at all.
 
+A reply's large frames (:data:`REPLY_TRACK_BYTES` and over) go out without a copy and
+tracked (``zmq.Frame(track=True)``), and their bytes count against the client, as a
+request's do, until libzmq has let go of them: a client that does not read its replies
+(a DEALER with a receive high-water mark of 1 never does) otherwise had every big reply
+kept for it in the daemon, up to ``max_replies_queued_per_client`` of them per
+connection (600 replies of 1.2 MB: +850 MiB of RSS, unbounded by any limit). libzmq
+releases the messages of one connection in the order they were sent, so each client's
+replies are looked at from the oldest, only when that client sends a request (or when the
+daemon-wide bound would refuse one: then every client's).
+
 Daemon-wide, the bytes of every request in flight are bounded too
 (``server.max_bytes_in_flight``): many connections with one request each can no more
 fill the daemon's memory than one connection with many. The last quarter of that bound
@@ -34,7 +44,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
 
 from inferd.ipc.libc import malloc_trim
 from inferd.ipc.replies import Ticket
@@ -53,6 +65,13 @@ TRIM_AFTER_BYTES = 32 * 2**20
 REFUSED_TRIM_S = 0.1
 """How long after the last of a burst of requests refused for their bytes (32 MiB or
 more together) their memory goes back."""
+REPLY_TRACK_BYTES = 64 * 2**10
+"""Reply frames of at least this size are sent tracked and count against their client
+until libzmq has released them; smaller ones are copied by pyzmq (at most
+``max_replies_queued_per_client`` x this many bytes wait per connection untracked)."""
+SETTLE_S = 0.1
+"""While replies are counted as unread, every client's are looked at this often (a client
+that went away or read them after its last request is counted out within it)."""
 IDLE_TRIM_S = 2.0
 """How long no inference may have finished before the free pages go back (a client
 pausing that long pays for faulting its next request's buffers in again). Other
@@ -63,7 +82,9 @@ requests (pings, a status poll, ``inferctl top``) do not put the trim off."""
 class _Use:
     owner: object  # whose requests (a uid, or the connection itself)
     requests: int = 0
-    bytes: int = 0
+    bytes: int = 0  # of its requests in flight and of its replies libzmq still holds
+    unread: deque[tuple[int, Any]] = field(default_factory=deque)
+    """(bytes, tracker) of each reply sent with tracked frames, oldest first."""
 
 
 def _mib(n: int) -> str:
@@ -90,7 +111,9 @@ class ClientLimits:
         self._use: dict[bytes, _Use] = {}
         self._owned: dict[object, int] = {}  # bytes in flight by owner (a uid)
         self._in_flight = 0
-        self.held = 0  # bytes of every request in flight
+        self.held = 0  # bytes of every request in flight and of unread big replies
+        self._unread = 0  # replies counted in held until libzmq releases them
+        self._settled_at = 0.0
         self._since_trim = 0
         self._worked = 0.0  # when the last inference finished
         self._refused_bytes = 0  # of requests refused for their bytes, since the trim
@@ -107,6 +130,11 @@ class ClientLimits:
         use = self._use.get(key)
         if use is None:
             use = self._use[key] = _Use(key if owner is None else owner)
+        elif use.unread:
+            self._settle(use)
+        bound = self.max_held
+        if bound and self.held + size > bound * 3 // 4 and self._unread:
+            self._settle_all()  # released replies of other clients no longer count
         held, owned = self.held, self._owned.get(use.owner, 0)
         use.requests += 1
         use.bytes += size
@@ -119,12 +147,14 @@ class ClientLimits:
             return (f"this client has {use.requests - 1} requests in flight, the limit "
                     f"(server.max_requests_per_client = {self.max_requests}); wait for "
                     f"replies before sending more")
-        if use.bytes > self.max_bytes and use.requests > 1:
+        if use.bytes > self.max_bytes and (use.requests > 1 or use.unread):
             self.refused += 1
-            return (f"this client has {use.bytes - size} bytes of requests in flight; this "
-                    f"one ({size} bytes) would pass the limit (server.max_bytes_per_client"
-                    f" = {self.max_bytes}); wait for replies before sending more")
-        bound = self.max_held
+            waiting = (f" and {len(use.unread)} replies it has not read" if use.unread
+                       else "")
+            return (f"this client has {use.bytes - size} bytes of requests in flight"
+                    f"{waiting}; this one ({size} bytes) would pass the limit "
+                    f"(server.max_bytes_per_client = {self.max_bytes}); read the replies "
+                    f"before sending more")
         if bound and held and (held + size > bound or (held + size > bound * 3 // 4
                                                       and owned + size > bound // 4)):
             self.refused += 1
@@ -140,25 +170,68 @@ class ClientLimits:
 
     def holds(self, key: bytes) -> bool:
         """Whether client ``key`` has requests in flight."""
-        return key in self._use
+        use = self._use.get(key)
+        return use is not None and use.requests > 0
 
-    def done(self, ticket: Ticket) -> None:
-        """The request of ``ticket`` was answered."""
+    def done(self, ticket: Ticket, unread: tuple[int, Any] | None = None) -> None:
+        """The request of ``ticket`` was answered; ``unread``: (bytes, tracker) of its
+        reply's tracked frames, which count for the client until the tracker is done."""
         use = self._use.get(ticket.peer)
-        if use is not None:
-            use.requests -= 1
-            use.bytes -= ticket.size
-            left = self._owned.get(use.owner, 0) - ticket.size
-            if left > 0:
-                self._owned[use.owner] = left
-            else:
-                self._owned.pop(use.owner, None)
-            if use.requests <= 0:
-                del self._use[ticket.peer]
-        self.held -= ticket.size
         self._in_flight -= 1
         if ticket.model is not None:  # an inference (its tensors may be in shared memory)
             self._worked = time.monotonic()
+        if use is None:
+            self.held -= ticket.size
+            return
+        use.requests -= 1
+        if unread is not None:
+            use.unread.append(unread)
+            self._unread += 1
+        self._release(use, ticket.size - (unread[0] if unread is not None else 0))
+        if use.requests <= 0 and not use.unread:
+            del self._use[ticket.peer]
+
+    def _release(self, use: _Use, size: int) -> None:
+        """``size`` bytes of ``use``'s no longer count (negative: more count)."""
+        use.bytes -= size
+        self.held -= size
+        left = self._owned.get(use.owner, 0) - size
+        if left > 0:
+            self._owned[use.owner] = left
+        else:
+            self._owned.pop(use.owner, None)
+
+    def _settle(self, use: _Use) -> None:
+        """Stop counting the client's replies that libzmq has released (oldest first:
+        one connection's messages leave in order)."""
+        unread = use.unread
+        while unread and unread[0][1].done:
+            self._release(use, unread.popleft()[0])
+            self._unread -= 1
+
+    def settle_in(self) -> float | None:
+        """Seconds until every client's unread replies are looked at again (0: now), or
+        None if none are counted."""
+        if not self._unread:
+            return None
+        return max(0.0, self._settled_at + SETTLE_S - time.monotonic())
+
+    def settle_if_due(self) -> None:
+        """Look at every client's unread replies if :data:`SETTLE_S` has passed."""
+        if self._unread and time.monotonic() >= self._settled_at + SETTLE_S:
+            self._settle_all()
+
+    def _settle_all(self) -> None:
+        self._settled_at = time.monotonic()
+        for key, use in list(self._use.items()):
+            if use.unread:
+                self._settle(use)
+                if use.requests <= 0 and not use.unread:
+                    del self._use[key]
+
+    def unread(self) -> int:
+        """Replies whose tracked frames libzmq held at the last look."""
+        return self._unread
 
     def connection_closed(self) -> None:
         """A client connection closed: its buffers are free memory now, trimmed once
@@ -192,7 +265,7 @@ class ClientLimits:
 
     def clients(self) -> int:
         """Clients with requests in flight."""
-        return len(self._use)
+        return sum(1 for use in self._use.values() if use.requests > 0)
 
 
 class Connections:

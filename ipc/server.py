@@ -38,7 +38,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from inferd.ipc.access import Access, Peer, Peers
-from inferd.ipc.clients import ClientLimits, Connections
+from inferd.ipc.clients import REPLY_TRACK_BYTES, ClientLimits, Connections
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ProtocolError, failure
 from inferd.ipc.protocol import Op, Reply, Request, decode_request, encode_reply, peek_request_id
 from inferd.ipc.replies import Observer, Ticket
@@ -340,9 +340,14 @@ class Server:
             trim = self.clients.trim_in()
             if trim is not None:  # sleep no longer than until the idle trim
                 timeout = min(timeout or 2**31, max(1, int(trim * 1000) + 1))
+            settle = self.clients.settle_in()
+            if settle is not None:  # nor than until unread replies are looked at
+                timeout = min(timeout or 2**31, max(1, int(settle * 1000) + 1))
             events = dict(poller.poll(timeout))
             if not events or trim == 0.0:
                 self.clients.trim_if_due()
+            if settle is not None:
+                self.clients.settle_if_due()
             if not events:
                 continue
             if self._wake_r.fileno() in events:
@@ -396,19 +401,31 @@ class Server:
             log.warning("dropping a second or late reply for request #%d (already answered)",
                         seq)
             return
-        self.clients.done(ticket)
-        if self._observe is not None:
-            try:
-                self._observe(ticket)
-            except Exception:  # noqa: BLE001  counting must not lose the reply
-                log.exception("counting the reply to request %s failed", ticket.request_id)
+        # Big frames go tracked: they count for the client until libzmq lets go of them
+        # (a client that does not read would otherwise have them kept here, unbounded).
+        tracked, last = 0, None
+        for i in range(2, len(frames)):  # the tag and the header are small
+            frame = frames[i]
+            size = frame.nbytes if type(frame) is not bytes else len(frame)
+            if size >= REPLY_TRACK_BYTES:
+                frames[i] = last = zmq.Frame(frame, track=True)
+                tracked += size
+        unread = None
         try:
             send_frames(self._router, [*ticket.envelope, *frames], NOBLOCK)
+            if last is not None:  # a message's parts are let go of in order
+                unread = (tracked, last.tracker)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away; EAGAIN: not reading
             self.undelivered += 1
             if self.undelivered & (self.undelivered - 1) == 0:  # 1, 2, 4, 8...: no flood
                 log.info("reply #%d not delivered: client gone or not reading (%s); %d "
                          "replies undelivered since start", seq, e, self.undelivered)
+        self.clients.done(ticket, unread)
+        if self._observe is not None:
+            try:
+                self._observe(ticket)
+            except Exception:  # noqa: BLE001  counting must not lose the reply
+                log.exception("counting the reply to request %s failed", ticket.request_id)
 
     def _connection_events(self) -> None:
         """Handle the monitor's events: close each accepted connection past the bound;

@@ -47,6 +47,115 @@ def test_client_limits_count_and_forget():
     assert limits.clients() == 0 and limits.refused == 2
 
 
+class _Tracker:
+    """Stands in for pyzmq's MessageTracker of a reply libzmq still holds (done: let go)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_unread_big_replies_count_against_their_client_until_libzmq_lets_go():
+    limits = ClientLimits(max_requests=8, max_bytes=1000)
+    first, second = _Tracker(), _Tracker()
+    for i, tracker in enumerate((first, second)):
+        t = Ticket(i, "", 0.0, peer=b"a", size=10)
+        assert limits.admit(t) is None
+        limits.done(t, (400, tracker))  # replies of 400 bytes wait in libzmq
+    assert limits.held == 800 and not limits.holds(b"a") and limits.unread() == 2
+    why = limits.admit(Ticket(2, "", 0.0, peer=b"a", size=300))  # even a lone request
+    assert why is not None and "2 replies it has not read" in why, why
+    limits.done(Ticket(2, "", 0.0, peer=b"a", size=300))
+    second.done = True  # out of order: the oldest still holds the count back
+    limits.settle_if_due()
+    assert limits.held == 800
+    first.done = True
+    t = Ticket(3, "", 0.0, peer=b"a", size=300)
+    assert limits.admit(t) is None  # both looked at, in order, before counting
+    assert limits.held == 300 and limits.unread() == 0
+    limits.done(t)
+    assert limits.held == 0 and limits.clients() == 0
+
+
+def test_a_client_gone_with_unread_replies_is_counted_out_by_the_settling():
+    limits = ClientLimits(max_requests=8, max_bytes=1000)
+    tracker = _Tracker()
+    t = Ticket(0, "", 0.0, peer=b"gone", size=10)
+    assert limits.admit(t) is None
+    limits.done(t, (500, tracker))
+    assert limits.settle_in() is not None and limits.held == 500
+    tracker.done = True  # its connection closed: libzmq dropped what it held
+    time.sleep(0.11)  # SETTLE_S
+    limits.settle_if_due()
+    assert limits.held == 0 and limits.settle_in() is None
+
+
+def _identity_repo(repo: Path) -> Path:
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    (repo / "identity" / "1").mkdir(parents=True)
+    onnx.save(model, str(repo / "identity" / "1" / "model.onnx"))
+    return repo
+
+
+@pytest.mark.slow
+def test_a_client_that_never_reads_big_replies_holds_no_more_than_its_bytes(start_daemon,
+                                                                           short_tmp):
+    """A reply over 64 KiB waits in libzmq until its client reads it: a client that never
+    does (receive high-water mark 1) once had them kept for it (600 replies of 1.2 MB:
+    +279 MiB here, +850 MiB in a longer run). Their bytes count against the client now."""
+    repo = _identity_repo(short_tmp / "repo")
+    config = short_tmp / "inferd.toml"
+    config.write_text('[server]\nmax_bytes_per_client = "16MiB"\n')
+    d = start_daemon("--config", str(config), "--models", str(repo), "--preload", "identity")
+    x = np.ones(300_000, np.float32)  # 1.2 MB in, 1.2 MB out
+    proc = psutil.Process(d.proc.pid)
+    with d.client() as c:
+        for _ in range(5):  # a reading client: its replies come, nothing is refused
+            assert np.array_equal(c.infer("identity", {"x": x})["y"], x)
+        rss_before = proc.memory_info().rss
+        ctx = zmq.Context()
+        rude = ctx.socket(zmq.DEALER)
+        rude.setsockopt(zmq.LINGER, 0)
+        rude.setsockopt(zmq.RCVHWM, 1)
+        rude.setsockopt(zmq.RCVBUF, 4096)
+        rude.setsockopt(zmq.SNDTIMEO, 30_000)
+        rude.connect(d.endpoint)
+        try:
+            held = []
+            received = c.status()["requests"]
+            for i in range(600):
+                rude.send_multipart(encode_request(Request(
+                    f"r{i}", Op.INFER, "identity", inputs={"x": x})), copy=False)
+                if i % 40 == 39:
+                    held.append(c.status()["requests_held_bytes"])
+            deadline = time.monotonic() + 60  # until the daemon has taken all 200
+            while (status := c.status())["requests"] < received + 600 + 16:
+                assert time.monotonic() < deadline, status["requests"] - received
+                time.sleep(0.05)
+            held.append(status["requests_held_bytes"])
+            grew = proc.memory_info().rss - rss_before
+            # the polite client is served meanwhile
+            assert np.array_equal(c.infer("identity", {"x": x})["y"], x)
+        finally:
+            rude.close(0)
+            ctx.term()
+        # gone: libzmq drops what it held, and the count follows (ipc/clients.py SETTLE_S)
+        deadline = time.monotonic() + 30
+        while c.status()["requests_held_bytes"] > 4096:  # beyond the status request's
+            assert time.monotonic() < deadline, c.status()["requests_held_bytes"]
+            time.sleep(0.05)
+    print(f"held {[h // 2**20 for h in held]} MiB; RSS +{grew / 2**20:.0f} MiB")
+    # 16 MiB of unread replies, one request over it, the status request's own bytes
+    assert max(held) <= 16 * 2**20 + x.nbytes + 4096, held
+    assert grew < 160 * 2**20, grew  # before: +279 MiB (600 x 1.2 MB, some dropped)
+
+
 def _wait_idle(c: Client, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while c.status()["clients_in_flight"] > 1:  # the status request itself
