@@ -21,8 +21,9 @@ baselines measured in the same run. The four figures of issue 19, with their goa
 
 then the CPU per request split by thread (the daemon's I/O thread, its model threads,
 libzmq's I/O thread, and the client process) for arms 1-3, so the next regression is
-seen at once; the old throughput figure (ocr-cls, 4 client processes vs in-process); and
-the daemon's resident memory with no model loaded.
+seen at once; the old throughput figure (ocr-cls, 4 client processes vs in-process);
+the daemon's resident memory with no model loaded; and what onnxruntime's per-run arena
+shrinkage costs while outputs of earlier runs are alive (figure 8).
 
 CPU comes from /proc/<pid>/task/<tid>/schedstat (nanoseconds on the CPU), faults from
 /proc/<pid>/task/<tid>/stat. This 2-vCPU machine is noisy, so the arms of 1 and 2 run
@@ -36,6 +37,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -395,6 +397,50 @@ def ocr_frame() -> None:
           "first step resizes it, nothing copies it)")
 
 
+ARENA_CHILD = """
+import sys, time
+import numpy as np, onnxruntime as ort
+from inferd.libbackends.onnxruntime_cpu import EXTEND_STRATEGIES
+info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                         ort.OrtMemType.DEFAULT)
+ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, EXTEND_STRATEGIES[sys.argv[2]],
+                                                        -1, -1))
+so = ort.SessionOptions()
+so.intra_op_num_threads = so.inter_op_num_threads = 1
+so.add_session_config_entry("session.use_env_allocators", "1")
+s = ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+shrink = ort.RunOptions()
+shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+x = np.ones(4, np.float32)
+for held in (0, 1000, 5000):
+    keep = [s.run(["y"], {"x": x}, shrink)[0] for _ in range(held)]
+    t0 = time.perf_counter_ns()
+    for _ in range(500):
+        s.run(["y"], {"x": x}, shrink)
+    print(held, (time.perf_counter_ns() - t0) / 500 / 1e3)
+    del keep
+"""
+
+
+def arena_shrinkage(model: Path) -> None:
+    """What onnxruntime's arena shrinkage after every run (the shipped ``[onnxruntime]
+    arena_shrinkage = true``) costs a 16-byte run of the shared arena while outputs of
+    earlier runs are still alive (held by replies a client has not read, graph packets):
+    each shrink walks every region of the arena, and with "same_as_requested" each
+    allocation is a region of its own."""
+    print("\n8. onnxruntime's arena shrinkage after every run, an Identity run of 16 bytes "
+          "on the shared arena while N outputs of earlier runs are alive:")
+    for strategy in ("same_as_requested", "next_power_of_two"):
+        out = subprocess.run([sys.executable, "-c", ARENA_CHILD, str(model), strategy],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"   {strategy}: failed: {out.stderr.strip()[-300:]}")
+            continue
+        rows = [line.split() for line in out.stdout.split("\n") if line.strip()]
+        print(f"   {strategy:18s} " + ", ".join(f"N = {int(n):5d}: {float(us):7.1f} µs"
+                                                  for n, us in rows))
+
+
 def split_row(label: str, u: dict[str, float]) -> str:
     return (f"   {label:28s} I/O {u['io']:7.1f}  model {u['model']:7.1f}  libzmq "
             f"{u['libzmq']:7.1f}  client {u['client']:7.1f}  (daemon {u['daemon']:.1f}; "
@@ -586,8 +632,9 @@ def main() -> None:
 
     print(f"\n6. daemon resident memory with no model loaded: {rss_idle / 2**20:.1f} MiB")
     daemon.stop()
-    shutil.rmtree(repo, ignore_errors=True)
     ocr_frame()
+    arena_shrinkage(identity)
+    shutil.rmtree(repo, ignore_errors=True)
     print("\nissue 19's figures:")
     for g in goals:
         print(f"   {g}")
