@@ -458,8 +458,7 @@ def compare(name: str, runs: list[dict[str, Any]], rapid: dict[str, Any],
     r = runs[0]
     added = r["peak"] - r["idle"]
     off = r["cache"] / added - 1 if added > 0 else float("inf")
-    peaks = ", ".join(f"{x['peak'] / MiB:.0f}" for x in runs)
-    print(f"  peaks {peaks} MiB; idle "
+    print(f"  peaks {mibs(runs)} MiB; idle "
           f"{r['idle'] / MiB:.0f} MiB, models add {added / MiB:.0f} MiB at peak "
           f"({(r['rss_after'] - r['idle']) / MiB:.0f} MiB after); cache figure "
           f"{r['cache'] / MiB:.1f} MiB ({off:+.0%}); working memory counted: "
@@ -509,6 +508,17 @@ def mibs(runs: list[dict[str, Any]]) -> str:
     return ", ".join(f"{r['peak'] / MiB:.0f}" for r in runs)
 
 
+def rapid_median(rapids: list[dict[str, Any]], how: str) -> dict[str, Any]:
+    """RapidOCR's figures of this run (the median of ``rapids``), printed (``how``: how
+    its runs were spaced)."""
+    rapid = {"rate": median([N_IMAGES / r["seconds"] for r in rapids]),
+             "peak": median([r["peak"] for r in rapids]), "texts": rapids[0]["texts"]}
+    print(f"RapidOCR 1.4.4 (own process, its defaults, median of {len(rapids)}{how}): "
+          f"{rapid['rate']:.2f} img/s, peak RSS {rapid['peak'] / MiB:.0f} MiB "
+          f"({mibs(rapids)}); 0.8x of it: {0.8 * rapid['peak'] / MiB:.0f} MiB")
+    return rapid
+
+
 def ncnn_missing() -> str:
     """Why the ncnn arm cannot run here ("" when it can)."""
     import importlib.util
@@ -543,13 +553,7 @@ def ncnn_arm(tmp: Path, batch: list[np.ndarray], rapid: dict[str, Any] | None) -
         runs.append(inferd_graph(tmp, name, config.read_text(), batch, repo))
         print(f"  ncnn round {i + 1} of 3 done, {loadavg()}", flush=True)
     if rapid is None:
-        rapid = {"rate": median([N_IMAGES / r["seconds"] for r in rapids]),
-                 "peak": median([r["peak"] for r in rapids]), "texts": rapids[0]["texts"]}
-        print(f"RapidOCR 1.4.4 (own process, its defaults, median of 3, one run before "
-              f"each ncnn round): {rapid['rate']:.2f} img/s, peak RSS "
-              f"{rapid['peak'] / MiB:.0f} MiB "
-              f"({mibs(rapids)}); 0.8x of it: "
-              f"{0.8 * rapid['peak'] / MiB:.0f} MiB")
+        rapid = rapid_median(rapids, ", one run before each ncnn round")
     peak = median([f["peak"] for f in floors])
     rate = median([N_IMAGES / f["seconds"] for f in floors])
     same = sum(a == b for a, b in zip(floors[0]["texts"], rapid["texts"]))
@@ -571,14 +575,7 @@ def main() -> None:
             ncnn_arm(tmp, batch, None)
             return
         idle_and_engines(tmp)
-        rapids = [rapidocr() for _ in range(3)]
-        rapid = {"rate": median([N_IMAGES / r["seconds"] for r in rapids]),
-                 "peak": median([r["peak"] for r in rapids]), "texts": rapids[0]["texts"]}
-        peaks = ", ".join(f"{r['peak'] / MiB:.0f}" for r in rapids)
-        print(f"RapidOCR 1.4.4 (own process, its defaults, median of 3): "
-              f"{rapid['rate']:.2f} img/s, peak RSS {rapid['peak'] / MiB:.0f} MiB "
-              f"({peaks}); 0.8x of it: "
-              f"{0.8 * rapid['peak'] / MiB:.0f} MiB")
+        rapid = rapid_median([rapidocr() for _ in range(3)], "")
         ov_repo = openvino_repo(tmp)
         for name, toml, repo, engine in (
                 ("shipped defaults", "", MODELS, "onnxruntime"),

@@ -399,24 +399,19 @@ def ocr_frame() -> None:
 
 ARENA_CHILD = """
 import sys, time
-import numpy as np, onnxruntime as ort
-from inferd.libbackends.onnxruntime_cpu import EXTEND_STRATEGIES
-info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
-                         ort.OrtMemType.DEFAULT)
-ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, EXTEND_STRATEGIES[sys.argv[2]],
-                                                        -1, -1))
-so = ort.SessionOptions()
-so.intra_op_num_threads = so.inter_op_num_threads = 1
-so.add_session_config_entry("session.use_env_allocators", "1")
-s = ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
-shrink = ort.RunOptions()
-shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-x = np.ones(4, np.float32)
+import numpy as np
+from pathlib import Path
+from inferd.libbackends.contract import LoadOptions
+from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
+# the daemon's own load of the model: its arena set-up, shrinkage after every run
+model = OnnxRuntimeCpuBackend().load(Path(sys.argv[1]), LoadOptions(options={
+    "arena_extend_strategy": sys.argv[2], "arena_shrinkage": True}))
+x = {"x": np.ones(4, np.float32)}
 for held in (0, 1000, 5000):
-    keep = [s.run(["y"], {"x": x}, shrink)[0] for _ in range(held)]
+    keep = [model.run(x) for _ in range(held)]
     t0 = time.perf_counter_ns()
     for _ in range(500):
-        s.run(["y"], {"x": x}, shrink)
+        model.run(x)
     print(held, (time.perf_counter_ns() - t0) / 500 / 1e3)
     del keep
 """
@@ -424,12 +419,14 @@ for held in (0, 1000, 5000):
 
 def arena_shrinkage(model: Path) -> None:
     """What onnxruntime's arena shrinkage after every run (the shipped ``[onnxruntime]
-    arena_shrinkage = true``) costs a 16-byte run of the shared arena while outputs of
-    earlier runs are still alive (held by replies a client has not read, graph packets):
-    each shrink walks every region of the arena, and with "same_as_requested" each
-    allocation is a region of its own."""
+    arena_shrinkage = true``) costs a 16-byte run, loaded by the onnxruntime backend as
+    the daemon loads it, while outputs of earlier runs are still alive (held by replies
+    a client has not read, graph packets): each shrink walks every region of the arena,
+    and with the shipped "same_as_requested" (the daemon's shared arena) each allocation
+    is a region of its own; "next_power_of_two" gives the model an arena of its own."""
     print("\n8. onnxruntime's arena shrinkage after every run, an Identity run of 16 bytes "
-          "on the shared arena while N outputs of earlier runs are alive:")
+          "while N outputs of earlier runs are alive ([onnxruntime] "
+          "arena_extend_strategy):")
     for strategy in ("same_as_requested", "next_power_of_two"):
         out = subprocess.run([sys.executable, "-c", ARENA_CHILD, str(model), strategy],
                              capture_output=True, text=True)

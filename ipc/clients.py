@@ -16,8 +16,9 @@ request's do, until libzmq has let go of them: a client that does not read its r
 kept for it in the daemon, up to ``max_replies_queued_per_client`` of them per
 connection (600 replies of 1.2 MB: +850 MiB of RSS, unbounded by any limit). libzmq
 releases the messages of one connection in the order they were sent, so each client's
-replies are looked at from the oldest, only when that client sends a request (or when the
-daemon-wide bound would refuse one: then every client's).
+replies are looked at from the oldest: when that client sends a request, and every
+client's when the daemon-wide bound would refuse one and every :data:`SETTLE_S` while any
+are counted (a client that went away is counted out then).
 
 Daemon-wide, the bytes of every request in flight are bounded too
 (``server.max_bytes_in_flight``): many connections with one request each can no more
@@ -188,8 +189,12 @@ class ClientLimits:
             use.unread.append(unread)
             self._unread += 1
         self._release(use, ticket.size - (unread[0] if unread is not None else 0))
+        self._forget_if_idle(ticket.peer, use)
+
+    def _forget_if_idle(self, key: bytes, use: _Use) -> None:
+        """Drop the entry of a client with nothing in flight nor unread."""
         if use.requests <= 0 and not use.unread:
-            del self._use[ticket.peer]
+            del self._use[key]
 
     def _release(self, use: _Use, size: int) -> None:
         """``size`` bytes of ``use``'s no longer count (negative: more count)."""
@@ -226,8 +231,7 @@ class ClientLimits:
         for key, use in list(self._use.items()):
             if use.unread:
                 self._settle(use)
-                if use.requests <= 0 and not use.unread:
-                    del self._use[key]
+                self._forget_if_idle(key, use)
 
     def unread(self) -> int:
         """Replies whose tracked frames libzmq held at the last look."""

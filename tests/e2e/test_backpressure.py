@@ -22,6 +22,7 @@ from inferd.ipc.clients import ClientLimits
 from inferd.ipc.errors import ErrorCode
 from inferd.ipc.protocol import Op, Request, encode_request
 from inferd.ipc.replies import Ticket
+from tests.ipc.libinferd_kit import identity_model
 from tests.links import link_tree
 
 X = np.zeros((1, 3, 48, 192), np.float32)  # one ocr-cls request: 110,592 bytes of tensor
@@ -89,31 +90,18 @@ def test_a_client_gone_with_unread_replies_is_counted_out_by_the_settling():
     assert limits.held == 0 and limits.settle_in() is None
 
 
-def _identity_repo(repo: Path) -> Path:
-    import onnx
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    (repo / "identity" / "1").mkdir(parents=True)
-    onnx.save(model, str(repo / "identity" / "1" / "model.onnx"))
-    return repo
-
-
 @pytest.mark.slow
 def test_a_client_that_never_reads_big_replies_holds_no_more_than_its_bytes(start_daemon,
                                                                            short_tmp):
     """A reply over 64 KiB waits in libzmq until its client reads it: a client that never
     does (receive high-water mark 1) once had them kept for it (600 replies of 1.2 MB:
     +279 MiB here, +850 MiB in a longer run). Their bytes count against the client now."""
-    repo = _identity_repo(short_tmp / "repo")
+    repo = short_tmp / "repo"
+    identity_model(repo / "identity" / "1" / "model.onnx", "float32")
     config = short_tmp / "inferd.toml"
     config.write_text('[server]\nmax_bytes_per_client = "16MiB"\n')
     d = start_daemon("--config", str(config), "--models", str(repo), "--preload", "identity")
-    x = np.ones(300_000, np.float32)  # 1.2 MB in, 1.2 MB out
+    x = np.ones((1, 300_000), np.float32)  # 1.2 MB in, 1.2 MB out
     proc = psutil.Process(d.proc.pid)
     with d.client() as c:
         for _ in range(5):  # a reading client: its replies come, nothing is refused
