@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from inferd.ipc.errors import ModelError
+from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.ipc.dtypes import dtype_name
 
 BACKEND_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -240,6 +240,35 @@ def check_inputs(model: str, specs: tuple[TensorSpec, ...],
                 raise ModelError(f"model {model}: input {name!r} has shape "
                                  f"{list(array.shape)}, expected {list(spec.shape)} "
                                  f"(axis {axis} must be {want})")
+
+
+def run_error(message: str, inputs: dict[str, NDArray[Any]],
+              client: bool = False) -> ModelError:
+    """The error of an engine's failed run, with the code of whoever caused it.
+
+    A request with an input that holds no element (a zero-size dimension on an axis the
+    model leaves free; a fixed one is refused by :func:`check_inputs`) is the client's
+    error when the engine fails on it: onnxruntime reports such a failure as ``FAIL``
+    (ocr-rec with ``[0,3,48,320]``: a Reshape of zero rows; vad with ``[1,0]``: a
+    reflect Pad of nothing) and OpenVINO as a RuntimeError, although the same engines
+    call a non-empty input of a bad shape ``INVALID_ARGUMENT``. An empty input that an
+    engine runs is not refused: a zero batch is legal ONNX.
+
+    Args:
+        message: what failed, naming the engine and the model, and the engine's reason.
+        inputs: the run's inputs.
+        client: the engine itself said the inputs are wrong (onnxruntime's
+            ``INVALID_ARGUMENT`` status).
+
+    Returns:
+        A ModelError: INVALID_ARGUMENT when the client caused the failure, else INTERNAL.
+    """
+    empty = [f"{name!r} has shape {list(a.shape)}" for name, a in inputs.items()
+             if a.size == 0]
+    if empty:
+        return ModelError(f"{message} (an empty input: {', '.join(empty)}; the model "
+                          f"cannot run on zero elements)", ErrorCode.INVALID_ARGUMENT)
+    return ModelError(message, ErrorCode.INVALID_ARGUMENT if client else ErrorCode.INTERNAL)
 
 
 ALIGNMENT = 64

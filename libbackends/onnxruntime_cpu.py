@@ -34,10 +34,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from inferd.ipc.dtypes import PACKED, numpy_dtype, pack, unpack
-from inferd.ipc.errors import BackendError, ErrorCode, ModelError
+from inferd.ipc.errors import BackendError, ModelError
 from inferd.libbackends.childprobe import engine_facts
 from inferd.libbackends.contract import (
     Backend, DeviceKind, LoadedModel, LoadOptions, Probe, TensorSpec, address_free, aligned,
+    run_error,
 )
 from inferd.libbackends.onnxfile import op_types
 
@@ -232,10 +233,10 @@ class OrtModel(LoadedModel):
             results = self._run(names, inputs, self._run_options)
         except Exception as e:  # onnxruntime raises its own exception classes
             # Its INVALID_ARGUMENT status is about the inputs (a dimension the model
-            # fixes); any other failure is the engine's: INTERNAL (docs/protocol.md).
-            code = (ErrorCode.INVALID_ARGUMENT if type(e).__name__ == "InvalidArgument"
-                    else ErrorCode.INTERNAL)
-            raise ModelError(f"onnxruntime failed to run {self._path}: {e}", code) from e
+            # fixes), and so is a failure on an empty input; any other failure is the
+            # engine's: INTERNAL (docs/protocol.md).
+            raise run_error(f"onnxruntime failed to run {self._path}: {e}", inputs,
+                            client=type(e).__name__ == "InvalidArgument") from e
         return {name: np.asarray(value) for name, value in zip(names, results)}
 
     def _run_raw(self, inputs: dict[str, NDArray[Any]],

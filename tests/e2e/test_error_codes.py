@@ -81,6 +81,27 @@ def test_invalid_argument(served) -> None:
         assert code is ErrorCode.INVALID_ARGUMENT
 
 
+def test_invalid_argument_found_by_the_engine(served) -> None:
+    """Inputs the engine fails on because they hold no element, on an axis the model
+    leaves free (onnxruntime says FAIL): the client's error, not INTERNAL (issue 31
+    item 12). vad with a zero batch is not sent: it aborts onnxruntime (issue 30)."""
+    d = served
+    vad = {"input": np.zeros((1, 0), np.float32), "state": np.zeros((2, 1, 128), np.float32),
+           "sr": np.array(16000, np.int64)}
+    with d.client() as c:
+        for name, inputs, empty in (
+                ("ocr-rec", {"x": np.zeros((0, 3, 48, 320), np.float32)}, "'x' has shape [0, "),
+                ("vad", vad, "'input' has shape [1, 0]")):
+            code, message = code_of(lambda: c.infer(name, inputs))
+            assert code is ErrorCode.INVALID_ARGUMENT, message
+            assert f"an empty input: {empty}" in message, message
+        # a zero on an axis the model fixes is refused before the engine sees it
+        code, message = code_of(lambda: c.infer("ocr-rec", {"x": np.zeros((1, 0, 48, 320),
+                                                                          np.float32)}))
+        assert code is ErrorCode.INVALID_ARGUMENT and "axis 1 must be 3" in message, message
+        assert c.ping()["ready"]
+
+
 def test_not_found(served) -> None:
     d = served
     with d.client() as c:

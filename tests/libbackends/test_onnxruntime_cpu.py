@@ -94,3 +94,56 @@ def test_small_inputs_are_aligned_in_a_scratch_buffer_the_outputs_never_share(tm
         assert not np.shares_memory(first, scratch) and not np.shares_memory(second, scratch)
     finally:
         model.unload()
+
+
+@pytest.mark.parametrize("name, inputs", [
+    ("ocr-rec", {"x": (0, 3, 48, 320)}),  # onnxruntime: FAIL in a Reshape of zero rows
+    ("vad", {"input": (1, 0), "state": (2, 1, 128), "sr": ()}),  # FAIL in a reflect Pad
+])
+def test_a_run_that_fails_on_an_empty_input_is_the_clients_error(models_dir, name, inputs):
+    """onnxruntime calls these failures FAIL, as if the engine broke; the client sent an
+    input of zero elements on an axis the model leaves free (issue 31 item 12). (vad with
+    a zero batch makes onnxruntime abort the process: issue 30, not run here.)"""
+    import numpy as np
+
+    from inferd.ipc.errors import ErrorCode, ModelError
+
+    model = OnnxRuntimeCpuBackend().load(models_dir / name / "1" / "model.onnx",
+                                         LoadOptions())
+    arrays = {k: (np.array(16000, np.int64) if k == "sr" else np.zeros(s, np.float32))
+              for k, s in inputs.items()}
+    empty = next(k for k, a in arrays.items() if a.size == 0)
+    try:
+        with pytest.raises(ModelError) as e:
+            model.run(arrays)
+        assert e.value.code is ErrorCode.INVALID_ARGUMENT, e.value.message
+        assert f"an empty input: {empty!r} has shape {list(inputs[empty])}" in e.value.message
+        assert "onnxruntime failed to run" in e.value.message  # and onnxruntime's reason
+    finally:
+        model.unload()
+
+
+def test_an_engine_failure_on_non_empty_inputs_stays_internal(tmp_path):
+    """A FAIL with no empty input is the engine's (docs/protocol.md): a Reshape to 7 of
+    6 elements; onnxruntime's own INVALID_ARGUMENT status stays the client's."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    from inferd.ipc.errors import ErrorCode, ModelError
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    seven = helper.make_tensor("s", TensorProto.INT64, [1], [7])
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "s"], ["y"])], "r",
+                              [x], [y], initializer=[seven])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "model.onnx")
+    model = OnnxRuntimeCpuBackend().load(tmp_path / "model.onnx", LoadOptions())
+    try:
+        with pytest.raises(ModelError) as e:
+            model.run({"x": np.ones(6, np.float32)})
+        assert e.value.code is ErrorCode.INTERNAL and "empty" not in e.value.message
+    finally:
+        model.unload()
