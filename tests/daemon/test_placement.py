@@ -678,7 +678,7 @@ def test_a_store_that_cannot_be_read_or_written_measures_again(tmp_path: Path,
     (tmp_path / "decisions.json").write_text("{not json")
     with caplog.at_level(logging.WARNING):
         store = DecisionStore(tmp_path)
-    assert "cannot be read" in caplog.text and store.get("m", 1, key) is None
+    assert "not a decisions file (not JSON" in caplog.text and store.get("m", 1, key) is None
     store.put("m", 1, key, Decision("b", "cpu", None, {"a": 2.0, "b": 1.0}))
     again = DecisionStore(tmp_path)
     assert again.get("m", 1, key) == store.get("m", 1, key)

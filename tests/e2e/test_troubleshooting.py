@@ -96,6 +96,7 @@ PROVOKERS = {
     "model vad cannot be served: model vad: cannot read": "hostile_files",
     "model ocr-cls version 1: its files changed on disk": "hostile_files",
     "open-files limit raised from": "hostile_files",
+    "placement decisions in": "decisions_file",
 }
 
 
@@ -479,3 +480,21 @@ def test_hostile_files(start_daemon, short_tmp: Path, models_dir: Path) -> None:
         (repo / "vad" / "1").chmod(0o755)
     _check("hostile_files", "\n".join(out) + "\n" + d.log(),
            **{str(repo.resolve()): DOC_REPO})
+
+
+def test_decisions_file(start_daemon, short_tmp: Path) -> None:
+    """A placement decisions file that is not one (JSON nested too deep) is set aside
+    and logged once, and the daemon starts (issue 31, finding 10; before: it exited 1
+    at start with RecursionError). tests/daemon/test_decisions.py has each bad kind."""
+    state = short_tmp / "state"
+    state.mkdir()
+    (state / "decisions.json").write_text("[" * 100_000)
+    (short_tmp / "repo").mkdir()
+    config = short_tmp / "inferd.toml"
+    config.write_text(f'[placement]\ndirectory = "{state}"\n')
+    d = start_daemon("--config", str(config), "--models", str(short_tmp / "repo"))
+    with Client(d.endpoint, timeout=30) as c:
+        assert c.ping()["ready"]
+    assert d.log().count("are not a decisions file") == 1, d.log()
+    assert (state / "decisions.json.bad").read_text() == "[" * 100_000
+    _check("decisions_file", d.log(), **{str(state): "/var/lib/inferd/state/placement"})
