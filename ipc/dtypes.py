@@ -2,13 +2,16 @@
 vocabulary, used by the protocol (:mod:`inferd.ipc.protocol`) and by the backend
 contract (:mod:`inferd.libbackends.contract`), which builds on it.
 
-Every ONNX tensor type but complex numbers and the 2- and 6-bit and e8m0 floats has a
-wire name (docs/protocol.md, "Tensor frames"). numpy itself has no bfloat16, float8 or
-4-bit integer: those come from the ``ml_dtypes`` package (what JAX, TensorFlow and the
-``onnx`` package use), as numpy dtypes of one element per byte (two for bfloat16). On
-the wire the 4-bit integers are packed two per byte, the first element in the low
-nibble, as ONNX stores them (:func:`pack`, :func:`unpack`). Without ``ml_dtypes`` the
-names are still known, and a tensor of one of those types is refused with
+Every ONNX tensor type but complex numbers and the 6-bit floats has a wire name
+(docs/protocol.md, "Tensor frames"). numpy itself has no bfloat16, float8, float4 or
+2- and 4-bit integer: those come from the ``ml_dtypes`` package (what JAX, TensorFlow
+and the ``onnx`` package use), as numpy dtypes of one element per byte (two for
+bfloat16). On the wire the types narrower than a byte are packed as ONNX stores them
+(:data:`PACKED_BITS`: the 4-bit ones two per byte, the 2-bit ones four per byte), the
+first element in the lowest bits (:func:`pack`, :func:`unpack`); once decoded each
+element takes a byte, which is what admission counts (:func:`held_size`). Without
+``ml_dtypes`` (or with one older than 0.5, which lacks the 2-bit, e8m0 and float4
+types) the names are still known, and a tensor of one of those types is refused with
 UNSUPPORTED, naming the package (:func:`numpy_dtype`). ``ml_dtypes`` is imported when a
 tensor of one of its types first comes by, not before: its import alone takes about a
 second (it computes its types' limits), which every daemon start, ``inferctl`` call and
@@ -33,10 +36,14 @@ STRING = "string"
 _NUMPY_TYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
                 "uint64", "float16", "float32", "float64")
 ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-             "float8_e5m2fnuz", "int4", "uint4")
+             "float8_e5m2fnuz", "int4", "uint4", "float8_e8m0fnu", "float4_e2m1fn",
+             "int2", "uint2")
 """Wire names of the types that need the ``ml_dtypes`` package (its names too)."""
-PACKED = frozenset({"int4", "uint4"})
-"""Types of 4 bits, packed two elements per byte on the wire (low nibble first)."""
+PACKED_BITS = {"int4": 4, "uint4": 4, "float4_e2m1fn": 4, "int2": 2, "uint2": 2}
+"""Bits per element of the types packed several to a byte on the wire (the first
+element in the lowest bits, as ONNX stores them)."""
+PACKED = frozenset(PACKED_BITS)
+"""The types packed several elements per byte on the wire (:data:`PACKED_BITS`)."""
 
 NUMERIC_DTYPES: dict[str, np.dtype[Any]] = {
     name: np.dtype(name).newbyteorder("<") for name in _NUMPY_TYPES}
@@ -49,6 +56,8 @@ WIRE_DTYPES = (*_NUMPY_TYPES, *ML_DTYPES, STRING)
 
 MISSING_ML_DTYPES = ("needs the Python package ml_dtypes, which is not installed beside "
                      "this inferd (pip install ml-dtypes; Debian 12 has no package of it)")
+OLD_ML_DTYPES = ("needs ml_dtypes 0.5 or later; the one installed beside this inferd "
+                 "(%s) lacks it (pip install -U ml-dtypes)")
 
 # dtype -> wire name; a dict lookup is much cheaper than numpy's dtype.name property
 _WIRE_NAMES: dict[np.dtype[Any], str] = {dt: name for name, dt in NUMERIC_DTYPES.items()}
@@ -68,7 +77,10 @@ def _add_ml_dtypes() -> bool:
             except ImportError:  # the Debian package: bookworm has no python3-ml-dtypes
                 return False
             for name in ML_DTYPES:
-                dt = np.dtype(getattr(ml, name))
+                kind = getattr(ml, name, None)  # the newer ones since ml_dtypes 0.5
+                if kind is None:
+                    continue
+                dt = np.dtype(kind)
                 _WIRE_NAMES[dt] = name
                 NUMERIC_DTYPES[name] = dt
         return ML_DTYPES[0] in NUMERIC_DTYPES
@@ -86,35 +98,51 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
         return dt
     if name in ML_DTYPES:
         if _add_ml_dtypes():
-            return NUMERIC_DTYPES[name]
+            dt = NUMERIC_DTYPES.get(name)
+            if dt is not None:
+                return dt
+            version = getattr(sys.modules.get("ml_dtypes"), "__version__", "?")
+            raise ProtocolError(f"dtype {name} {OLD_ML_DTYPES % version}",
+                                ErrorCode.UNSUPPORTED)
         raise ProtocolError(f"dtype {name} {MISSING_ML_DTYPES}", ErrorCode.UNSUPPORTED)
     raise ProtocolError(f"dtype {name!r} is not a numeric wire dtype")
 
 
 def wire_size(name: str, count: int) -> int:
     """Bytes of a frame of ``count`` elements of numeric wire dtype ``name``."""
-    if name in PACKED:
-        return (count + 1) // 2
+    bits = PACKED_BITS.get(name)
+    if bits is not None:
+        per_byte = 8 // bits
+        return (count + per_byte - 1) // per_byte
     return count * numpy_dtype(name).itemsize
 
 
 def pack(array: NDArray[Any]) -> bytes:
-    """The wire bytes of a 4-bit tensor: two elements per byte, the first in the low
-    nibble; an odd count leaves the last high nibble 0."""
-    nibbles = np.ascontiguousarray(array).reshape(-1).view(np.uint8) & 0x0F
-    if nibbles.size % 2:
-        nibbles = np.append(nibbles, np.uint8(0))
-    return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+    """The wire bytes of a packed tensor (:data:`PACKED_BITS`): the elements in C order
+    from the lowest bits of each byte up (two 4-bit ones per byte, four 2-bit ones); a
+    count that does not fill the last byte leaves its high bits 0."""
+    bits = PACKED_BITS[dtype_name(array)]
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    items = np.ascontiguousarray(array).reshape(-1).view(np.uint8) & mask
+    if items.size % per_byte:
+        items = np.append(items, np.zeros(per_byte - items.size % per_byte, np.uint8))
+    out = items[0::per_byte].copy()
+    for i in range(1, per_byte):
+        out |= items[i::per_byte] << (i * bits)
+    return out.tobytes()
 
 
 def unpack(buf: Any, name: str, count: int) -> NDArray[Any]:
-    """The ``count`` elements of 4-bit wire dtype ``name`` packed in ``buf``, one per
-    byte as ``ml_dtypes`` holds them (a new array)."""
+    """The ``count`` elements of packed wire dtype ``name`` in ``buf``, one per byte as
+    ``ml_dtypes`` holds them (a new array of ``count`` bytes: what
+    :func:`held_size` counts)."""
+    bits = PACKED_BITS[name]
+    per_byte, mask = 8 // bits, (1 << bits) - 1
     packed = np.frombuffer(buf, dtype=np.uint8)
-    nibbles = np.empty(packed.size * 2, dtype=np.uint8)
-    nibbles[0::2] = packed & 0x0F
-    nibbles[1::2] = packed >> 4
-    return nibbles[:count].view(numpy_dtype(name))
+    items = np.empty(packed.size * per_byte, dtype=np.uint8)
+    for i in range(per_byte):
+        np.bitwise_and(packed >> (i * bits), mask, out=items[i::per_byte])
+    return items[:count].view(numpy_dtype(name))
 
 
 def dtype_name(array: NDArray[Any]) -> str:

@@ -265,12 +265,12 @@ def _inputs(args: argparse.Namespace) -> dict[str, np.ndarray]:
 
 def _plain(value: np.ndarray) -> np.ndarray:
     """``value`` in a type that prints and saves as itself: ml_dtypes' floats as float32,
-    their 4-bit integers as int8/uint8."""
+    their 2- and 4-bit integers as int8/uint8."""
     name = dtype_name(value) if value.dtype != object else ""
     if name not in ML_DTYPES:
         return value
-    if name in ("int4", "uint4"):
-        return value.astype(np.int8 if name == "int4" else np.uint8)
+    if name in ("int4", "uint4", "int2", "uint2"):
+        return value.astype(np.int8 if name.startswith("int") else np.uint8)
     return value.astype(np.float32)
 
 

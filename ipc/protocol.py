@@ -5,11 +5,20 @@ A message is a list of frames::
     [TAG, header (UTF-8 JSON), tensor frame 0, tensor frame 1, ...]
 
 The header lists every tensor (name, dtype, shape) in frame order. A numeric tensor is
-its C-contiguous little-endian bytes (``int4`` and ``uint4`` packed two elements per
+its C-contiguous little-endian bytes (the 2- and 4-bit types packed several elements per
 byte, :mod:`inferd.ipc.dtypes`); a ``string`` tensor is, per element, a uint32 LE byte
 length followed by that many UTF-8 bytes. ``encode_*`` returns frames that
 reference the arrays' memory (send them with ``copy=False``); ``decode_*`` builds arrays
 over the received buffers with ``np.frombuffer`` after checking every byte count.
+
+Decoding a request is two steps, so that nothing proportional to what a message claims
+happens before it is admitted (docs/protocol.md, "What a request costs"):
+:func:`decode_request` with ``defer=True`` checks the header, every tensor description,
+byte count and region bound, and prices the request (:class:`Cost`: the bytes of its
+tensors wherever they are, and what decoding will make) from those alone; numeric tensors
+become views at once (no copy), while packed tensors (unpacked to a byte per element)
+and strings (a Python object per element) are left in :attr:`Request.pending` until
+:meth:`Request.decode` runs on a thread that may take the time.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from enum import StrEnum
 from typing import Any
 
@@ -32,6 +42,7 @@ from inferd.ipc.dtypes import (
     ML_DTYPES,
     NUMERIC_DTYPES,
     PACKED,
+    PACKED_BITS,
     STRING,
     WIRE_DTYPES,
     dtype_name,
@@ -71,8 +82,41 @@ SHM_ALIGN = 64
 MAX_TIMEOUT_MS = 2**53
 """Largest ``timeout_ms`` (about 285,000 years; JSON integers stay exact up to it)."""
 
+STRING_OBJECT_BYTES = 72
+"""What each element of a decoded ``string`` tensor takes beside its characters: the
+object array's 8-byte pointer and a Python ``str`` (``sys.getsizeof("ab")`` is 51,
+rounded up by the allocator); 2 million two-byte strings decoded took 71 B each."""
+STRING_CHAR_BYTES = 4
+"""Most bytes a decoded string takes per UTF-8 byte of its text: CPython stores a string
+with any character past U+FFFF at 4 bytes per character (200,000 strings of an emoji
+and 40 ASCII letters took 242 B each: 72 + 4 x 44 = 248 priced)."""
+
 _WIRE_DTYPE_SET = frozenset(WIRE_DTYPES)
 _ML_DTYPE_SET = frozenset(ML_DTYPES)
+
+
+@dataclass(slots=True)
+class Cost:
+    """What a request's tensors cost, from its header and frame sizes alone.
+
+    Attributes:
+        tensor_bytes: bytes of the tensors once decoded, wherever they travel (frames
+            or shared-memory regions): packed types at a byte per element, strings as
+            objects. What a run reads; the I/O thread's fast path decides by it.
+        decoded_bytes: memory the daemon makes when decoding, beyond views of the
+            frames and regions: unpacked packed tensors (those read from a region
+            included), string objects, copies of misaligned frames. A region's own
+            bytes are the client's and count nowhere.
+    """
+
+    tensor_bytes: int = 0
+    decoded_bytes: int = 0
+
+
+def string_bytes(count: int, frame_bytes: int) -> int:
+    """Bytes ``count`` strings decoded from a frame of ``frame_bytes`` may take at most
+    (:data:`STRING_OBJECT_BYTES` each, :data:`STRING_CHAR_BYTES` per byte of text)."""
+    return count * STRING_OBJECT_BYTES + STRING_CHAR_BYTES * (frame_bytes - 4 * count)
 
 
 @dataclass(slots=True)
@@ -93,6 +137,28 @@ class Request:
     params: dict[str, Any] = field(default_factory=dict)
     outputs_into: Slot | None = None
     """Where the daemon writes the outputs (a shared-memory slot), if the client said."""
+    cost: Cost = field(default_factory=Cost)
+    """What its tensors cost (set by :func:`decode_request`)."""
+    pending: dict[str, Any] | None = None
+    """Inputs not decoded yet, in order: arrays, and the packed and string tensors still
+    to decode (:meth:`decode` turns them into :attr:`inputs`); None once decoded."""
+
+    def decode(self) -> None:
+        """Decode the inputs left in :attr:`pending` into :attr:`inputs` (unpacking,
+        string objects: time and memory proportional to the tensors, which admission
+        priced). Raises ProtocolError (with the request's id) for a string frame that
+        does not hold what its header says."""
+        pending = self.pending
+        if pending is None:
+            return
+        try:
+            self.inputs = {name: value() if type(value) is partial else value
+                           for name, value in pending.items()}
+        except ProtocolError as e:
+            e.request_id = self.id
+            raise
+        finally:
+            self.pending = None
 
 
 @dataclass(slots=True)
@@ -272,6 +338,9 @@ def _in_region(spec: dict[str, Any], regions: Resolver | None, name: str,
         raise ProtocolError(f"{where}: tensor {name!r}: 'offset' must be a non-negative "
                             f"integer, got {_short(offset)}")
     region = regions(spec["region"])
+    if offset > len(region):  # even for a tensor of no bytes
+        raise ProtocolError(f"{where}: tensor {name!r}: offset {offset} is past the end of "
+                            f"its region ({len(region)} bytes)")
     return region[offset:]  # the length is checked against the dtype and shape next
 
 
@@ -279,6 +348,17 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str,
                    regions: Resolver | None = None) -> dict[str, NDArray[Any]]:
     """Arrays over ``frames`` (or shared-memory regions, through ``regions``) described
     by ``specs``; every byte count and offset is checked."""
+    planned, _ = plan_tensors(specs, frames, where, regions)
+    return {name: value() if type(value) is partial else value
+            for name, value in planned.items()}
+
+
+def plan_tensors(specs: Any, frames: Sequence[Frame], where: str,
+                 regions: Resolver | None = None) -> tuple[dict[str, Any], Cost]:
+    """Check ``specs`` against ``frames`` and ``regions`` and price them, decoding only
+    what costs nothing: (name -> an array over a frame or region, or for a packed or
+    string tensor a ``functools.partial`` that decodes it; the :class:`Cost`). The work
+    is per tensor description, never per element: what a header may claim is bounded."""
     if type(specs) is not list:
         raise ProtocolError(f"{where}: expected a list of tensor descriptions")
     framed = len(specs)
@@ -289,7 +369,8 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str,
         sent = " in frames" if framed != len(specs) else ""  # the others in regions
         raise ProtocolError(f"{where}: header describes {framed} tensors{sent} but "
                             f"{len(frames)} tensor frames follow")
-    tensors: dict[str, NDArray[Any]] = {}
+    tensors: dict[str, Any] = {}
+    cost = Cost()
     next_frame = iter(frames)
     for spec in specs:
         name, dtype, shape, count = _check_spec(spec, where)
@@ -297,15 +378,19 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str,
             raise ProtocolError(f"{where}: tensor {name!r} appears twice")
         if "region" in spec:
             view = _in_region(spec, regions, name, dtype, where)
+            np_dtype = _numeric(dtype, name, where)
             size = wire_size(dtype, count)
             if len(view) < size:
                 raise ProtocolError(f"{where}: tensor {name!r} is {dtype}{list(shape)}, "
                                     f"{size} bytes, past the end of its region (offset "
                                     f"{spec.get('offset', 0)})")
-            if dtype in PACKED:
-                tensors[name] = unpack(view[:size], dtype, count).reshape(shape)
-            else:  # a view of the shared memory: no copy
-                tensors[name] = np.frombuffer(view, numpy_dtype(dtype), count).reshape(shape)
+            if dtype in PACKED:  # unpacked here, a byte per element: the daemon's memory
+                tensors[name] = partial(_unpacked, view[:size], dtype, count, shape)
+                cost.tensor_bytes += count
+                cost.decoded_bytes += count
+            else:  # a view of the shared memory: no copy, the client's bytes
+                tensors[name] = np.frombuffer(view, np_dtype, count).reshape(shape)
+                cost.tensor_bytes += size
             continue
         frame = next(next_frame)
         if dtype == STRING:
@@ -316,31 +401,51 @@ def decode_tensors(specs: Any, frames: Sequence[Frame], where: str,
                 raise ProtocolError(f"{where}: tensor {name!r} declares {count} strings but "
                                     f"its frame has only {len(view)} bytes (at least 4 per "
                                     f"string)")
-            tensors[name] = _decode_strings(view, count, name).reshape(shape)
+            tensors[name] = partial(_strings, view, count, name, shape)
+            held = string_bytes(count, len(view))
+            cost.tensor_bytes += held
+            cost.decoded_bytes += held
             continue
         # A zmq.Frame exports its bytes directly; anything else through a byte view.
         buf = frame if type(frame) is ZmqFrame else _buffer(frame)
-        np_dtype = NUMERIC_DTYPES.get(dtype)
-        if np_dtype is None:
-            try:
-                np_dtype = numpy_dtype(dtype)  # raises: why this process cannot hold it
-            except ProtocolError as e:
-                raise ProtocolError(f"{where}: tensor {name!r}: {e.message}",
-                                    e.code) from None
-        expected = (count + 1) // 2 if dtype in PACKED else count * np_dtype.itemsize
+        np_dtype = _numeric(dtype, name, where)
+        expected = wire_size(dtype, count) if dtype in PACKED else count * np_dtype.itemsize
         if len(buf) != expected:
-            packing = " (two elements per byte)" if dtype in PACKED else ""
+            packing = (" (two elements per byte)" if PACKED_BITS.get(dtype) == 4 else
+                       " (four elements per byte)" if dtype in PACKED else "")
             raise ProtocolError(f"{where}: tensor {name!r} is {dtype}{list(shape)}, "
                                 f"which is {expected} bytes{packing}, but its frame has "
                                 f"{len(buf)}")
         if dtype in PACKED:
-            tensors[name] = unpack(buf, dtype, count).reshape(shape)
+            tensors[name] = partial(_unpacked, buf, dtype, count, shape)
+            cost.tensor_bytes += count
+            cost.decoded_bytes += count
             continue
         array = np.frombuffer(buf, dtype=np_dtype).reshape(shape)  # type: ignore[arg-type]
         if not array.flags.aligned:  # libzmq may hand out small frames at odd offsets
             array = array.copy()
+            cost.decoded_bytes += expected
         tensors[name] = array
-    return tensors
+        cost.tensor_bytes += expected
+    return tensors, cost
+
+
+def _numeric(dtype: str, name: str, where: str) -> np.dtype[Any]:
+    np_dtype = NUMERIC_DTYPES.get(dtype)
+    if np_dtype is not None:
+        return np_dtype
+    try:
+        return numpy_dtype(dtype)  # raises: why this process cannot hold it
+    except ProtocolError as e:
+        raise ProtocolError(f"{where}: tensor {name!r}: {e.message}", e.code) from None
+
+
+def _unpacked(buf: Any, dtype: str, count: int, shape: tuple[int, ...]) -> NDArray[Any]:
+    return unpack(buf, dtype, count).reshape(shape)
+
+
+def _strings(buf: memoryview, count: int, name: str, shape: tuple[int, ...]) -> NDArray[Any]:
+    return _decode_strings(buf, count, name).reshape(shape)
 
 
 # --------------------------------------------------------------------------- messages
@@ -431,9 +536,13 @@ def _slot(value: Any, regions: Resolver | None) -> Slot:
     return Slot(value["region"], buffer, offset, size)
 
 
-def decode_request(frames: Sequence[Frame], regions: Resolver | None = None) -> Request:
+def decode_request(frames: Sequence[Frame], regions: Resolver | None = None,
+                   defer: bool = False) -> Request:
     """Decode a request; ``regions`` resolves the shared-memory regions its sender may
-    name. Raises ProtocolError (with ``request_id`` when known)."""
+    name. With ``defer``, packed and string tensors are left in :attr:`Request.pending`
+    for :meth:`Request.decode` (the daemon's I/O thread prices a request before it lets
+    anything proportional to its tensors happen). Raises ProtocolError (with
+    ``request_id`` when known)."""
     head = _header(frames, "request")
     rid = head.get("id")
     if not isinstance(rid, str) or not rid or len(rid) > hdr.MAX_ID_CHARS:
@@ -468,8 +577,8 @@ def decode_request(frames: Sequence[Frame], regions: Resolver | None = None) -> 
                                     0 < timeout <= MAX_TIMEOUT_MS):
             raise ProtocolError(f"'timeout_ms' must be a positive number of at most "
                                 f"{MAX_TIMEOUT_MS}, got {_short(timeout)}")
-        inputs = decode_tensors(head.get("inputs", []), frames[2:], "request inputs",
-                                regions)
+        planned, cost = plan_tensors(head.get("inputs", []), frames[2:], "request inputs",
+                                     regions)
         into = head.get("outputs_into")
         slot = _slot(into, regions) if into is not None else None
     except ProtocolError as e:
@@ -477,9 +586,12 @@ def decode_request(frames: Sequence[Frame], regions: Resolver | None = None) -> 
         raise
     params = {} if head.keys() <= _REQUEST_KEYS else {
         k: v for k, v in head.items() if k not in _REQUEST_KEYS}
-    return Request(id=rid, op=op, model=model, version=version, inputs=inputs,
-                   outputs=outputs, timeout_ms=int(timeout) if timeout else None,
-                   params=params, outputs_into=slot)
+    request = Request(id=rid, op=op, model=model, version=version,
+                      outputs=outputs, timeout_ms=int(timeout) if timeout else None,
+                      params=params, outputs_into=slot, cost=cost, pending=planned)
+    if not defer or not any(type(v) is partial for v in planned.values()):
+        request.decode()  # (deferred: nothing left that takes time)
+    return request
 
 
 def encode_reply(reply: Reply, into: Slot | None = None) -> list[Frame]:

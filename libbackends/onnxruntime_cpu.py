@@ -70,12 +70,14 @@ _ORT_TYPES = {
     "tensor(bfloat16)": "bfloat16", "tensor(float8e4m3fn)": "float8_e4m3fn",
     "tensor(float8e4m3fnuz)": "float8_e4m3fnuz", "tensor(float8e5m2)": "float8_e5m2",
     "tensor(float8e5m2fnuz)": "float8_e5m2fnuz", "tensor(int4)": "int4",
-    "tensor(uint4)": "uint4",
+    "tensor(uint4)": "uint4", "tensor(float8e8m0)": "float8_e8m0fnu",
+    "tensor(float4e2m1)": "float4_e2m1fn", "tensor(int2)": "int2", "tensor(uint2)": "uint2",
 }
 # ONNX's element type numbers of the types numpy lacks (ml_dtypes holds them): the
 # onnxruntime Python binding takes and gives them only as OrtValues of raw bytes
 _ONNX_ELEMENT = {"bfloat16": 16, "float8_e4m3fn": 17, "float8_e4m3fnuz": 18,
-                 "float8_e5m2": 19, "float8_e5m2fnuz": 20, "uint4": 21, "int4": 22}
+                 "float8_e5m2": 19, "float8_e5m2fnuz": 20, "uint4": 21, "int4": 22,
+                 "float4_e2m1fn": 23, "float8_e8m0fnu": 24, "uint2": 25, "int2": 26}
 
 
 def _spec(arg: Any, model: str) -> TensorSpec:
@@ -241,8 +243,8 @@ class OrtModel(LoadedModel):
 
     def _run_raw(self, inputs: dict[str, NDArray[Any]],
                  names: list[str]) -> dict[str, NDArray[Any]]:
-        """A run with bfloat16, float8 or 4-bit tensors, which the binding takes and
-        gives only as OrtValues of their raw bytes."""
+        """A run with bfloat16, float8, float4 or 2- and 4-bit tensors, which the binding
+        takes and gives only as OrtValues of their raw bytes."""
         ort_value = sys.modules["onnxruntime"].OrtValue
         feeds = {}
         for name, array in inputs.items():

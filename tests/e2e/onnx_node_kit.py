@@ -95,7 +95,7 @@ def close(got: NDArray[Any], want: NDArray[Any], rtol: float, atol: float) -> bo
         return bool(np.array_equal(got.astype(object), want.astype(object)))
     if got.dtype != want.dtype:
         return False
-    if got.dtype.kind in "biu" or dtype_name(got) in ("int4", "uint4"):
+    if got.dtype.kind in "biu" or dtype_name(got) in ("int4", "uint4", "int2", "uint2"):
         return bool(np.array_equal(got, want))
     try:
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),

@@ -10,6 +10,7 @@ float inputs at 16 different offsets, the one of aligned inputs.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,14 +36,10 @@ def cases() -> list[Case]:
     return tensor_cases()  # ~30 s: once for the module
 
 
-def test_every_case_onnxruntime_passes_gives_its_bits_through_the_daemon(
-        cases: list[Case], start_daemon, short_tmp: Path) -> None:
-    checked = []
-    for case in cases:
-        reference = in_process(case)
-        if reference is not None:
-            checked.append((case, reference))
-    repo = short_tmp / "repo"
+def _through_daemon(checked: list[tuple[Case, Any]], start_daemon: Any,
+                    repo: Path) -> list[str]:
+    """Serve each case's model from one real daemon; the cases whose outputs are not
+    in-process onnxruntime's bits (or that fail), one line each."""
     for case, _ in checked:
         path = repo / case.name / "1" / "model.onnx"
         path.parent.mkdir(parents=True)
@@ -64,11 +61,45 @@ def test_every_case_onnxruntime_passes_gives_its_bits_through_the_daemon(
                 failed.append(f"{case.name}: {type(e).__name__}: {e}"[:300])
             c.unload(case.name)
             assert d.proc.poll() is None, f"the daemon died at {case.name}:\n{d.log()}"
+    assert d.proc.poll() is None
+    return failed
+
+
+def test_every_case_onnxruntime_passes_gives_its_bits_through_the_daemon(
+        cases: list[Case], start_daemon, short_tmp: Path) -> None:
+    checked = []
+    for case in cases:
+        reference = in_process(case)
+        if reference is not None:
+            checked.append((case, reference))
+    failed = _through_daemon(checked, start_daemon, short_tmp / "repo")
     print(f"{len(cases)} tensor cases; in-process onnxruntime passes {len(checked)}; "
           f"through the daemon {len(checked) - len(failed)} give its bits")
     assert not failed, f"{len(failed)} of {len(checked)} cases:\n" + "\n".join(failed)
     assert len(checked) > 1500  # the onnx 1.23 / onnxruntime 1.32 pair: 1,5xx
-    assert d.proc.poll() is None
+
+
+NEWER_TYPES = re.compile(r"INT2|E8M0|FLOAT4E2M1", re.IGNORECASE)
+"""ONNX's tensor types since the wire learned bfloat16, float8 and int4 (issue 31, item
+13): int2 and uint2 (four per byte), float8e8m0, float4e2m1."""
+
+
+def test_cases_of_the_newer_types_give_their_bits_through_the_daemon(
+        cases: list[Case], start_daemon, short_tmp: Path) -> None:
+    """The Cast and CastLike cases of int2, uint2 and float8e8m0 (onnxruntime 1.32 runs
+    them; its Cast has no float4e2m1 kernel, so those cases are not ones to check).
+    Before, every such case was off the wire: "not carried by the protocol"."""
+    newer = [c for c in cases if NEWER_TYPES.search(c.name)]
+    assert len(newer) >= 40, [c.name for c in newer]  # 54 with onnx 1.23
+    checked = []
+    for case in newer:
+        reference = in_process(case)
+        if reference is not None:
+            checked.append((case, reference))
+    names = " ".join(c.name for c, _ in checked)
+    assert "INT2" in names and "UINT2" in names and "E8M0" in names, names
+    failed = _through_daemon(checked, start_daemon, short_tmp / "repo")
+    assert not failed, f"{len(failed)} of {len(checked)} cases:\n" + "\n".join(failed)
 
 
 def _at(array: Any, offset: int) -> Any:

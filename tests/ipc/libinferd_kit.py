@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inferd.ipc.dtypes import WIRE_DTYPES, numpy_dtype
+from inferd.ipc.dtypes import PACKED_BITS, WIRE_DTYPES, numpy_dtype
 from tests.links import link_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ ONNX_TYPES = {"bool": 9, "int8": 3, "uint8": 2, "int16": 5, "uint16": 4, "int32"
               "uint32": 12, "int64": 7, "uint64": 13, "float16": 10, "float32": 1,
               "float64": 11, "string": 8, "bfloat16": 16, "float8_e4m3fn": 17,
               "float8_e4m3fnuz": 18, "float8_e5m2": 19, "float8_e5m2fnuz": 20, "uint4": 21,
-              "int4": 22}
+              "int4": 22, "float4_e2m1fn": 23, "float8_e8m0fnu": 24, "uint2": 25, "int2": 26}
 SLOW_MS = 400
 """How long a request to the `slow` model takes (its `sleep` pre step)."""
 
@@ -53,24 +53,31 @@ def program_env(kind: str) -> dict[str, str]:
 
 def identity_model(path: Path, dtype: str) -> None:
     """An ONNX model `x` -> `y` of DTYPE giving its input back, any 2-D shape (N, M):
-    Identity (opset 21 for bfloat16 and the float8 types), or for the 4-bit types, which
-    onnxruntime's Identity does not take, a Cast to 8 bits and back."""
+    Identity (opset 21 for bfloat16 and the float8 types), or for the 2- and 4-bit
+    integers and float8e8m0, which onnxruntime's Identity does not take, a Cast to 8 bits
+    (float for e8m0) and back. onnxruntime 1.32 has no kernel of any op for float4e2m1:
+    its model has no node, its output `x` is its input."""
     import onnx
     from onnx import TensorProto, helper
 
     t = ONNX_TYPES[dtype]
-    if dtype in ("int4", "uint4"):
-        wide = TensorProto.INT8 if dtype == "int4" else TensorProto.UINT8
+    out = "y"
+    if dtype in ("int4", "uint4", "int2", "uint2", "float8_e8m0fnu"):
+        wide = (TensorProto.INT8 if dtype.startswith("int") else
+                TensorProto.FLOAT if dtype == "float8_e8m0fnu" else TensorProto.UINT8)
         nodes = [helper.make_node("Cast", ["x"], ["w"], to=wide),
                  helper.make_node("Cast", ["w"], ["y"], to=t)]
+    elif dtype == "float4_e2m1fn":
+        nodes, out = [], "x"
     else:
         nodes = [helper.make_node("Identity", ["x"], ["y"])]
     graph = helper.make_graph(nodes, f"id_{dtype}",
                               [helper.make_tensor_value_info("x", t, ["N", "M"])],
-                              [helper.make_tensor_value_info("y", t, ["N", "M"])])
-    new = t >= 16
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21 if new else 13)])
-    model.ir_version = 10 if new else 8
+                              [helper.make_tensor_value_info(out, t, ["N", "M"])])
+    new, newest = t >= 16, t >= 23  # the 2-bit, e8m0 and float4 casts: opset 25
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(
+        "", 25 if newest else 21 if new else 13)])
+    model.ir_version = 11 if newest else 10 if new else 8
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
 
@@ -102,9 +109,9 @@ def sample(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
                         dtype=object).reshape(shape)
     dt = numpy_dtype(dtype)
     n = int(np.prod(shape))
-    if dtype in ("int4", "uint4"):
-        low = -8 if dtype == "int4" else 0
-        return rng.integers(low, low + 16, n).astype(dt).reshape(shape)
+    if dtype in PACKED_BITS:  # every value of so few bits, as ml_dtypes holds them
+        return rng.integers(0, 2 ** PACKED_BITS[dtype], n, dtype=np.uint8).view(
+            dt).reshape(shape)
     if dtype == "bool":
         return rng.integers(0, 2, n).astype(dt).reshape(shape)
     if dt.kind in "iu":

@@ -97,3 +97,24 @@ def test_protocol_error_keeps_the_request_id_when_it_was_readable():
     with pytest.raises(ProtocolError) as info:
         decode_request(_raw({"id": "keep-me", "op": "nope"}))
     assert info.value.request_id == "keep-me"
+
+
+def test_a_tensor_at_an_offset_past_its_regions_end_is_refused_even_of_zero_bytes() -> None:
+    """Issue 31, item 12: a zero-byte tensor named past a region's end was taken (its
+    empty slice fits); the offset itself is bounded now, the end itself still allowed."""
+    region = memoryview(bytearray(64))
+
+    def resolve(token: str) -> memoryview:
+        return region
+
+    def request(offset: int) -> list[bytes]:
+        header = {"id": "r", "op": "infer", "model": "m", "inputs": [
+            {"name": "x", "dtype": "float32", "shape": [0, 3], "region": "r1",
+             "offset": offset}]}
+        return [TAG, json.dumps(header).encode()]
+
+    assert decode_request(request(64), resolve).inputs["x"].shape == (0, 3)
+    with pytest.raises(ProtocolError, match="offset 65 is past the end of its region "
+                                            r"\(64 bytes\)") as e:
+        decode_request(request(65), resolve)
+    assert e.value.code is ErrorCode.INVALID_ARGUMENT and e.value.request_id == "r"

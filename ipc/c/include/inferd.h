@@ -84,19 +84,25 @@ typedef enum inferd_dtype {
     INFERD_FLOAT8_E5M2 = 17,
     INFERD_FLOAT8_E5M2FNUZ = 18,
     INFERD_INT4 = 19,            /* 4 bits, two per byte, the first element in the low nibble */
-    INFERD_UINT4 = 20
+    INFERD_UINT4 = 20,
+    INFERD_FLOAT8_E8M0FNU = 21,  /* a power of two: 8 exponent bits, one byte each */
+    INFERD_FLOAT4_E2M1FN = 22,   /* 4 bits, two per byte, like INFERD_INT4 */
+    INFERD_INT2 = 23,            /* 2 bits, four per byte, the first element in the lowest bits */
+    INFERD_UINT2 = 24
 } inferd_dtype;
 
 /* The wire name ("float32", "float8_e4m3fn"), or NULL for a value that is no dtype. */
 const char *inferd_dtype_name(inferd_dtype dtype);
 /* The dtype named NAME (LEN bytes, no terminator needed), or INFERD_DTYPE_INVALID. */
 inferd_dtype inferd_dtype_from_name(const char *name, size_t len);
-/* Bytes per element of a numeric dtype; 0 for INFERD_STRING, for the 4-bit types (half a
- * byte: see inferd_frame_size) and for invalid values. */
+/* Bytes per element of a numeric dtype; 0 for INFERD_STRING, for the 2- and 4-bit types (a
+ * quarter or half a byte: see inferd_frame_size) and for invalid values. */
 size_t inferd_dtype_size(inferd_dtype dtype);
-/* *BYTES = the frame size of ELEMENTS elements of numeric DTYPE: elements x size, or
- * ceil(elements / 2) for INFERD_INT4 and INFERD_UINT4 (an odd count leaves the last
- * byte's high nibble 0). INFERD_INVALID_ARGUMENT for strings and invalid dtypes. */
+/* *BYTES = the frame size of ELEMENTS elements of numeric DTYPE: elements x size,
+ * ceil(elements / 2) for INFERD_INT4, INFERD_UINT4 and INFERD_FLOAT4_E2M1FN (an odd count
+ * leaves the last byte's high nibble 0), ceil(elements / 4) for INFERD_INT2 and
+ * INFERD_UINT2 (the last byte's unused high bits 0). INFERD_INVALID_ARGUMENT for strings
+ * and invalid dtypes. */
 inferd_code inferd_frame_size(inferd_dtype dtype, uint64_t elements, uint64_t *bytes);
 
 /* The library's version, "0.1.0". */

@@ -122,8 +122,7 @@ inferd_code inferd_call_add_input(inferd_call *call, const inferd_tensor *t)
         return ifd_fail(c, INFERD_INVALID_ARGUMENT, "input '%s' is %s with %llu elements, "
                         "which is %llu bytes%s, but its data has %zu", t->name, dtype,
                         (unsigned long long)count, (unsigned long long)expected,
-                        t->dtype == INFERD_INT4 || t->dtype == INFERD_UINT4
-                            ? " (two elements per byte)" : "", t->size);
+                        ifd_packing(t->dtype), t->size);
     if (t->size > 0 && t->data == NULL)
         return ifd_fail(c, INFERD_INVALID_ARGUMENT, "input '%s' has no data", t->name);
     if (!ifd_utf8_valid((const unsigned char *)t->name, strlen(t->name)))

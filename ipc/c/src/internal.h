@@ -38,6 +38,8 @@ void ifd_text_free(ifd_text *t);
 
 int ifd_utf8_valid(const unsigned char *s, size_t n);
 size_t ifd_utf8_chars(const char *s, size_t n);
+/* " (two elements per byte)" for the 4-bit dtypes, " (four ...)" for the 2-bit ones, else "". */
+const char *ifd_packing(inferd_dtype dtype);
 
 /* ------------------------------------------------------------------ replies (reply.c) */
 

@@ -287,12 +287,10 @@ static inferd_code parse_outputs(ifd_reply *r, const json_t *specs, const ifd_fr
         uint64_t expected;
         inferd_frame_size(t->dtype, count, &expected);
         if (t->size != expected) {
-            int packed = t->dtype == INFERD_INT4 || t->dtype == INFERD_UINT4;
             rc = protocol_error(r, "reply outputs: tensor '%s' is %s with %llu elements, which "
                                 "is %llu bytes%s, but its frame has %zu", t->name,
                                 inferd_dtype_name(t->dtype), (unsigned long long)count,
-                                (unsigned long long)expected,
-                                packed ? " (two elements per byte)" : "", t->size);
+                                (unsigned long long)expected, ifd_packing(t->dtype), t->size);
             goto out;
         }
     }

@@ -72,6 +72,9 @@ static const struct {
     [INFERD_FLOAT8_E5M2] = {"float8_e5m2", 1},
     [INFERD_FLOAT8_E5M2FNUZ] = {"float8_e5m2fnuz", 1},
     [INFERD_INT4] = {"int4", 0},       [INFERD_UINT4] = {"uint4", 0},
+    [INFERD_FLOAT8_E8M0FNU] = {"float8_e8m0fnu", 1},
+    [INFERD_FLOAT4_E2M1FN] = {"float4_e2m1fn", 0},
+    [INFERD_INT2] = {"int2", 0},       [INFERD_UINT2] = {"uint2", 0},
 };
 #define N_DTYPES (sizeof DTYPES / sizeof DTYPES[0])
 
@@ -97,8 +100,12 @@ size_t inferd_dtype_size(inferd_dtype dtype)
 
 inferd_code inferd_frame_size(inferd_dtype dtype, uint64_t elements, uint64_t *bytes)
 {
-    if (dtype == INFERD_INT4 || dtype == INFERD_UINT4) {
+    if (dtype == INFERD_INT4 || dtype == INFERD_UINT4 || dtype == INFERD_FLOAT4_E2M1FN) {
         *bytes = elements / 2 + elements % 2;
+        return INFERD_OK;
+    }
+    if (dtype == INFERD_INT2 || dtype == INFERD_UINT2) {
+        *bytes = elements / 4 + (elements % 4 != 0);
         return INFERD_OK;
     }
     size_t size = inferd_dtype_size(dtype);
@@ -106,6 +113,15 @@ inferd_code inferd_frame_size(inferd_dtype dtype, uint64_t elements, uint64_t *b
         return INFERD_INVALID_ARGUMENT;
     *bytes = elements * size;
     return INFERD_OK;
+}
+
+const char *ifd_packing(inferd_dtype dtype)
+{
+    if (dtype == INFERD_INT4 || dtype == INFERD_UINT4 || dtype == INFERD_FLOAT4_E2M1FN)
+        return " (two elements per byte)";
+    if (dtype == INFERD_INT2 || dtype == INFERD_UINT2)
+        return " (four elements per byte)";
+    return "";
 }
 
 inferd_code inferd_shape_elements(const int64_t *shape, size_t rank, uint64_t *elements)

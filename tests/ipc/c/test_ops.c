@@ -31,6 +31,13 @@ static void check_vocabulary(void)
     uint64_t bytes;
     CHECK(inferd_frame_size(INFERD_UINT4, 7, &bytes) == INFERD_OK && bytes == 4);
     CHECK(inferd_frame_size(INFERD_INT4, 0, &bytes) == INFERD_OK && bytes == 0);
+    /* issue 31, item 13: the 2-bit types four per byte, float4e2m1 two, e8m0 one */
+    CHECK(inferd_frame_size(INFERD_INT2, 5, &bytes) == INFERD_OK && bytes == 2);
+    CHECK(inferd_frame_size(INFERD_UINT2, 8, &bytes) == INFERD_OK && bytes == 2);
+    CHECK(inferd_frame_size(INFERD_FLOAT4_E2M1FN, 3, &bytes) == INFERD_OK && bytes == 2);
+    CHECK(inferd_frame_size(INFERD_FLOAT8_E8M0FNU, 3, &bytes) == INFERD_OK && bytes == 3);
+    CHECK(inferd_dtype_from_name("uint2", 5) == INFERD_UINT2);
+    CHECK(strcmp(inferd_dtype_name(INFERD_FLOAT4_E2M1FN), "float4_e2m1fn") == 0);
     CHECK(inferd_frame_size(INFERD_FLOAT64, 3, &bytes) == INFERD_OK && bytes == 24);
     CHECK(inferd_frame_size(INFERD_STRING, 3, &bytes) == INFERD_INVALID_ARGUMENT);
     CHECK(strcmp(inferd_version(), "0.1.0") == 0);
