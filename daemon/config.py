@@ -167,6 +167,12 @@ def _path_or_off(v: Any) -> str:
     raise ValueError
 
 
+def _isolation(v: Any) -> str:
+    if v not in ("in-process", "backend", "model"):
+        raise ValueError
+    return str(v)
+
+
 def _placement_mode(v: Any) -> str:
     if v in ("measured", "first"):
         return str(v)
@@ -300,6 +306,13 @@ SCHEMA: dict[str, dict[str, Setting]] = {
                                          "'auto' (glibc's own sliding threshold)"),
         "malloc_arenas": Setting(2, _arenas, "an integer from 1 to 64, or 'auto' (glibc's "
                                  "default: eight per core)"),
+    },
+    "workers": {
+        "isolation": Setting("in-process", _isolation, "one of \"in-process\", \"backend\", "
+                             "\"model\""),
+        "kill_after_s": Setting(120.0, _seconds, "a positive number of seconds"),
+        "load_kill_after_s": Setting(600.0, _seconds, "a positive number of seconds"),
+        "restart_backoff_s": Setting(0.5, _seconds, "a positive number of seconds"),
     },
     "logging": {
         "level": Setting("info", _level, "one of debug, info, warning, error, critical"),

@@ -26,6 +26,7 @@ from inferd.daemon.placement import ModelPlacement, backend_options
 from inferd.daemon.placer import Placer
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.warmup import warm_up
+from inferd.daemon.workers.pool import LoadCall, WorkerModel, WorkerPool
 from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
 from inferd.libbackends.customops.contract import OpRegistry
@@ -60,17 +61,19 @@ class ModelLoader:
         placer: places each load (daemon/placer.py); it loads the rivals it measures
             later, on its own thread, through the same load function, which holds
             ``_lock`` then too.
+        workers: the worker processes the engines load in (None: in the daemon).
     """
 
     def __init__(self, catalog: Catalog, registry: Registry, budget: MemoryBudget,
                  processors: ProcessorRegistry | None, customops: OpRegistry | None,
-                 placer: Placer) -> None:
+                 placer: Placer, workers: WorkerPool | None = None) -> None:
         self.catalog = catalog
         self.registry = registry
         self.budget = budget
         self.processors = processors
         self.customops = customops
         self.placer = placer
+        self.workers = workers
         # one load at a time, a rival being measured too: its RSS delta is its own
         self._lock = threading.RLock()
 
@@ -137,6 +140,9 @@ class ModelLoader:
 
         def load_on(choice: Choice, options: LoadOptions) -> LoadedModel:
             with self._lock:  # held already for the first load; taken for a rival
+                if self.workers is not None:
+                    return self._in_worker(entry, choice, options, source.path, tables,
+                                           [b.id for b in fallbacks])
                 # the planner reads ONNX graphs: onnx comes in with the first model
                 engines[0] += self._engine("onnx", _import_planner)
                 bring_in = getattr(choice.backend, "import_engine", None)
@@ -175,6 +181,28 @@ class ModelLoader:
             raise
         return Loaded(AdmittedModel(model, entry, self.budget), placement, settings,
                       pipeline, figures, graph)
+
+
+    def _in_worker(self, entry: ModelEntry, choice: Choice, options: LoadOptions,
+                   path: Path, tables: dict[str, Any], fallbacks: list[str]) -> LoadedModel:
+        """Load on ``choice`` in its worker process ([workers] isolation): the backend's
+        worker, or the model's own where it brings custom ops or isolation = "model"."""
+        assert self.workers is not None
+        config = self.catalog.config
+        model_dir = self.catalog.repo.root / entry.name
+        backend = choice.backend.id
+        own = (config.workers.isolation == "model"
+               or (model_dir / "customops").is_dir())
+        call = LoadCall(backend, path, options, entry.label, model_dir, tuple(fallbacks),
+                        tables, config.backends.probe_timeout_s,
+                        key=f"{entry.label}@{backend}" if own else backend)
+        model = WorkerModel(self.workers, call, config.workers.load_kill_after_s)
+        if model.engine_bytes and self.budget.engine(backend) is None:
+            self.budget.engine_imported(backend, model.engine_bytes)
+            log.info("engine %s imported in worker %d: %s resident, counted in the cache "
+                     "budget from now on", backend, model.pid,
+                     format_bytes(model.engine_bytes), extra={"BACKEND": backend})
+        return model
 
 
 def _import_planner() -> None:

@@ -279,6 +279,16 @@ class _StateCollector(Collector):
                                 value=cache["max_memory_bytes"] or 0)
         yield GaugeMetricFamily("inferd_process_resident_memory_bytes", "Resident memory "
                                 "of the daemon process", value=self._proc.memory_info().rss)
+        if rt.workers is not None:
+            restarts = CounterMetricFamily("inferd_worker_restarts", "Worker processes that "
+                                           "died (signal, exit) or were killed, by backend "
+                                           "and reason", labels=["backend", "reason"])
+            for (backend, reason), n in sorted(rt.workers.restarts.items()):
+                restarts.add_metric([backend, reason], n)
+            yield restarts
+            workers = GaugeMetricFamily("inferd_workers", "Worker processes running")
+            workers.add_metric([], len(rt.workers.pids()))
+            yield workers
         yield GaugeMetricFamily("inferd_open_peers", "Client connections open on the "
                                 "daemon's ipc socket", value=open_peers(rt.config.server.socket))
         yield GaugeMetricFamily("inferd_uptime_seconds", "Seconds since the daemon started",

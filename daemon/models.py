@@ -49,6 +49,7 @@ from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.units import request_keep_alive
 from inferd.daemon.worker import WorkItem, Workers
+from inferd.daemon.workers.pool import WorkerPool
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
 from inferd.ipc.protocol import Reply, Request
 from inferd.ipc.replies import AnyTicket, ReplySink
@@ -75,7 +76,8 @@ class ModelManager:
     def __init__(self, repo: Repository, registry: Registry, config: Any,
                  sink: ReplySink, *, observer: Any = None,
                  processors: ProcessorRegistry | None = None,
-                 customops: OpRegistry | None = None) -> None:
+                 customops: OpRegistry | None = None, workers: WorkerPool | None = None
+                 ) -> None:
         self.registry = registry
         self.catalog = Catalog(repo, config)
         self.budget = MemoryBudget(self)
@@ -83,7 +85,7 @@ class ModelManager:
         self.placer = Placer(config, self.budget,
                              busy=lambda: any(e.in_flight for e in self.entries()))
         self._loader = ModelLoader(self.catalog, registry, self.budget, processors,
-                                   customops, self.placer)
+                                   customops, self.placer, workers)
         self._sink = sink
         self._observer = observer
         self._entries: dict[ModelKey, ModelEntry] = {}

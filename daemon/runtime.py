@@ -19,6 +19,7 @@ from inferd.daemon import logs
 from inferd.daemon.config import Config, load_config
 from inferd.daemon.graphs import GraphManager
 from inferd.daemon.inline import InlineOps
+from inferd.daemon.workers.pool import WorkerPool
 from inferd.daemon.watch import Watch
 from inferd.daemon.metrics import Metrics, TextfileWriter
 from inferd.daemon.metrics_http import MetricsEndpoint, parse_listen
@@ -128,9 +129,14 @@ class Runtime:
         sink = ReplySink(self.server.send_reply, observe=self.metrics.count)
         self.processors = ProcessorRegistry()  # filled at start, as the registry
         self.customops = OpRegistry()
+        # engines in worker processes ([workers] isolation); forked at start
+        self.workers = (None if config.workers.isolation == "in-process" else
+                        WorkerPool(self.registry, self.customops,
+                                   config.workers.kill_after_s,
+                                   config.workers.restart_backoff_s))
         self.models = ModelManager(self.repo, self.registry, config, sink,
                                    observer=self.metrics, processors=self.processors,
-                                   customops=self.customops)
+                                   customops=self.customops, workers=self.workers)
         self.graphs = GraphManager(self.repo, self.processors, self.models, sink)
         # measuring placement yields to every request in flight (a graph's between its
         # models' runs too)
@@ -156,6 +162,8 @@ class Runtime:
         load_backends(self.registry, self.config)
         load_global(self.customops, self.config)
         self.processors.load_directory(self.config.processors.directory)
+        if self.workers is not None:
+            self.workers.start()  # forks the zygote: before any thread of the daemon
         self.server.bind()
         self.inline.start()
         self.models.start()
@@ -362,6 +370,8 @@ class Runtime:
                 log.warning("stopping: stuck stages left to end with the process: %s",
                             "; ".join(stuck))
             self._stop_metrics()
+            if self.workers is not None:
+                self.workers.close()
             self._stopped.set()
         threading.Thread(target=drain, name="inferd-drain", daemon=True).start()
 

@@ -1,0 +1,220 @@
+"""The control channel between the daemon and a worker process: one ``AF_UNIX``
+``SOCK_SEQPACKET`` socket per caller, request then reply, tensors beside it in shared
+memory.
+
+A message is one datagram: a 4-byte length, a pickled header (the two ends are the same
+code, started by the daemon: nothing a client sent is unpickled), then the bytes of the
+small tensors. A tensor of :data:`INLINE_BYTES` or more is written into the sender's
+*arena* instead, a memfd that each end of a channel owns for what it sends and that is
+reused from call to call: it is passed to the peer (``SCM_RIGHTS``) once, and again only
+when it has to grow. A call is strictly request -> reply on its channel, so a sender's
+arena is free again once the answer to what it sent is in: the worker reads the inputs
+in place, and the daemon copies the outputs out of the worker's arena before the next
+call on the channel.
+
+A peer that died is an empty read (the kernel closes its end); :class:`Gone` says so.
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import pickle
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+INLINE_BYTES = 64 * 1024
+"""Tensors smaller than this travel inside the datagram."""
+MAX_DATAGRAM = 4 * 1024 * 1024
+"""Socket buffers are sized for this; inline bytes of one message stay far under it."""
+ALIGN = 64
+_LEN = struct.Struct("<I")
+_PAGE = mmap.PAGESIZE
+
+
+class Gone(Exception):
+    """The peer's end of the channel closed: it died or was ended."""
+
+
+@dataclass
+class _Spec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    inline: bool
+    offset: int
+    nbytes: int
+
+
+class _Arena:
+    """A memfd this end writes (``own``) or a peer's memfd it reads (``peer``)."""
+
+    def __init__(self, fd: int, size: int, writable: bool) -> None:
+        self.fd = fd
+        self.size = size
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot) if size else None
+
+    @classmethod
+    def make(cls, size: int) -> _Arena:
+        size = max(_PAGE, -(-size // _PAGE) * _PAGE)
+        fd = os.memfd_create("inferd-worker-arena", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        return cls(fd, size, True)
+
+    def view(self) -> memoryview:
+        assert self.map is not None
+        return memoryview(self.map)
+
+    def close(self) -> None:
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:
+                pass  # arrays still view it: the mapping goes with the last of them
+        os.close(self.fd)
+
+
+def _tune(sock: socket.socket) -> None:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, MAX_DATAGRAM)
+        except OSError:
+            pass  # the kernel's cap (wmem_max) stands; inline bytes stay far under it
+
+
+def pair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair of channel sockets (close-on-exec both)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    _tune(a)
+    _tune(b)
+    return a, b
+
+
+class Channel:
+    """One end of a channel: :meth:`send` a header and tensors, :meth:`receive` them.
+
+    Not thread-safe: one caller at a time (the daemon keeps a pool of them per worker).
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._own: _Arena | None = None
+        self._peer: _Arena | None = None
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def settimeout(self, seconds: float | None) -> None:
+        self.sock.settimeout(seconds)
+
+    # ----------------------------------------------------------------- sending
+
+    def send(self, header: dict[str, Any],
+             tensors: dict[str, NDArray[Any]] | None = None, fds: list[int] | None = None
+             ) -> None:
+        """Send ``header`` with ``tensors`` (big ones through this end's arena)."""
+        tensors = tensors or {}
+        specs: list[_Spec] = []
+        inline: list[Any] = []
+        big: list[tuple[_Spec, NDArray[Any]]] = []
+        inline_at = 0
+        arena_at = 0
+        for name, value in tensors.items():
+            a = np.asarray(value)
+            if a.dtype.hasobject:
+                raise TypeError(f"tensor {name}: object arrays do not cross to a worker")
+            nbytes = a.nbytes
+            if nbytes < INLINE_BYTES:
+                spec = _Spec(name, a.dtype.str, a.shape, True, inline_at, nbytes)
+                inline.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+                inline_at += nbytes
+            else:
+                spec = _Spec(name, a.dtype.str, a.shape, False, arena_at, nbytes)
+                big.append((spec, a))
+                arena_at += -(-nbytes // ALIGN) * ALIGN
+            specs.append(spec)
+        send_fds = list(fds or ())
+        arena_size = None
+        if big:
+            if self._own is None or self._own.size < arena_at:
+                old = self._own
+                self._own = _Arena.make(max(arena_at, 2 * old.size if old else 0))
+                if old is not None:
+                    old.close()
+                send_fds.append(self._own.fd)
+                arena_size = self._own.size
+            view = self._own.view()
+            for spec, a in big:
+                dest = np.frombuffer(view, a.dtype, a.size, spec.offset).reshape(a.shape)
+                np.copyto(dest, a, casting="no")
+            del view
+        body = pickle.dumps((header, specs, arena_size), protocol=pickle.HIGHEST_PROTOCOL)
+        parts: list[Any] = [_LEN.pack(len(body)), body, *inline]
+        if send_fds:
+            self.sock.sendmsg(parts, [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                       array.array("i", send_fds))])
+        else:
+            self.sock.sendmsg(parts)
+
+    # ----------------------------------------------------------------- receiving
+
+    def receive(self, copy: bool = False
+                ) -> tuple[dict[str, Any], dict[str, NDArray[Any]], list[int]]:
+        """The next message: its header, its tensors (views of the datagram or of the
+        peer's arena; ``copy`` makes them the receiver's own) and any descriptors passed
+        with it (other than an arena's).
+
+        Raises:
+            Gone: the peer closed its end.
+            TimeoutError: nothing came within the socket's timeout.
+        """
+        fds = array.array("i")
+        try:
+            data, ancdata, _flags, _addr = self.sock.recvmsg(
+                MAX_DATAGRAM, socket.CMSG_SPACE(16 * fds.itemsize))
+        except ConnectionResetError as e:
+            raise Gone(str(e)) from e
+        if not data:
+            raise Gone("the peer closed the channel")
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+        passed = list(fds)
+        (length,) = _LEN.unpack_from(data)
+        header, specs, arena_size = pickle.loads(data[_LEN.size:_LEN.size + length])
+        if arena_size is not None:
+            fd = passed.pop()
+            if self._peer is not None:
+                self._peer.close()
+            self._peer = _Arena(fd, arena_size, False)
+        base = _LEN.size + length
+        mem = memoryview(data)
+        tensors: dict[str, NDArray[Any]] = {}
+        for spec in specs:
+            dtype = np.dtype(spec.dtype)
+            count = spec.nbytes // dtype.itemsize if dtype.itemsize else 0
+            if spec.inline:
+                a = np.frombuffer(mem, dtype, count, base + spec.offset)
+                if copy:
+                    a = a.copy()
+            else:
+                assert self._peer is not None and self._peer.map is not None
+                a = np.frombuffer(self._peer.map, dtype, count, spec.offset)
+                if copy:
+                    a = a.copy()
+            tensors[spec.name] = a.reshape(spec.shape)
+        return header, tensors, passed
+
+    def close(self) -> None:
+        self.sock.close()
+        for arena in (self._own, self._peer):
+            if arena is not None:
+                arena.close()
+        self._own = self._peer = None

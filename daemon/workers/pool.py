@@ -1,0 +1,420 @@
+"""The daemon's side of the worker processes: which worker a model loads in, starting
+them through the zygote, watching them, and the :class:`WorkerModel` that the cache runs
+like any loaded model.
+
+**Which worker.** ``[workers] isolation = "backend"``: the models of one backend share
+one worker (the engine's memory is paid once); a model with its own ``customops/``
+folder gets a worker of its own. ``"model"``: every model version its own.
+``"in-process"``: no worker (the engines run in the daemon, as before).
+
+**Watching.** Nothing polls: a call waiting on a worker that dies gets an empty read on
+its channel at once (the kernel closes the worker's end), and the zygote, the worker's
+parent, reports the wait status on SIGCHLD (a worker that dies between calls is known
+the same way). A worker is killed through its pidfd. Every call the worker held fails
+``UNAVAILABLE``, naming the engine, the worker's pid, how it ended and what it was
+running (``engine onnxruntime (worker 4711) died of SIGABRT while running vad version
+1``); one ERROR line says the same with journal fields, and
+``inferd_worker_restarts_total{backend,reason}`` counts it.
+A call that runs past ``[workers] kill_after_s`` has its worker killed (SIGKILL).
+
+**Again.** A model whose worker died loads again, in a new worker, on its next run; a
+worker that died is started again no sooner than ``restart_backoff_s`` after the
+previous start (doubling while deaths follow each other within a minute).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from numpy.typing import NDArray
+
+from inferd.daemon.workers.channel import Channel, Gone, pair
+from inferd.daemon.workers.process import decode_error
+from inferd.daemon.workers.zygote import Zygote, describe_status
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+from inferd.libbackends.contract import BatchSizes, LoadedModel, LoadOptions, TensorSpec
+
+log = logging.getLogger(__name__)
+
+STATUS_WAIT_S = 2.0
+"""How long a failed call waits for the zygote's word on how its worker ended."""
+
+
+class WorkerDied(InferdError):
+    """A call's worker ended while it ran (``UNAVAILABLE``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, ErrorCode.UNAVAILABLE)
+
+
+@dataclass
+class Worker:
+    """One worker process, as the daemon sees it."""
+
+    name: str
+    backend: str
+    pid: int
+    control: Channel
+    started: float = field(default_factory=time.monotonic)
+    pidfd: int = -1
+    status: int | None = None
+    reason: str = ""
+    """How it ended (``died of SIGABRT``), once it has."""
+    running: dict[int, str] = field(default_factory=dict)
+    """Calls in progress, by thread id: what each runs (``vad version 1``)."""
+    idle: list[Channel] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ended: threading.Event = field(default_factory=threading.Event)
+    killed_for: str = ""
+
+    @property
+    def alive(self) -> bool:
+        return not self.ended.is_set()
+
+
+class WorkerPool:
+    """Starts, finds and watches the worker processes.
+
+    Args:
+        registry: the registered backends (inherited by every worker).
+        customops: the daemon-wide custom ops (inherited by every worker).
+        kill_after_s: a call running longer has its worker killed.
+        restart_backoff_s: the least time between two starts of a worker that died.
+        on_restart: called with ``(backend, reason)`` for every worker that died.
+    """
+
+    def __init__(self, registry: Any, customops: Any, kill_after_s: float,
+                 restart_backoff_s: float = 0.5,
+                 on_restart: Callable[[str, str], None] | None = None) -> None:
+        self.registry = registry
+        self.customops = customops
+        self.kill_after_s = kill_after_s
+        self.restart_backoff_s = restart_backoff_s
+        self._on_restart = on_restart
+        self._lock = threading.Lock()
+        self._workers: dict[str, Worker] = {}
+        self._by_pid: dict[int, Worker] = {}
+        self._statuses: dict[int, int] = {}
+        self._deaths: dict[str, collections.deque[float]] = {}
+        self._last_start: dict[str, float] = {}
+        self._spawn_lock = threading.Lock()  # not _lock: the zygote's reader takes that
+        self.restarts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.zygote: Zygote | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Fork the zygote: call it while the daemon has one thread, once the backends
+        and custom ops are registered (every worker inherits them)."""
+        from inferd.daemon.workers.process import worker_main
+
+        registry, customops = self.registry, self.customops
+
+        def main(sock: socket.socket, name: str) -> int:
+            return worker_main(sock, name, registry, customops)
+
+        t0 = time.monotonic()
+        self.zygote = Zygote(main, self._exited)
+        self.zygote.start()
+        log.info("worker zygote started: pid %d in %.1f ms", self.zygote.pid,
+                 (time.monotonic() - t0) * 1e3)
+
+    # ----------------------------------------------------------------- workers
+
+    def worker(self, key: str, backend: str) -> Worker:
+        """The live worker for ``key``, started if there is none."""
+        with self._spawn_lock:
+            with self._lock:
+                w = self._workers.get(key)
+                if w is not None and w.alive:
+                    return w
+                if self._closed:
+                    raise InferdError("the daemon is stopping", ErrorCode.UNAVAILABLE)
+                wait = self._backoff(key)
+            if wait > 0:
+                time.sleep(wait)  # a worker that keeps dying is not restarted in a tight loop
+            if self.zygote is None:
+                raise InferdError("worker processes are not started", ErrorCode.INTERNAL)
+            ours, theirs = pair()
+            t0 = time.monotonic()
+            try:
+                pid = self.zygote.spawn(theirs, key)
+            except OSError as e:
+                ours.close()
+                raise InferdError(f"cannot start a worker for {key}: {e}",
+                                  ErrorCode.UNAVAILABLE) from e
+            w = Worker(key, backend, pid, Channel(ours))
+            try:
+                w.pidfd = os.pidfd_open(pid)
+            except OSError:
+                w.pidfd = -1  # gone already: the zygote's report ends it
+            with self._lock:
+                self._workers[key] = w
+                self._by_pid[pid] = w
+                self._last_start[key] = time.monotonic()
+                status = self._statuses.pop(pid, None)
+        log.info("worker %s started: pid %d in %.1f ms", key, pid,
+                 (time.monotonic() - t0) * 1e3,
+                 extra={"BACKEND": backend, "WORKER_PID": pid})
+        if status is not None:
+            self._exited(pid, status)
+        return w
+
+    def _backoff(self, key: str) -> float:
+        deaths = self._deaths.get(key)
+        if not deaths:
+            return 0.0
+        now = time.monotonic()
+        while deaths and now - deaths[0] > 60:
+            deaths.popleft()
+        if not deaths:
+            return 0.0
+        delay = min(30.0, self.restart_backoff_s * 2 ** (len(deaths) - 1))
+        return max(0.0, self._last_start.get(key, 0.0) + delay - now)
+
+    def _exited(self, pid: int, status: int) -> None:
+        """The zygote's report: worker ``pid`` ended with wait status ``status``."""
+        with self._lock:
+            w = self._by_pid.pop(pid, None)
+            if w is None:
+                self._statuses[pid] = status
+                return
+            w.status = status
+            w.reason = w.killed_for or describe_status(status)
+            if self._workers.get(w.name) is w:
+                del self._workers[w.name]
+            expected = self._closed or w.killed_for == "unloaded"
+            if not expected:
+                self._deaths.setdefault(w.name, collections.deque()).append(
+                    time.monotonic())
+            running = list(w.running.values())
+            w.ended.set()
+        if w.pidfd >= 0:
+            os.close(w.pidfd)
+            w.pidfd = -1
+        if expected:
+            return
+        what = f" while running {', '.join(sorted(set(running)))}" if running else ""
+        reason = "killed" if w.killed_for else (
+            "signal" if os.WIFSIGNALED(status) else "exit")
+        self.restarts[(w.backend, reason)] += 1
+        log.error("engine %s (worker %d) %s%s; its models load again in a new worker on "
+                  "their next request", w.backend, pid, w.reason, what,
+                  extra={"BACKEND": w.backend, "WORKER_PID": pid,
+                         "REASON": reason})
+        if self._on_restart is not None:
+            self._on_restart(w.backend, reason)
+
+    def death(self, w: Worker, what: str) -> WorkerDied:
+        """The error for a call on ``w`` (running ``what``) that found it gone."""
+        w.ended.wait(STATUS_WAIT_S)  # the zygote's word on how it ended
+        how = w.reason or "ended"
+        return WorkerDied(f"engine {w.backend} (worker {w.pid}) {how} while running "
+                          f"{what}")
+
+    def kill(self, w: Worker, why: str) -> None:
+        w.killed_for = w.killed_for or why
+        try:
+            if w.pidfd >= 0:
+                signal.pidfd_send_signal(w.pidfd, signal.SIGKILL)
+            else:
+                os.kill(w.pid, signal.SIGKILL)
+        except (ProcessLookupError, OSError):
+            pass
+
+    # ----------------------------------------------------------------- calls
+
+    def call(self, w: Worker, header: dict[str, Any], what: str,
+             tensors: dict[str, NDArray[Any]] | None = None, timeout: float | None = None,
+             key: str = "workers.kill_after_s"
+             ) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        """One call on one of ``w``'s channels; the reply's tensors are the daemon's own
+        (copied out of the worker's arena).
+
+        Raises:
+            WorkerDied: the worker ended (or was killed) during the call.
+            InferdError: the call's own failure, as the worker raised it.
+        """
+        channel = self._channel(w, what)
+        me = threading.get_ident()
+        w.running[me] = what
+        limit = self.kill_after_s if timeout is None else timeout
+        try:
+            channel.settimeout(limit)
+            channel.send(header, tensors)
+            reply, out, _ = channel.receive(copy=True)
+        except TimeoutError:
+            channel.close()
+            self.kill(w, f"was killed after {limit:g} s in one call ({key})")
+            raise self.death(w, what) from None
+        except (Gone, OSError):
+            channel.close()
+            if not w.ended.wait(STATUS_WAIT_S):
+                self.kill(w, "was killed: its channel broke")  # its state is unknown
+            raise self.death(w, what) from None
+        finally:
+            w.running.pop(me, None)
+        with w.lock:
+            w.idle.append(channel)
+        if "error" in reply:
+            raise decode_error(reply["error"])
+        return reply, out
+
+    def _channel(self, w: Worker, what: str) -> Channel:
+        with w.lock:
+            if w.idle:
+                return w.idle.pop()
+        if not w.alive:
+            raise self.death(w, what)
+        ours, theirs = pair()
+        with w.lock:  # the control channel carries the new channel's end
+            try:
+                w.control.settimeout(10.0)
+                w.control.send({"op": "channel"}, fds=[theirs.fileno()])
+                w.control.receive()
+            except (Gone, OSError):
+                ours.close()
+                raise self.death(w, what) from None
+            finally:
+                theirs.close()
+        return Channel(ours)
+
+    def rss(self, w: Worker) -> int | None:
+        try:
+            reply, _ = self.call(w, {"op": "stats"}, "stats", timeout=5.0,
+                                 key="a 5 s limit")
+        except InferdError:
+            return None
+        return int(reply["rss"])
+
+    def unloaded(self, w: Worker, left: int) -> None:
+        """A model left ``w``; its last one ends it (memory a worker keeps after an
+        unload is not room): closing its control channel ends it."""
+        if left:
+            return
+        w.killed_for = "unloaded"
+        with self._lock:
+            if self._workers.get(w.name) is w:
+                del self._workers[w.name]
+        with w.lock:
+            for channel in (w.control, *w.idle):
+                channel.close()
+            w.idle.clear()
+
+    def pids(self) -> dict[str, int]:
+        with self._lock:
+            return {k: w.pid for k, w in self._workers.items() if w.alive}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            workers = list(self._workers.values())
+        for w in workers:
+            self.kill(w, "stopped")
+        if self.zygote is not None:
+            self.zygote.close()
+
+
+@dataclass
+class LoadCall:
+    """Everything a worker needs to load one model version (kept to load it again after
+    its worker died)."""
+
+    backend: str
+    path: Path
+    options: LoadOptions
+    model: str
+    model_dir: Path
+    fallbacks: tuple[str, ...]
+    tables: dict[str, Any]
+    probe_timeout_s: float
+    key: str
+
+    def header(self) -> dict[str, Any]:
+        return {"op": "load", "backend": self.backend, "path": str(self.path),
+                "options": self.options, "model": self.model,
+                "model_dir": str(self.model_dir), "fallbacks": list(self.fallbacks),
+                "tables": self.tables, "probe_timeout_s": self.probe_timeout_s}
+
+
+class WorkerModel(LoadedModel):
+    """A model loaded in a worker process, run from the daemon like any loaded model."""
+
+    def __init__(self, pool: WorkerPool, call: LoadCall, load_timeout_s: float) -> None:
+        self.pool = pool
+        self.call = call
+        self.load_timeout_s = load_timeout_s
+        self._lock = threading.Lock()
+        self._closed = False
+        self._load()
+
+    def _load(self) -> None:
+        w = self.pool.worker(self.call.key, self.call.backend)
+        reply, _ = self.pool.call(w, self.call.header(), f"the load of {self.call.model}",
+                                  timeout=self.load_timeout_s,
+                                  key="workers.load_kill_after_s")
+        self.worker = w
+        self.handle = int(reply["handle"])
+        self.inputs: tuple[TensorSpec, ...] = tuple(reply["inputs"])
+        self.outputs: tuple[TensorSpec, ...] = tuple(reply["outputs"])
+        self.device = reply["device"] or ""
+        self._describe: dict[str, Any] = dict(reply["describe"])
+        self._batch_sizes: BatchSizes | None = reply["batch_sizes"]
+        reported = reply["reported"]
+        self.added = int(reply["added"])
+        self.engine_bytes = int(reply["engine"])
+        self._memory = max(self.added, reported or 0)
+
+    @property
+    def pid(self) -> int:
+        return self.worker.pid
+
+    def run(self, inputs: dict[str, NDArray[Any]],
+            outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
+        w = self.worker
+        if not w.alive:
+            with self._lock:
+                if self._closed:
+                    raise ModelError(f"model {self.call.model} is unloaded",
+                                     ErrorCode.UNAVAILABLE)
+                if self.worker is w:  # the first run after a death loads it again
+                    self._load()
+                w = self.worker
+        _, out = self.pool.call(w, {"op": "run", "handle": self.handle,
+                                    "outputs": outputs}, self.call.model, inputs)
+        return out
+
+    def unload(self) -> None:
+        with self._lock:
+            self._closed = True
+            w = self.worker
+        if not w.alive:
+            return
+        try:
+            reply, _ = self.pool.call(w, {"op": "unload", "handle": self.handle},
+                                      f"the unload of {self.call.model}", timeout=30.0,
+                                      key="a 30 s limit")
+        except InferdError as e:
+            log.warning("model %s: unload in worker %d failed: %s", self.call.model, w.pid,
+                        e.message)
+            return
+        self.pool.unloaded(w, int(reply.get("left", 1)))
+
+    def memory_bytes(self) -> int | None:
+        return self._memory
+
+    def describe(self) -> dict[str, Any]:
+        return {**self._describe, "worker": {"name": self.worker.name,
+                                             "pid": self.worker.pid}}
+
+    def batch_sizes(self) -> BatchSizes | None:
+        return self._batch_sizes

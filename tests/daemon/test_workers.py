@@ -1,0 +1,191 @@
+"""Worker processes without a daemon: the control channel (inline and arena tensors, the
+arena growing, descriptors passed), the zygote's spawn and exit reports, and a real
+onnxruntime model loaded and run in a worker, killed, and run again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inferd.daemon.workers.channel import INLINE_BYTES, Channel, Gone, pair
+from inferd.daemon.workers.pool import LoadCall, WorkerDied, WorkerModel, WorkerPool
+from inferd.daemon.workers.zygote import Zygote, describe_status
+from inferd.ipc.errors import ErrorCode
+from inferd.libbackends.contract import LoadOptions
+from inferd.libbackends.customops.contract import OpRegistry
+from inferd.libbackends.loader import _onnxruntime_cpu
+from inferd.libbackends.registry import Registry
+from tests.e2e.test_cache_reload import poll
+
+
+def test_the_channel_carries_small_and_big_tensors_of_every_dtype():
+    a, b = pair()
+    ours, theirs = Channel(a), Channel(b)
+    rng = np.random.default_rng(0)
+    tensors = {
+        "small": rng.random((3, 4), dtype=np.float32),
+        "half": rng.random(7).astype(np.float16),
+        "flags": np.array([True, False, True]),
+        "scalar": np.array(16000, np.int64),
+        "empty": np.zeros((0, 512), np.float32),
+        "big": rng.random((1, 3, 256, 256), dtype=np.float32),  # through the arena
+        "strided": rng.random((64, 64), dtype=np.float64)[:, ::2],
+    }
+    assert tensors["big"].nbytes >= INLINE_BYTES
+    for _ in range(2):  # the arena is reused the second time
+        ours.send({"op": "x", "n": 1}, tensors)
+        header, got, fds = theirs.receive()
+        assert header == {"op": "x", "n": 1} and fds == []
+        assert list(got) == list(tensors)
+        for k, v in tensors.items():
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape
+            np.testing.assert_array_equal(got[k], v)
+    bigger = {"big": rng.random((4, 3, 256, 256), dtype=np.float32)}  # the arena grows
+    ours.send({}, bigger)
+    _, got, _ = theirs.receive(copy=True)
+    np.testing.assert_array_equal(got["big"], bigger["big"])
+    assert got["big"].flags.writeable  # copied: the receiver's own
+    ours.close()
+    with pytest.raises(Gone):
+        theirs.receive()
+    theirs.close()
+
+
+def test_the_channel_passes_descriptors():
+    a, b = pair()
+    r, w = os.pipe()
+    Channel(a).send({"op": "fd"}, fds=[w])
+    os.close(w)
+    _, _, fds = Channel(b).receive()
+    os.write(fds[0], b"hi")
+    os.close(fds[0])
+    assert os.read(r, 2) == b"hi"
+    os.close(r)
+    a.close()
+    b.close()
+
+
+def test_status_words():
+    assert describe_status(signal.SIGABRT) == "died of SIGABRT"
+    assert describe_status(3 << 8) == "exited with status 3"
+
+
+def _echo_worker(sock: socket.socket, name: str) -> int:
+    ch = Channel(sock)
+    while True:
+        try:
+            header, tensors, _ = ch.receive()
+        except Gone:
+            return 0
+        if header.get("die"):
+            os.kill(os.getpid(), header["die"])
+        ch.send({"name": name, **header}, tensors)
+
+
+def test_the_zygote_forks_workers_and_reports_how_they_end():
+    ended: dict[int, int] = {}
+    done = threading.Event()
+
+    def on_exit(pid: int, status: int) -> None:
+        ended[pid] = status
+        done.set()
+
+    z = Zygote(_echo_worker, on_exit)
+    z.start()
+    try:
+        a, b = pair()
+        pid = z.spawn(b, "w1")
+        ch = Channel(a)
+        x = np.arange(10, dtype=np.int32)
+        ch.send({"op": "echo"}, {"x": x})
+        header, got, _ = ch.receive()
+        assert header == {"name": "w1", "op": "echo"}
+        np.testing.assert_array_equal(got["x"], x)
+        ch.send({"die": int(signal.SIGSEGV)})
+        with pytest.raises(Gone):
+            ch.receive()
+        assert done.wait(10)
+        assert describe_status(ended[pid]) == "died of SIGSEGV"
+    finally:
+        z.close()
+
+
+@pytest.fixture
+def pool():
+    registry = Registry()
+    registry.register(_onnxruntime_cpu())
+    p = WorkerPool(registry, OpRegistry(), kill_after_s=30.0, restart_backoff_s=0.05)
+    p.start()
+    yield p
+    p.close()
+
+
+def vad_call(models_dir: Path) -> LoadCall:
+    path = models_dir / "vad" / "1" / "model.onnx"
+    return LoadCall("onnxruntime", path, LoadOptions(), "vad version 1", models_dir / "vad",
+                    (), {}, 10.0, key="onnxruntime")
+
+
+VAD = {"input": np.random.default_rng(3).random((2, 512), dtype=np.float32),
+       "state": np.zeros((2, 2, 128), np.float32), "sr": np.array(16000, np.int64)}
+
+
+def test_a_model_in_a_worker_runs_as_in_process(pool, models_dir):
+    backend = _onnxruntime_cpu()
+    local = backend.load(models_dir / "vad" / "1" / "model.onnx", LoadOptions())
+    try:
+        expected = local.run(VAD)
+    finally:
+        local.unload()
+    model = WorkerModel(pool, vad_call(models_dir), 60.0)
+    try:
+        assert [s.name for s in model.inputs] == ["input", "state", "sr"]
+        got = model.run(VAD)
+        for k in expected:
+            np.testing.assert_array_equal(got[k], expected[k])
+        assert model.memory_bytes() and model.memory_bytes() > 0
+        assert model.describe()["worker"]["pid"] == model.pid != os.getpid()
+    finally:
+        model.unload()
+
+
+def test_a_killed_worker_fails_the_run_it_held_and_the_model_loads_again(pool, models_dir):
+    model = WorkerModel(pool, vad_call(models_dir), 60.0)
+    first = model.run(VAD)
+    pid = model.pid
+    os.kill(pid, signal.SIGKILL)
+    poll(lambda: not model.worker.alive, 10)
+    # the next run starts a new worker and loads the model again
+    again = model.run(VAD)
+    assert model.pid != pid
+    for k in first:
+        np.testing.assert_array_equal(first[k], again[k])
+    assert pool.restarts[("onnxruntime", "signal")] == 1
+    # a run in progress when its worker dies gets the reason
+    big = dict(VAD, input=np.zeros((20000, 512), np.float32),
+               state=np.zeros((2, 20000, 128), np.float32))
+    try:
+        for _ in range(10):  # until a kill lands inside a run
+            w = model.worker
+            model.run(big)  # loaded again if the last kill landed between runs
+            killer = threading.Timer(0.02, lambda: os.kill(w.pid, signal.SIGKILL))
+            killer.start()
+            try:
+                model.run(big)
+            except WorkerDied as e:
+                assert e.code is ErrorCode.UNAVAILABLE
+                assert e.message == (f"engine onnxruntime (worker {w.pid}) died of SIGKILL "
+                                     f"while running vad version 1")
+                break
+            finally:
+                killer.join()
+        else:
+            pytest.fail("no kill landed inside a run")
+    finally:
+        model.unload()

@@ -1,0 +1,214 @@
+"""Engines in worker processes, through a real daemon: an engine that aborts (onnxruntime
+on a zero-size batch of the Silero VAD model), a custom op that aborts, dereferences NULL
+or calls ``_exit()``, a run that never returns, and a worker killed from outside each cost
+the request that was running, never the daemon; the model is served again on the next
+request, and a client of a model in another worker sees nothing the whole time."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from inferd.ipc import ErrorCode, RequestError
+from tests.e2e.test_cache_reload import poll
+from tests.libbackends.customops import kit
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BOMB = '''
+import ctypes
+import os
+import time
+
+
+class CstBomb:
+    """Identity, unless x's first element asks for a crash."""
+
+    op_type = "cstBomb"
+
+    def shape_infer(self, node, in_shapes, in_dtypes):
+        return [in_shapes[0]], [in_dtypes[0]]
+
+    def compute(self, node, inputs):
+        x = inputs[0]
+        how = int(x.reshape(-1)[0]) if x.size else 0
+        if how == 1:
+            os.abort()
+        if how == 2:
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
+        if how == 3:
+            os._exit(3)
+        if how == 4:
+            time.sleep(3600)
+        return [x.copy()]
+'''
+
+HOW = {"abort": (1, "died of SIGABRT"), "null": (2, "died of SIGSEGV"),
+       "exit": (3, "exited with status 3")}
+
+VAD_OK = {"input": np.zeros((1, 512), np.float32), "state": np.zeros((2, 1, 128), np.float32),
+          "sr": np.array(16000, np.int64)}
+VAD_ZERO = {"input": np.zeros((0, 512), np.float32),
+            "state": np.zeros((2, 0, 128), np.float32), "sr": np.array(16000, np.int64)}
+
+
+def bomb_model(repo: Path) -> None:
+    node = helper.make_node("cstBomb", ["x"], ["y"], name="bomb", domain=kit.DOMAIN)
+    graph = helper.make_graph(
+        [node], "bomb", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    model = helper.make_model(graph, opset_imports=kit.OPSETS)
+    model.ir_version = 8
+    (repo / "bomb" / "1").mkdir(parents=True)
+    onnx.save(model, repo / "bomb" / "1" / "model.onnx")
+    (repo / "bomb" / "customops").mkdir()
+    (repo / "bomb" / "customops" / "bomb.py").write_text(BOMB)
+
+
+@pytest.fixture
+def repo(short_tmp: Path, models_dir: Path) -> Path:
+    repo = short_tmp / "repo"
+    repo.mkdir()
+    for name in ("vad", "ocr-cls"):
+        os.symlink(models_dir / name, repo / name)
+    bomb_model(repo)
+    return repo
+
+
+def daemon_with_workers(start_daemon, repo: Path, short_tmp: Path, **workers: object):
+    conf = short_tmp / "inferd.toml"
+    extra = "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in workers.items())
+    conf.write_text(f'[workers]\nisolation = "backend"\n{extra}\n'
+                    '[models]\nallow_external_links = true\n[metrics]\ntextfile = ""\n')
+    return start_daemon("--config", str(conf), "--models", str(repo))
+
+
+def worker_pids(log: str, name: str) -> list[int]:
+    return [int(p) for p in re.findall(rf"worker {re.escape(name)} started: pid (\d+)", log)]
+
+
+def test_a_zero_batch_that_aborts_onnxruntime_costs_one_request(start_daemon, repo,
+                                                               short_tmp):
+    d = daemon_with_workers(start_daemon, repo, short_tmp)
+    with d.client() as c:
+        first = c.infer("vad", VAD_OK)
+        with pytest.raises(RequestError) as e:
+            c.infer("vad", VAD_ZERO)
+        assert e.value.code is ErrorCode.UNAVAILABLE
+        assert re.fullmatch(r"engine onnxruntime \(worker \d+\) died of SIGABRT while "
+                            r"running vad version 1", e.value.message), e.value.message
+        assert c.ping()["pong"]
+        again = c.infer("vad", VAD_OK)
+        text = c.call("metrics")["text"]
+    assert 'inferd_worker_restarts_total{backend="onnxruntime",reason="signal"} 1.0' in text
+    assert d.proc.poll() is None
+    for k in first:
+        np.testing.assert_array_equal(first[k], again[k])
+    log = d.log()
+    assert re.search(r"ERROR inferd\.daemon\.workers\.pool: engine onnxruntime \(worker \d+\) "
+                     r"died of SIGABRT while running vad version 1; its models load again",
+                     log), log
+    assert len(worker_pids(log, "onnxruntime")) == 2  # the first, and the one started again
+
+
+class Neighbour:
+    """A client of ocr-cls (another worker) that runs until stopped, keeping any error."""
+
+    def __init__(self, d) -> None:
+        self.d = d
+        self.errors: list[str] = []
+        self.runs = 0
+        self.stop = threading.Event()
+        self.x = np.random.default_rng(1).random((1, 3, 48, 192), dtype=np.float32)
+        with d.client() as c:
+            self.expected = c.infer("ocr-cls", {"x": self.x})
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with self.d.client() as c:
+            while not self.stop.is_set():
+                try:
+                    out = c.infer("ocr-cls", {"x": self.x})
+                    for k, v in self.expected.items():
+                        if not np.array_equal(out[k], v):
+                            self.errors.append(f"{k} differs")
+                    self.runs += 1
+                except RequestError as e:
+                    self.errors.append(f"{e.code}: {e.message}")
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+
+
+@pytest.mark.parametrize("how", sorted(HOW))
+def test_a_custom_op_that_crashes_costs_one_request(how, start_daemon, repo, short_tmp):
+    d = daemon_with_workers(start_daemon, repo, short_tmp)
+    trigger, ended = HOW[how]
+    ok = np.arange(8, dtype=np.float32).reshape(2, 4) + 10
+    bad = np.full((1, 4), trigger, np.float32)
+    neighbour = Neighbour(d)
+    try:
+        with d.client() as c:
+            np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
+            with pytest.raises(RequestError) as e:
+                c.infer("bomb", {"x": bad})
+            assert e.value.code is ErrorCode.UNAVAILABLE
+            assert re.fullmatch(rf"engine onnxruntime \(worker \d+\) {ended} while running "
+                                r"bomb version 1", e.value.message), e.value.message
+            np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
+        poll(lambda: neighbour.runs >= 3, 30)
+    finally:
+        neighbour.finish()
+    assert neighbour.errors == []
+    assert d.proc.poll() is None
+    log = d.log()
+    # the model with its own custom ops has a worker of its own
+    assert worker_pids(log, "bomb version 1@onnxruntime")
+    assert len(worker_pids(log, "onnxruntime")) == 1, log
+
+
+def test_a_run_that_never_returns_is_killed(start_daemon, repo, short_tmp):
+    d = daemon_with_workers(start_daemon, repo, short_tmp, kill_after_s=2.0,
+                            restart_backoff_s=0.1)
+    ok = np.full((1, 4), 7, np.float32)
+    with d.client(timeout=60) as c:
+        np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
+        with pytest.raises(RequestError) as e:
+            c.infer("bomb", {"x": np.full((1, 4), 4, np.float32)})
+        assert e.value.code is ErrorCode.UNAVAILABLE
+        assert re.fullmatch(r"engine onnxruntime \(worker \d+\) was killed after 2 s in one "
+                            r"call \(workers\.kill_after_s\) while running bomb version 1",
+                            e.value.message), e.value.message
+        np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
+
+
+def test_a_worker_killed_from_outside_is_started_again(start_daemon, repo, short_tmp):
+    d = daemon_with_workers(start_daemon, repo, short_tmp)
+    x = np.random.default_rng(2).random((2, 3, 48, 192), dtype=np.float32)
+    with d.client() as c:
+        before = c.infer("ocr-cls", {"x": x})
+        (pid,) = worker_pids(d.log(), "onnxruntime")
+        os.kill(pid, signal.SIGKILL)  # the OOM killer's way
+        poll(lambda: "died of SIGKILL" in d.log(), 10)
+        t0 = time.monotonic()
+        after = c.infer("ocr-cls", {"x": x})
+        took = time.monotonic() - t0
+    for k in before:
+        np.testing.assert_array_equal(before[k], after[k])
+    pids = worker_pids(d.log(), "onnxruntime")
+    assert len(pids) == 2 and pids[1] != pid
+    print(f"served again {took * 1e3:.0f} ms after the worker's death was known")
