@@ -187,8 +187,9 @@ class ModelManager:
         Args:
             request: the request.
             ticket: its record.
-            io_thread: the caller is the I/O thread with a wire request (``ticket.size``):
-                a small request to a model that runs it in less time than the two thread
+            io_thread: the caller is the I/O thread with a wire request: a small one
+                (``ticket.tensor_bytes``, its tensors wherever they travel, frames or
+                shared memory) to a model that runs it in less time than the two thread
                 hand-overs would cost is run here and now (``[models] io_run_max_us``,
                 :meth:`Workers.may_run_on_io_thread`).
         """
@@ -197,7 +198,7 @@ class ModelManager:
         keep_alive = request_keep_alive(request.params)
         entry = self.entry(request.model, request.version)
         workers = entry.workers
-        if (io_thread and workers is not None and workers.may_run_on_io_thread(ticket.size)
+        if (io_thread and workers is not None and workers.may_run_on_io_thread(ticket.tensor_bytes)
                 and not self._stopping.is_set() and entry.begin_io_run(workers, keep_alive)):
             workers.run_on_io_thread(WorkItem(request, ticket))
             return

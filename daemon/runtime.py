@@ -121,7 +121,7 @@ class Runtime:
                                  config.server.max_replies_queued_per_client),
                              max_connections=config.server.max_connections,
                              max_bytes_in_flight=requests_bound(config),
-                             observe=self.metrics.count)
+                             observe=self.metrics.count, resolve=self.resolve)
         self.server.on_stop = self._on_stop
         self.server.on_peer_gone = self._peer_gone
         # Wire tickets are counted by the server, in-process ones (graph nodes calling
@@ -440,6 +440,15 @@ class Runtime:
 
     def _collect_metrics(self) -> dict[str, Any]:
         return {"text": self.metrics.text(), "samples": self.metrics.samples()}
+
+    def resolve(self, request: Request) -> None:
+        """Refuse an infer whose model or graph does not exist (NOT_FOUND, listing what
+        does), before its tensors are decoded: the server's ``inferd-decode`` thread
+        calls it for tensors that take time to decode (ipc/decoder.py)."""
+        name = request.model
+        if self.models.catalog.knows(name) or self.graphs.is_graph(name):
+            return
+        self.models.entry(name or "", request.version)  # or a model added since the scan
 
     def _infer_unknown(self, request: Request, ticket: Ticket) -> None:
         """An infer naming what the catalog does not know (inline thread): a graph, a

@@ -221,9 +221,10 @@ class Workers:
     # ----------------------------------------------------------------- on the I/O thread
 
     def may_run_on_io_thread(self, size: int) -> bool:
-        """Whether a request of ``size`` bytes may run on the calling thread (the I/O
-        thread) instead of being handed to this model's threads: two thread hand-overs
-        cost more than such a run. Only a model whose last :data:`IO_RUN_AFTER` runs
+        """Whether a request whose tensors are ``size`` bytes (wherever they travel:
+        ``Ticket.tensor_bytes``) may run on the calling thread (the I/O thread) instead
+        of being handed to this model's threads: two thread hand-overs cost more than
+        such a run. Only a model whose last :data:`IO_RUN_AFTER` runs
         were all short (a first run that hangs never gets here), and never a pinned
         model on a thread outside its cores. The caller makes sure that nothing of this
         model is queued or running (:meth:`ModelEntry.begin_io_run`)."""

@@ -128,6 +128,7 @@ class ClientLimits:
 
         Every call is matched by one :meth:`done` (also for a refused request)."""
         key, size = ticket.peer, ticket.size
+        ticket.held = size
         use = self._use.get(key)
         if use is None:
             use = self._use[key] = _Use(key if owner is None else owner)
@@ -169,6 +170,43 @@ class ClientLimits:
                     f"retry when replies have come")
         return None
 
+    def decoding(self, ticket: Ticket, extra: int) -> str | None:
+        """Count ``extra`` bytes more for the admitted request of ``ticket``: what
+        decoding its tensors will make (unpacked packed types, string objects), priced
+        from its header before anything is decoded; why that is over a limit, or None.
+        No request is exempt here: its frames were all a lone request could bring."""
+        use = self._use.get(ticket.peer)
+        if use is None or extra <= 0:
+            return None
+        held, owned = self.held, self._owned.get(use.owner, 0)
+        ticket.held += extra
+        self._release(use, -extra)
+        self._since_trim += extra
+        bound = self.max_held
+        total = ticket.held
+        what = (f"this request's tensors would take {_mib(total)} once decoded "
+                f"({_mib(ticket.size)} received; packed types unpacked to a byte per "
+                f"element, strings as Python objects)")
+        if use.bytes > self.max_bytes:
+            self.refused += 1
+            return (f"{what}; with the {_mib(use.bytes - total)} this client holds already "
+                    f"that passes the limit of {_mib(self.max_bytes)} "
+                    f"(server.max_bytes_per_client); send smaller tensors")
+        if bound and (held + extra > bound or (held + extra > bound * 3 // 4
+                                               and owned + extra > bound // 4)):
+            self.refused += 1
+            self._refused_bytes += total
+            self._refused_at = time.monotonic()
+            why = ("would pass the limit" if held + extra > bound else
+                   f"would pass three quarters of the limit, past which one user may hold "
+                   f"at most a quarter ({_mib(bound // 4)}; this user's other requests "
+                   f"hold {_mib(owned - ticket.size)})")
+            return (f"{what}; with the {_mib(held - ticket.size)} of requests the daemon "
+                    f"holds already that {why} of {_mib(bound)} "
+                    f"(server.max_bytes_in_flight); send smaller tensors, or retry when "
+                    f"replies have come")
+        return None
+
     def holds(self, key: bytes) -> bool:
         """Whether client ``key`` has requests in flight."""
         use = self._use.get(key)
@@ -182,13 +220,13 @@ class ClientLimits:
         if ticket.model is not None:  # an inference (its tensors may be in shared memory)
             self._worked = time.monotonic()
         if use is None:
-            self.held -= ticket.size
+            self.held -= ticket.held
             return
         use.requests -= 1
         if unread is not None:
             use.unread.append(unread)
             self._unread += 1
-        self._release(use, ticket.size - (unread[0] if unread is not None else 0))
+        self._release(use, ticket.held - (unread[0] if unread is not None else 0))
         self._forget_if_idle(ticket.peer, use)
 
     def _forget_if_idle(self, key: bytes, use: _Use) -> None:

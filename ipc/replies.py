@@ -70,7 +70,14 @@ class Ticket:
         peer: the client connection (its ZeroMQ routing id): the limits count per peer,
             the model queues take turns between peers.
         envelope: the frames that address the reply (routing id, REQ delimiter).
-        size: bytes of the request's frames (what the client holds in the daemon).
+        size: bytes of the request's frames (what libzmq received).
+        held: bytes counted against the client's and the daemon's limits: its frames,
+            and once its header is read what decoding its tensors will make (unpacked
+            packed types, string objects; :class:`~inferd.ipc.clients.ClientLimits`
+            sets it, and gives back what it set).
+        tensor_bytes: bytes of its tensors once decoded, wherever they travel (frames
+            or a shared-memory region), from the header before anything is decoded:
+            what a run reads. The I/O thread's fast path decides by it.
         model: the model or graph an ``infer`` names ("-" if none); None for the other
             ops, which the request metrics do not count.
         code: "OK" or the reply's error code, once answered.
@@ -85,6 +92,8 @@ class Ticket:
     peer: bytes = b""
     envelope: list[Any] = field(default_factory=list)
     size: int = 0
+    held: int = 0
+    tensor_bytes: int = 0
     model: str | None = None
     code: str | None = None
     answered: float | None = None
@@ -112,6 +121,7 @@ class LocalTicket:
             (``model``: the model the caller asked, for the request metrics).
         deliver: called with the reply.
         peer: b"" (the daemon itself, for the fair queues).
+        tensor_bytes: 0 (an in-process call never runs on the I/O thread).
     """
 
     request_id: str
@@ -122,6 +132,7 @@ class LocalTicket:
     code: str | None = None
     answered: float | None = None
     peer: bytes = b""
+    tensor_bytes: int = 0
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline

@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import zmq
@@ -39,6 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from inferd.ipc.access import Access, Peer, Peers
 from inferd.ipc.clients import REPLY_TRACK_BYTES, ClientLimits, Connections
+from inferd.ipc.decoder import INLINE_DECODE_BYTES, Decoder, Resolve
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ProtocolError, failure
 from inferd.ipc.protocol import Op, Reply, Request, decode_request, encode_reply, peek_request_id
 from inferd.ipc.replies import Observer, Ticket
@@ -116,6 +118,9 @@ class Server:
             (lowered to what the open-files limit leaves room for).
         max_bytes_in_flight: bytes of requests received and not yet answered, from all
             clients together (0: no bound; :class:`~inferd.ipc.clients.ClientLimits`).
+        resolve: checks, off the I/O thread, that the model or graph an ``infer`` names
+            exists before tensors that take time to decode are decoded
+            (:mod:`inferd.ipc.decoder`); raises to refuse the request.
     """
 
     def __init__(self, endpoint: str, handler: Handler, *, max_message_bytes: int,
@@ -124,8 +129,9 @@ class Server:
                  max_requests_per_client: int = 512, max_bytes_per_client: int = 128 * 2**20,
                  max_replies_queued_per_client: int = 1000,
                  observe: Observer | None = None, max_connections: int = 2048,
-                 max_bytes_in_flight: int = 0) -> None:
+                 max_bytes_in_flight: int = 0, resolve: Resolve | None = None) -> None:
         self.endpoint = endpoint
+        self._decoder = Decoder(resolve, self._decoded)
         self._observe = observe
         self.clients = ClientLimits(max_requests_per_client, max_bytes_per_client,
                                     max_bytes_in_flight)
@@ -552,6 +558,10 @@ class Server:
 
     def _handle(self, ticket: Ticket, body: list[Any], refuse: bool,
                 peer: Peer | None) -> None:
+        """Read the header, price the tensors and hand the request on (I/O thread). The
+        work here is per tensor description, never per element: tensors that take time
+        to decode go to the ``inferd-decode`` thread, after admission has counted what
+        decoding them will make (:meth:`ClientLimits.decoding`)."""
         try:
             if ticket.size > self._max_bytes:
                 raise ProtocolError(f"message of {ticket.size} bytes is over the limit of "
@@ -559,26 +569,61 @@ class Server:
                                     ErrorCode.RESOURCE_EXHAUSTED,
                                     request_id=peek_request_id(body))
             request = decode_request(body, self.regions.resolver(peer)
-                                     if self.regions is not None else None)
+                                     if self.regions is not None else None, defer=True)
             ticket.request_id = request.id
             ticket.outputs_into = request.outputs_into
+            ticket.tensor_bytes = request.cost.tensor_bytes
             if request.op is Op.INFER:
                 ticket.model = request.model or "-"
             if request.timeout_ms:
                 ticket.deadline = ticket.received + request.timeout_ms / 1000.0
+            over = self.clients.decoding(ticket, request.cost.decoded_bytes)
+            if over is not None:
+                raise InferdError(over, ErrorCode.RESOURCE_EXHAUSTED)
             if refuse:
                 raise InferdError("inferd is shutting down", ErrorCode.UNAVAILABLE)
+            if request.pending is not None:
+                if request.cost.decoded_bytes > INLINE_DECODE_BYTES:
+                    self._decoder.submit(ticket, request)
+                    return
+                request.decode()
+        except Exception as e:
+            self._refused(ticket, e)
+            return
+        self._dispatch(ticket, request)
+
+    def _dispatch(self, ticket: Ticket, request: Request) -> None:
+        """Give a decoded request to the handler and send its reply if it has one."""
+        try:
             reply = self._handler(request, ticket)
         except Exception as e:
-            rid = e.request_id if isinstance(e, ProtocolError) else ticket.request_id
-            error = failure(e, "internal error", log, request_id=rid or "")
-            if isinstance(e, InferdError):
-                log.debug("request %s refused: %s %s", rid, e.code, e.message,
-                          extra={"REQUEST_ID": rid or "", "CODE": str(e.code)})
-            self._answer_error(ticket, error, rid)
+            self._refused(ticket, e)
             return
         if reply is not None:
             self.send_reply(ticket, reply)
+
+    def _refused(self, ticket: Ticket, e: Exception) -> None:
+        rid = e.request_id if isinstance(e, ProtocolError) else ticket.request_id
+        error = failure(e, "internal error", log, request_id=rid or "")
+        if isinstance(e, InferdError):
+            log.debug("request %s refused: %s %s", rid, e.code, e.message,
+                      extra={"REQUEST_ID": rid or "", "CODE": str(e.code)})
+        self._answer_error(ticket, error, rid)
+
+    def _decoded(self, ticket: Ticket, request: Request, error: Exception | None) -> None:
+        """The decode thread's outcome of a request, back to the I/O thread."""
+        self.call_soon(partial(self._after_decoding, ticket, request, error))
+
+    def _after_decoding(self, ticket: Ticket, request: Request,
+                        error: Exception | None) -> None:
+        if ticket.code is not None:  # answered meanwhile (the stop)
+            return
+        if error is None and self._stop:
+            error = InferdError("inferd is shutting down", ErrorCode.UNAVAILABLE)
+        if error is not None:
+            self._refused(ticket, error)
+            return
+        self._dispatch(ticket, request)
 
     def _answer_error(self, ticket: Ticket, error: Failure,
                       request_id: str | None = None) -> None:
@@ -596,6 +641,7 @@ class Server:
         self._deliver(ticket.seq, encode_reply(reply))
 
     def _close(self) -> None:
+        self._decoder.stop()
         with self._send_lock:  # from here on, late replies from other threads are dropped
             self._closed = True
         # Replies handed over before that still go out; what is left was never answered.

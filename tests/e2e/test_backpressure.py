@@ -63,9 +63,10 @@ def test_unread_big_replies_count_against_their_client_until_libzmq_lets_go():
         assert limits.admit(t) is None
         limits.done(t, (400, tracker))  # replies of 400 bytes wait in libzmq
     assert limits.held == 800 and not limits.holds(b"a") and limits.unread() == 2
-    why = limits.admit(Ticket(2, "", 0.0, peer=b"a", size=300))  # even a lone request
+    refused = Ticket(2, "", 0.0, peer=b"a", size=300)
+    why = limits.admit(refused)  # even a lone request
     assert why is not None and "2 replies it has not read" in why, why
-    limits.done(Ticket(2, "", 0.0, peer=b"a", size=300))
+    limits.done(refused)  # gives back what admit counted on that ticket
     second.done = True  # out of order: the oldest still holds the count back
     limits.settle_if_due()
     assert limits.held == 800

@@ -115,3 +115,31 @@ def test_a_lone_request_on_an_idle_daemon_is_taken_whatever_its_size() -> None:
     big = Ticket(1, "", 0.0, peer=b"a", size=64 * 2**20)  # bounded by max_message_bytes
     assert limits.admit(big, 1) is None
     assert limits.admit(Ticket(2, "", 0.0, peer=b"b", size=10), 2) is not None
+
+
+def test_what_decoding_makes_is_counted_and_given_back_and_no_request_is_exempt() -> None:
+    """Issue 31, items 7-8: a lone request's frames are always taken, but what decoding
+    them would make (unpacked int4, string objects) is counted before it is made and
+    refused past a bound, and done() gives back exactly what was counted."""
+    limits = ClientLimits(max_requests=8, max_bytes=100 * 2**20, max_held=64 * 2**20)
+    lone = Ticket(1, "r", 0.0, peer=b"a", size=200)
+    assert limits.admit(lone) is None
+    over = limits.decoding(lone, 80 * 2**20)  # 80 MiB once decoded, alone
+    assert over is not None and "would take 80.0 MiB once decoded" in over
+    assert "server.max_bytes_in_flight" in over and limits.held == lone.held
+    limits.done(lone)
+    assert limits.held == 0 and not limits.holds(b"a")
+    ok = Ticket(2, "s", 0.0, peer=b"a", size=200)
+    assert limits.admit(ok) is None and limits.decoding(ok, 10 * 2**20) is None
+    assert limits.held == ok.held == 200 + 10 * 2**20
+    other = Ticket(3, "t", 0.0, peer=b"b", size=100)
+    assert limits.admit(other, owner=7) is None
+    big = limits.decoding(other, 60 * 2**20)
+    assert big is not None and "with the 10.0 MiB of requests the daemon holds already" in big
+    limits.done(other)
+    limits.done(ok)
+    assert limits.held == 0
+    per_client = ClientLimits(max_requests=8, max_bytes=2**20, max_held=0)
+    t = Ticket(4, "u", 0.0, peer=b"c", size=10)
+    assert per_client.admit(t) is None
+    assert "server.max_bytes_per_client" in (per_client.decoding(t, 2**20) or "")
