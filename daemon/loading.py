@@ -19,7 +19,7 @@ from typing import Any
 from inferd.daemon.activations import Activations
 from inferd.daemon.budget import AdmittedModel, MemoryBudget, estimate_cost, format_bytes
 from inferd.daemon.catalog import Catalog, Settings
-from inferd.daemon.memory import METER, LoadFigures, model_cost
+from inferd.daemon.memory import METER, LoadFigures, MemoryMeter, model_cost
 from inferd.daemon.model_entry import ModelEntry
 from inferd.daemon.pipeline import PipelineSpec, parse_spec
 from inferd.daemon.placement import ModelPlacement, backend_options
@@ -46,6 +46,8 @@ class Loaded:
     figures: LoadFigures
     graph: Activations | None
     """The model's graph, to estimate each run's working memory (None: not ONNX)."""
+    meter: MemoryMeter
+    """Measures the process the model's engine runs in (a worker's, or the daemon's)."""
 
 
 class ModelLoader:
@@ -179,8 +181,9 @@ class ModelLoader:
             model.unload()
             METER.trim()
             raise
+        meter = METER.for_engine(lambda: model.engine)
         return Loaded(AdmittedModel(model, entry, self.budget), placement, settings,
-                      pipeline, figures, graph)
+                      pipeline, figures, graph, meter)
 
 
     def _in_worker(self, entry: ModelEntry, choice: Choice, options: LoadOptions,

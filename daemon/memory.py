@@ -90,47 +90,86 @@ SETTLED_SHAPES = 256
 """Exact input shapes whose settled estimate is kept (a run of one of them is estimated
 by one look-up); past it the kept ones are dropped and gathered again."""
 
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-_STATUS = Path("/proc/self/status")
+
+
+class _Runs:
+    """Model runs in progress, for every meter together, and the lock a measured run
+    holds (so that two never mix: a worker may hold several models)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts = threading.Lock()
+        self.active = 0  # model runs in progress
+        self.started = 0  # model runs begun
 
 
 class MemoryMeter:
-    """This process's resident memory and its peak (one per process: the peak is the
-    process's). ``lock`` is held by a measured run, so that two never mix."""
+    """A process's resident memory and its peak: the daemon's own (:data:`METER`), or,
+    given ``engine``, the process a model's engine runs in, asked at each use (a worker
+    process, daemon/workers/pool.py's ``WorkerModel``, has ``pid`` and ``trim()``; an
+    in-process engine has no ``pid``: the daemon's). Every meter shares one
+    :class:`_Runs`.
 
-    def __init__(self) -> None:
+    Args:
+        engine: returns the model's current engine (placement may move it); None: this
+            process.
+    """
+
+    def __init__(self, engine: Callable[[], Any] | None = None,
+                 runs: _Runs | None = None) -> None:
         self._proc = psutil.Process()
-        self.lock = threading.Lock()
+        self._engine = engine
+        self._runs = runs or _Runs()
         self.resettable = True
-        self._runs_lock = threading.Lock()
-        self._active = 0  # model runs in progress
-        self._started = 0  # model runs begun
 
-    @staticmethod
-    def trim() -> None:
-        """Return free heap pages to the system (glibc ``malloc_trim``), so that the next
-        RSS delta counts new memory rather than reused free lists."""
-        malloc_trim()
+    @property
+    def lock(self) -> threading.Lock:
+        return self._runs.lock
+
+    def for_engine(self, engine: Callable[[], Any]) -> MemoryMeter:
+        """A meter of the process ``engine()`` runs in, sharing this one's runs."""
+        return MemoryMeter(engine, self._runs)
+
+    def _worker(self) -> Any:
+        if self._engine is None:
+            return None
+        engine = self._engine()
+        return engine if getattr(engine, "pid", None) is not None else None
+
+    def trim(self) -> None:
+        """Return free heap pages to the system (glibc ``malloc_trim``, in the worker
+        for a worker's meter), so that the next RSS delta counts new memory rather than
+        reused free lists."""
+        w = self._worker()
+        if w is None:
+            malloc_trim()
+        else:
+            w.trim()
 
     def rss(self) -> int:
-        return int(self._proc.memory_info().rss)
+        w = self._worker()
+        proc = self._proc if w is None else psutil.Process(w.pid)
+        return int(proc.memory_info().rss)
+
+    def _proc_dir(self) -> Path:
+        w = self._worker()
+        return Path("/proc/self") if w is None else Path(f"/proc/{w.pid}")
 
     def reset_peak(self) -> int:
         """Reset the peak to the current resident size; returns that size."""
         if self.resettable:
             try:
-                _CLEAR_REFS.write_text("5")
+                (self._proc_dir() / "clear_refs").write_text("5")
             except OSError as e:
                 self.resettable = False
                 log.warning("cannot reset the peak resident memory (%s): working memory "
                             "is measured as the growth that stays after a run", e)
         return self.read()[0]
 
-    @staticmethod
-    def read() -> tuple[int, int]:
-        """(current, peak) resident bytes of this process."""
+    def read(self) -> tuple[int, int]:
+        """(current, peak) resident bytes of the process."""
         rss = hwm = 0
-        with open(_STATUS, "rb") as f:
+        with open(self._proc_dir() / "status", "rb") as f:
             for line in f:
                 if line.startswith(b"VmRSS:"):
                     rss = int(line.split()[1]) * 1024
@@ -144,14 +183,16 @@ class MemoryMeter:
 
     def begin_run(self) -> None:
         """A model run that is not measured begins (see :meth:`running`)."""
-        with self._runs_lock:
-            self._active += 1
-            self._started += 1
+        runs = self._runs
+        with runs.counts:
+            runs.active += 1
+            runs.started += 1
 
     def end_run(self) -> None:
         """The run :meth:`begin_run` counted has ended."""
-        with self._runs_lock:
-            self._active -= 1
+        runs = self._runs
+        with runs.counts:
+            runs.active -= 1
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -166,12 +207,13 @@ class MemoryMeter:
         """Call ``run()`` (a model run) with the peak reset; returns its result, the peak
         above the resident size before it, and whether it ran alone (no other model run
         was in progress or began meanwhile: only then is the figure its own)."""
-        with self.lock:  # one measured run at a time
-            with self._runs_lock:
-                alone = self._active == 0
-                self._active += 1
-                self._started += 1
-                started = self._started
+        runs = self._runs
+        with runs.lock:  # one measured run at a time
+            with runs.counts:
+                alone = runs.active == 0
+                runs.active += 1
+                runs.started += 1
+                started = runs.started
             try:
                 # Freed heap would be reused unseen: the run's growth must be all of it
                 self.trim()
@@ -179,9 +221,9 @@ class MemoryMeter:
                 result = run()
                 used = max(0, self.peak_since_reset() - before)
             finally:
-                with self._runs_lock:
-                    self._active -= 1
-                    alone = alone and self._started == started
+                with runs.counts:
+                    runs.active -= 1
+                    alone = alone and runs.started == started
         return result, used, alone
 
 
@@ -310,11 +352,15 @@ class WorkingMemory:
         # class's figures change (admit, record, use)
         self._settled: dict[tuple[Any, ...], Estimate] = {}
 
-    def use(self, graph: Activations | None, backend: str) -> None:
+    def use(self, graph: Activations | None, backend: str,
+            meter: MemoryMeter | None = None) -> None:
         """The model (re)loaded on ``backend``; ``graph``: its activations, if its file
-        could be read as ONNX. Classes measured before stay, and so does the model's own
-        factor if the backend is the same."""
+        could be read as ONNX; ``meter``: the process it runs in (default the daemon).
+        Classes measured before stay, and so does the model's own factor if the backend
+        is the same."""
         with self._lock:
+            if meter is not None:
+                self._meter = meter
             self._graph = graph
             if backend != self._backend:
                 self._own = None
@@ -504,12 +550,13 @@ class ModelMemory:
         self.working = WorkingMemory(label, meter)
 
     def loaded(self, figures: LoadFigures, graph: Activations | None = None,
-               backend: str | None = None) -> None:
+               backend: str | None = None, meter: MemoryMeter | None = None) -> None:
         """A load was measured (or, after the engine changed, measured again); with
-        ``backend``, the model now runs there and ``graph`` gives its activations."""
+        ``backend``, the model now runs there, ``graph`` gives its activations and
+        ``meter`` measures the process it runs in."""
         self.load = figures
         if backend is not None:
-            self.working.use(graph, backend)
+            self.working.use(graph, backend, meter)
 
     def total(self) -> int | None:
         """Load cost plus the largest working memory; None before the first load."""

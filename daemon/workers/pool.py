@@ -412,6 +412,16 @@ class WorkerModel(LoadedModel):
     def memory_bytes(self) -> int | None:
         return self._memory
 
+    def trim(self) -> None:
+        """Free heap back to the system in the worker (before a measured run)."""
+        w = self.worker
+        if w.alive:
+            try:
+                self.pool.call(w, {"op": "trim"}, "a trim", timeout=10.0,
+                               key="a 10 s limit")
+            except InferdError:
+                pass  # a worker gone meanwhile: the run itself will say so
+
     def describe(self) -> dict[str, Any]:
         return {**self._describe, "worker": {"name": self.worker.name,
                                              "pid": self.worker.pid}}

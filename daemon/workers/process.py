@@ -11,7 +11,8 @@ threads run side by side as they did in-process. Operations:
   and what the load added to this process's resident memory.
 - ``run``: the inputs are read in place from the daemon's arena; the outputs go back
   through this end's arena.
-- ``unload``, ``stats`` (this process's resident memory).
+- ``unload``, ``trim`` (``malloc_trim`` before a measured run), ``stats`` (this process's
+  resident memory).
 
 Errors are answered as ``(type, code, message)`` and raised again in the daemon as the
 same kind of :class:`InferdError`.
@@ -102,6 +103,9 @@ class WorkerProcess:
                         model.unload()
                     malloc_trim()
                     channel.send({"ok": True, "left": len(self.models)})
+                elif op == "trim":
+                    malloc_trim()
+                    channel.send({"ok": True})
                 elif op == "stats":
                     channel.send({"ok": True, "rss": self.rss(), "pid": os.getpid()})
                 else:

@@ -189,3 +189,24 @@ def test_a_killed_worker_fails_the_run_it_held_and_the_model_loads_again(pool, m
             pytest.fail("no kill landed inside a run")
     finally:
         model.unload()
+
+
+def test_a_worker_models_working_memory_is_measured_in_the_worker(pool, models_dir):
+    from inferd.daemon.memory import METER
+
+    model = WorkerModel(pool, vad_call(models_dir), 60.0)
+    try:
+        meter = METER.for_engine(lambda: model)
+        big = dict(VAD, input=np.zeros((4000, 512), np.float32),
+                   state=np.zeros((2, 4000, 128), np.float32))
+        model.run(VAD)
+        out, used, alone = meter.measure(lambda: model.run(big))
+        assert alone and out["output"].shape == (4000, 1)
+        # the run's activations live in the worker: several MiB there (8 MiB of input
+        # alone is read in place from the arena, which is the daemon's memory)
+        assert used > 8 * 2**20, used
+        _, here, _ = METER.measure(lambda: model.run(big))
+        assert here < used / 2, (here, used)  # the daemon's own heap hardly moves
+        assert meter.rss() > 20 * 2**20 and meter.rss() != METER.rss()
+    finally:
+        model.unload()

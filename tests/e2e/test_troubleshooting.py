@@ -97,6 +97,9 @@ PROVOKERS = {
     "model ocr-cls version 1: its files changed on disk": "hostile_files",
     "open-files limit raised from": "hostile_files",
     "placement decisions in": "decisions_file",
+    "inferctl: UNAVAILABLE: engine onnxruntime (worker": "worker_crash",
+    "ERROR inferd.daemon.workers.pool: engine onnxruntime": "worker_crash",
+    "INFO inferd.daemon.workers.pool: worker onnxruntime started": "worker_crash",
 }
 
 
@@ -498,3 +501,29 @@ def test_decisions_file(start_daemon, short_tmp: Path) -> None:
     assert d.log().count("are not a decisions file") == 1, d.log()
     assert (state / "decisions.json.bad").read_text() == "[" * 100_000
     _check("decisions_file", d.log(), **{str(state): "/var/lib/inferd/state/placement"})
+
+
+@pytest.mark.slow
+def test_worker_crash(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    """An engine that aborts in a worker process: inferctl's reply, the ERROR line and
+    the worker started again (issue 30; tests/e2e/test_workers.py has the rest)."""
+    repo = short_tmp / "repo"
+    _model(repo, models_dir, "vad", "vad")
+    config = short_tmp / "inferd.toml"
+    config.write_text('[workers]\nisolation = "backend"\n')
+    d = start_daemon("--config", str(config), "--models", str(repo))
+    files = {"input": np.zeros((0, 512), np.float32),
+             "state": np.zeros((2, 0, 128), np.float32), "sr": np.array(16000, np.int64)}
+    args = []
+    for name, value in files.items():
+        np.save(short_tmp / f"{name}.npy", value)
+        args += ["-i", f"{name}={short_tmp / name}.npy"]
+    with Client(d.endpoint, timeout=60) as c:  # loaded first: the abort is in a run
+        c.infer("vad", {**files, "input": np.zeros((1, 512), np.float32),
+                        "state": np.zeros((2, 1, 128), np.float32)})
+    r = _inferctl(d.endpoint, "infer", "vad", *args)
+    assert r.returncode != 0
+    with Client(d.endpoint, timeout=60) as c:  # served again: a new worker
+        c.infer("vad", {**files, "input": np.zeros((1, 512), np.float32),
+                        "state": np.zeros((2, 1, 128), np.float32)})
+    _check("worker_crash", d.log() + r.stderr)

@@ -1,0 +1,145 @@
+"""Engines in worker processes (issue 30): what the hop to a worker costs, against the
+same daemon with its engines in-process and a raw pyzmq echo, in one run.
+
+Figures (each daemon arm is the same build, only ``[workers] isolation`` differs):
+
+1. 16-byte infer on an Identity model, p50, as a ratio to the raw echo (goal: the worker
+   arm within +0.3 of the in-process one).
+2. 4.9 MB infer round trip (Identity), p50, ratio to the raw echo of the same frames
+   (target <= 1.4 for the worker arm).
+3. ocr-cls batch 1 and 8, one client: requests/s of each arm and of in-process
+   onnxruntime (the worker arm must not fall below the in-process one).
+4. Crash to served again: the ocr-cls worker SIGKILLed, the time until its next request
+   is answered (p50 of 5; target <= 2 s).
+5. Start of a worker: the fork alone (from the daemon's log line).
+
+Run: ``.venv/bin/python bench/bench_workers.py`` (about 2 minutes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_spine import Echo, cls_session, interleaved  # noqa: E402
+from common import (  # noqa: E402
+    MODELS, DaemonProcess, cpu_note, make_identity_model, median, pct, verdict,
+)
+
+from inferd.ipc import Client  # noqa: E402
+from inferd.ipc.protocol import Request, encode_request, Op  # noqa: E402
+
+
+def repo_with_identity() -> Path:
+    repo = Path(tempfile.mkdtemp(prefix="inferd-bw", dir="/tmp"))
+    make_identity_model(repo, "identity", rank=1)
+    for name in ("ocr-cls",):
+        shutil.copytree(MODELS / name, repo / name)
+    return repo
+
+
+def daemon(repo: Path, isolation: str) -> DaemonProcess:
+    conf = Path(tempfile.mkdtemp(prefix="inferd-bc", dir="/tmp")) / "inferd.toml"
+    conf.write_text(f'[workers]\nisolation = "{isolation}"\n[metrics]\ntextfile = ""\n'
+                    '[placement]\nmode = "first"\n[logging]\nlevel = "info"\n')
+    d = DaemonProcess("--models", str(repo), "--preload", "identity,ocr-cls", config=conf)
+    return d
+
+
+def call(c: Client, model: str, inputs: dict[str, np.ndarray]):
+    def run() -> None:
+        c.infer(model, inputs)
+    return run
+
+
+def crash_to_served(d: DaemonProcess, x: np.ndarray, n: int = 5) -> list[float]:
+    times = []
+    with Client(d.endpoint, timeout=60) as c:
+        c.infer("ocr-cls", {"x": x})
+        for _ in range(n):
+            log = d.log_path.read_text()
+            pid = int(re.findall(r"worker onnxruntime started: pid (\d+)", log)[-1])
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.perf_counter()
+            while True:  # the first request after the kill: answered, or UNAVAILABLE
+                try:
+                    c.infer("ocr-cls", {"x": x})
+                    break
+                except Exception:  # noqa: BLE001  the kill's own request; try again
+                    pass
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    print(f"bench_workers: {cpu_note()}, load {os.getloadavg()[0]:.1f}")
+    repo = repo_with_identity()
+    small = np.arange(4, dtype=np.float32)  # 16 bytes
+    big = np.random.default_rng(0).random(1_225_000, dtype=np.float32)  # 4.9 MB
+    cls1 = np.random.default_rng(1).random((1, 3, 48, 192), dtype=np.float32)
+    cls8 = np.random.default_rng(2).random((8, 3, 48, 192), dtype=np.float32)
+    echo = Echo()
+    inproc = daemon(repo, "in-process")
+    worker = daemon(repo, "backend")
+    try:
+        with Client(inproc.endpoint, timeout=60) as a, Client(worker.endpoint,
+                                                               timeout=60) as b:
+            frames_small = encode_request(Request("b1", Op.INFER, "identity",
+                                                  inputs={"x": small}))
+            frames_big = encode_request(Request("b2", Op.INFER, "identity", inputs={"x": big}))
+            t = interleaved({"echo": echo.round_trip(frames_small),
+                             "in-process": call(a, "identity", {"x": small}),
+                             "worker": call(b, "identity", {"x": small})}, 10, 200)
+            e = median(t["echo"])
+            print("\n1. 16-byte infer, p50 (ratio to raw echo)")
+            for k in t:
+                print(f"   {k:11s} {median(t[k]) * 1e6:8.1f} µs  p99 {pct(t[k], .99) * 1e6:8.1f}"
+                      f" µs  {median(t[k]) / e:5.2f}")
+            gap = (median(t["worker"]) - median(t["in-process"])) / e
+            print(f"   worker - in-process: {gap:+.2f} (goal <= +0.3)")
+            t = interleaved({"echo": echo.round_trip(frames_big),
+                             "in-process": call(a, "identity", {"x": big}),
+                             "worker": call(b, "identity", {"x": big})}, 6, 20)
+            e = median(t["echo"])
+            print("\n2. 4.9 MB infer round trip, p50 (ratio to raw echo)")
+            for k in t:
+                print(f"   {k:11s} {median(t[k]) * 1e3:8.2f} ms  {median(t[k]) / e:5.2f}")
+            print(f"   worker: {verdict(median(t['worker']) / e, 1.4, False)}")
+            print("\n3. ocr-cls, one client, requests/s")
+            session = cls_session()
+            for label, x in (("b1", cls1), ("b8", cls8)):
+                t = interleaved({"in-process": call(a, "ocr-cls", {"x": x}),
+                                 "worker": call(b, "ocr-cls", {"x": x}),
+                                 "onnxruntime": lambda x=x: session.run(None, {"x": x})},
+                                5, 20)
+                rates = {k: 1 / median(v) for k, v in t.items()}
+                print(f"   {label}: " + ", ".join(f"{k} {r:7.1f}" for k, r in rates.items())
+                      + f"; worker / in-process {rates['worker'] / rates['in-process']:.2f},"
+                      f" worker / onnxruntime {rates['worker'] / rates['onnxruntime']:.2f}")
+        print("\n4. crash to served again (ocr-cls worker SIGKILLed)")
+        times = crash_to_served(worker, cls1)
+        print("   " + ", ".join(f"{x * 1e3:.0f}" for x in times) + " ms; p50 "
+              f"{median(times) * 1e3:.0f} ms: {verdict(median(times), 2.0, False)}")
+        forks = [float(m) for m in re.findall(r"worker \S+ started: pid \d+ in ([\d.]+) ms",
+                                              worker.log_path.read_text())]
+        print(f"\n5. a worker's fork from the zygote: p50 {median(forks):.1f} ms "
+              f"(max {max(forks):.1f}, {len(forks)} starts)")
+    finally:
+        echo.close()
+        inproc.stop()
+        worker.stop()
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
