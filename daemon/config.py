@@ -313,6 +313,9 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "kill_after_s": Setting(120.0, _seconds, "a positive number of seconds"),
         "load_kill_after_s": Setting(600.0, _seconds, "a positive number of seconds"),
         "restart_backoff_s": Setting(0.5, _seconds, "a positive number of seconds"),
+        "refuse_client_after": Setting(5, _int_upto(10**6), "a positive integer"),
+        "refuse_client_s": Setting(60.0, _seconds, "a positive number of seconds"),
+        "set_aside_after": Setting(3, _int_upto(10**6), "a positive integer"),
     },
     "logging": {
         "level": Setting("info", _level, "one of debug, info, warning, error, critical"),

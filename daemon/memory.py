@@ -148,8 +148,11 @@ class MemoryMeter:
 
     def rss(self) -> int:
         w = self._worker()
-        proc = self._proc if w is None else psutil.Process(w.pid)
-        return int(proc.memory_info().rss)
+        try:
+            proc = self._proc if w is None else psutil.Process(w.pid)
+            return int(proc.memory_info().rss)
+        except psutil.NoSuchProcess:
+            return 0  # a worker that died meanwhile: its run says so
 
     def _proc_dir(self) -> Path:
         w = self._worker()
@@ -160,6 +163,8 @@ class MemoryMeter:
         if self.resettable:
             try:
                 (self._proc_dir() / "clear_refs").write_text("5")
+            except (FileNotFoundError, ProcessLookupError):
+                return 0  # a worker that died meanwhile: its run says so
             except OSError as e:
                 self.resettable = False
                 log.warning("cannot reset the peak resident memory (%s): working memory "
@@ -169,7 +174,11 @@ class MemoryMeter:
     def read(self) -> tuple[int, int]:
         """(current, peak) resident bytes of the process."""
         rss = hwm = 0
-        with open(self._proc_dir() / "status", "rb") as f:
+        try:
+            f = open(self._proc_dir() / "status", "rb")
+        except (FileNotFoundError, ProcessLookupError):
+            return 0, 0  # a worker that died meanwhile: its run says so
+        with f:
             for line in f:
                 if line.startswith(b"VmRSS:"):
                     rss = int(line.split()[1]) * 1024

@@ -50,6 +50,7 @@ from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.units import request_keep_alive
 from inferd.daemon.worker import WorkItem, Workers
 from inferd.daemon.workers.pool import WorkerPool
+from inferd.daemon.workers.quarantine import Quarantine
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
 from inferd.ipc.protocol import Reply, Request
 from inferd.ipc.replies import AnyTicket, ReplySink
@@ -86,6 +87,10 @@ class ModelManager:
                              busy=lambda: any(e.in_flight for e in self.entries()))
         self._loader = ModelLoader(self.catalog, registry, self.budget, processors,
                                    customops, self.placer, workers)
+        w = config.workers
+        # who keeps killing a model's worker (daemon/workers/quarantine.py)
+        self.quarantine = Quarantine(w.refuse_client_after, w.refuse_client_s,
+                                     w.set_aside_after)
         self._sink = sink
         self._observer = observer
         self._entries: dict[ModelKey, ModelEntry] = {}
@@ -196,6 +201,7 @@ class ModelManager:
         if request.model is None:
             raise ModelError("infer needs 'model'")
         keep_alive = request_keep_alive(request.params)
+        self.quarantine.check(request.model, getattr(ticket, "uid", None))
         entry = self.entry(request.model, request.version)
         workers = entry.workers
         if (io_thread and workers is not None and workers.may_run_on_io_thread(ticket.tensor_bytes)
@@ -290,7 +296,8 @@ class ModelManager:
                           spec=loaded.pipeline, backend=loaded.placement.backend,
                           observe=self._observer.for_model(entry.name)
                           if self._observer is not None else None,
-                          io_run_max_s=self.config.models.io_run_max_us / 1e6)
+                          io_run_max_s=self.config.models.io_run_max_us / 1e6,
+                          quarantine=self.quarantine)
         entry.memory.loaded(loaded.figures, loaded.graph, loaded.placement.backend,
                             loaded.meter)
         entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive)
@@ -373,6 +380,7 @@ class ModelManager:
         (see :func:`inferd.daemon.reload.reload_catalog`). Returns what changed."""
         with self._reload_lock:
             self.placer.use_config(config)
+            self.quarantine.lift()  # set-aside models are tried again
             return reload_catalog(self, config)
 
     # Used by reload_catalog: each step keeps every request answered.
@@ -587,6 +595,9 @@ class ModelManager:
                     info["error"] = info["error"] or "removed from the repository"
                 elif spec.error:
                     info.update(state=str(State.FAILED), error=spec.error)
+                elif name in self.quarantine.set_aside:
+                    info.update(state=str(State.FAILED),
+                                error=self.quarantine.set_aside[name])
                 if e.state is State.UNLOADED and spec and not spec.error:
                     keep = self.catalog.settings(spec).keep_alive
                     info["keep_alive_s"] = None if math.isinf(keep) else keep

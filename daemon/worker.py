@@ -38,10 +38,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import numpy as np
+
 from inferd.daemon.batching import BatchSizer
 from inferd.daemon.fairqueue import FairQueue, QueueClosed
 from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
+from inferd.daemon.workers.pool import WorkerDied
+from inferd.daemon.workers.quarantine import Quarantine
 from inferd.daemon.processors import run_steps
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
 from inferd.ipc.protocol import Reply, Request
@@ -105,7 +108,7 @@ class Workers:
                  instances: int = 1, on_done: Callable[[bool], None] | None = None,
                  spec: PipelineSpec | None = None, backend: str | None = None,
                  observe: Callable[[list[Any], float, float], None] | None = None,
-                 io_run_max_s: float = 0.0) -> None:
+                 io_run_max_s: float = 0.0, quarantine: Quarantine | None = None) -> None:
         self.name = name
         self.model = model
         self.spec = spec or PipelineSpec()
@@ -113,6 +116,7 @@ class Workers:
         self._sink = sink
         self._on_done = on_done
         self._observe = observe
+        self._quarantine = quarantine
         self._left = {"pre": 1, "infer": instances, "post": 1}  # threads not yet ended
         self._left_lock = threading.Lock()
         self.max_batch = self.spec.max_batch if _batchable(model) else 1
@@ -392,6 +396,11 @@ class Workers:
             started = time.monotonic()
             outputs = self.model.run(inputs, wanted)
             seconds = time.monotonic() - started
+        except WorkerDied as e:  # charged to the clients whose requests were running
+            if self._quarantine is not None:
+                self._quarantine.death(self.name, [j.item.ticket.uid for j in jobs],
+                                       e.message)
+            raise
         finally:
             self.busy.end()
         if self._io_run_max_s:  # a long run sends the model's requests to its threads

@@ -69,6 +69,8 @@ class Ticket:
         deadline: monotonic seconds past which it is not run (None: no timeout).
         peer: the client connection (its ZeroMQ routing id): the limits count per peer,
             the model queues take turns between peers.
+        uid: the client's user id (SO_PEERCRED), None if unknown: a worker's death is
+            charged to it (daemon/workers/quarantine.py).
         envelope: the frames that address the reply (routing id, REQ delimiter).
         size: bytes of the request's frames (what libzmq received).
         held: bytes counted against the client's and the daemon's limits: its frames,
@@ -90,6 +92,7 @@ class Ticket:
     received: float
     deadline: float | None = None
     peer: bytes = b""
+    uid: int | None = None
     envelope: list[Any] = field(default_factory=list)
     size: int = 0
     held: int = 0
@@ -120,7 +123,7 @@ class LocalTicket:
         request_id, deadline, received, model, code, answered: as for :class:`Ticket`
             (``model``: the model the caller asked, for the request metrics).
         deliver: called with the reply.
-        peer: b"" (the daemon itself, for the fair queues).
+        peer: b"" (the daemon itself, for the fair queues); uid None.
         tensor_bytes: 0 (an in-process call never runs on the I/O thread).
     """
 
@@ -132,6 +135,7 @@ class LocalTicket:
     code: str | None = None
     answered: float | None = None
     peer: bytes = b""
+    uid: int | None = None
     tensor_bytes: int = 0
 
     def expired(self) -> bool:

@@ -539,7 +539,8 @@ class Server:
         self._inflight[ticket.seq] = ticket
         self.stats["requests"] += 1
         peer = self._peers.lookup(ticket.peer, frames[-1])
-        over = self.clients.admit(ticket, peer.uid if peer is not None else None)
+        ticket.uid = peer.uid if peer is not None else None
+        over = self.clients.admit(ticket, ticket.uid)
         if not self.access.allows(peer):
             self._refuse(ticket, body, peer)
             return

@@ -378,19 +378,23 @@ class WorkerModel(LoadedModel):
     def pid(self) -> int:
         return self.worker.pid
 
-    def run(self, inputs: dict[str, NDArray[Any]],
-            outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
+    def _live(self) -> Worker:
+        """The model's worker, the model loaded again in a new one if it died."""
         w = self.worker
         if not w.alive:
             with self._lock:
                 if self._closed:
                     raise ModelError(f"model {self.call.model} is unloaded",
                                      ErrorCode.UNAVAILABLE)
-                if self.worker is w:  # the first run after a death loads it again
+                if self.worker is w:  # the first use after a death loads it again
                     self._load()
                 w = self.worker
-        _, out = self.pool.call(w, {"op": "run", "handle": self.handle,
-                                    "outputs": outputs}, self.call.model, inputs)
+        return w
+
+    def run(self, inputs: dict[str, NDArray[Any]],
+            outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
+        _, out = self.pool.call(self._live(), {"op": "run", "handle": self.handle,
+                                               "outputs": outputs}, self.call.model, inputs)
         return out
 
     def unload(self) -> None:
@@ -413,8 +417,9 @@ class WorkerModel(LoadedModel):
         return self._memory
 
     def trim(self) -> None:
-        """Free heap back to the system in the worker (before a measured run)."""
-        w = self.worker
+        """Free heap back to the system in the worker (before a measured run: a worker
+        that died is started again first, so that the run is measured where it runs)."""
+        w = self._live()
         if w.alive:
             try:
                 self.pool.call(w, {"op": "trim"}, "a trim", timeout=10.0,

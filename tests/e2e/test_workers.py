@@ -212,3 +212,102 @@ def test_a_worker_killed_from_outside_is_started_again(start_daemon, repo, short
     pids = worker_pids(d.log(), "onnxruntime")
     assert len(pids) == 2 and pids[1] != pid
     print(f"served again {took * 1e3:.0f} ms after the worker's death was known")
+
+
+NOBODY = 65534
+
+
+def _need_root() -> None:
+    if os.getuid() != 0:
+        if os.environ.get("INFERD_TEST_ROOT"):
+            pytest.fail("the quarantine tests need root (to run a client as another uid)")
+        pytest.skip("needs root: a client of another uid plays the neighbour")
+
+
+def as_uid(uid: int, endpoint: str, model: str, x: np.ndarray) -> str:
+    """One infer from a forked child running as ``uid``: "OK" or "CODE: message"."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here on, only its answer
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            from inferd.ipc import Client as C
+
+            try:
+                with C(endpoint, timeout=60) as c:
+                    c.infer(model, {"x": x})
+                out = "OK"
+            except RequestError as e:
+                out = f"{e.code}: {e.message}"
+            os.write(w, out.encode())
+        except BaseException as e:  # noqa: BLE001  reported to the parent
+            os.write(w, f"child failed: {e!r}".encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def shared_daemon(start_daemon, repo: Path, short_tmp: Path, **workers: object):
+    os.chmod(short_tmp, 0o755)  # the other uid reaches the socket
+    os.chmod(repo, 0o755)
+    conf = short_tmp / "inferd.toml"
+    extra = "".join(f"{k} = {v!r}\n" for k, v in workers.items())
+    conf.write_text(f'[workers]\nisolation = "backend"\nrestart_backoff_s = 0.05\n{extra}\n'
+                    '[server]\nsocket_mode = "0666"\n[models]\nallow_external_links = true\n'
+                    '[metrics]\ntextfile = ""\n')
+    return start_daemon("--config", str(conf), "--models", str(repo))
+
+
+def test_a_client_that_keeps_killing_the_worker_is_refused_and_others_served(
+        start_daemon, repo, short_tmp):
+    _need_root()
+    d = shared_daemon(start_daemon, repo, short_tmp, refuse_client_after=2,
+                      set_aside_after=3)
+    ok = np.full((1, 4), 7, np.float32)
+    bad = np.full((1, 4), 1, np.float32)  # abort()
+    with d.client() as c:
+        for _ in range(2):
+            with pytest.raises(RequestError) as e:
+                c.infer("bomb", {"x": bad})
+            assert "died of SIGABRT" in e.value.message
+        with pytest.raises(RequestError) as e:
+            c.infer("bomb", {"x": ok})  # refused, whatever it sends
+        assert e.value.code is ErrorCode.UNAVAILABLE
+        assert e.value.message.startswith(f"model bomb: uid {os.getuid()} is refused for ")
+        assert "(workers.refuse_client_after)" in e.value.message
+    assert as_uid(NOBODY, d.endpoint, "bomb", ok) == "OK"  # the neighbour is served
+    assert f"model bomb: uid {os.getuid()} refused for 60 s" in d.log()
+
+
+def test_a_model_that_kills_its_worker_for_several_clients_is_set_aside_until_reload(
+        start_daemon, repo, short_tmp):
+    _need_root()
+    d = shared_daemon(start_daemon, repo, short_tmp, refuse_client_after=5,
+                      set_aside_after=2)
+    ok = np.full((1, 4), 7, np.float32)
+    bad = np.full((1, 4), 2, np.float32)  # NULL
+    assert as_uid(NOBODY, d.endpoint, "bomb", bad).startswith(
+        "UNAVAILABLE: engine onnxruntime")
+    with d.client() as c:
+        with pytest.raises(RequestError):
+            c.infer("bomb", {"x": bad})
+        with pytest.raises(RequestError) as e:
+            c.infer("bomb", {"x": ok})
+        assert e.value.message.startswith("model bomb is set aside: its runs killed its "
+                                          "worker for 2 clients within 60 s (uids ")
+        row = next(m for m in c.models() if m["name"] == "bomb")
+        assert row["state"] == "failed" and row["error"].startswith("set aside")
+        assert as_uid(NOBODY, d.endpoint, "bomb", ok).startswith(
+            "UNAVAILABLE: model bomb is set aside")
+        c.call("reload")
+        np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
+    assert "ERROR inferd.daemon.workers.quarantine: model bomb set aside" in d.log()
