@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -311,3 +312,47 @@ def test_a_model_that_kills_its_worker_for_several_clients_is_set_aside_until_re
         c.call("reload")
         np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
     assert "ERROR inferd.daemon.workers.quarantine: model bomb set aside" in d.log()
+
+
+def test_a_native_backend_whose_run_segfaults_costs_one_request(start_daemon, repo,
+                                                                short_tmp):
+    from onnx import TensorProto as T
+
+    plugins = short_tmp / "plugins"
+    plugins.mkdir()
+    subprocess.run(["gcc", "-std=gnu11", "-O0", "-Wall", "-Werror", "-fPIC", "-shared",
+                    "-fvisibility=hidden", f"-I{ROOT / 'libbackends' / 'include'}",
+                    f"-I{ROOT / 'examples' / 'backends' / 'elementwise'}", "-o",
+                    str(plugins / "libsegv_backend.so"),
+                    str(ROOT / "tests" / "libbackends" / "plugins" / "segv_in_run.c"), "-lm"],
+                   check=True)
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["h"]),
+                               helper.make_node("Sigmoid", ["h"], ["y"])], "rs",
+                              [helper.make_tensor_value_info("x", T.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, ["N", 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    (repo / "rs" / "1").mkdir(parents=True)
+    onnx.save(model, repo / "rs" / "1" / "model.onnx")
+    (repo / "rs" / "model.toml").write_text('backends = ["segv-c"]\n')
+    conf = short_tmp / "inferd.toml"
+    conf.write_text('[workers]\nisolation = "backend"\n[models]\nallow_external_links = '
+                    'true\n[metrics]\ntextfile = ""\n')
+    d = start_daemon("--config", str(conf), "--models", str(repo),
+                     env={"INFERD_BACKENDS_PATH": str(plugins)})
+    x = np.array([[0.5, -2, 3, 0]], np.float32)
+    expected = 1 / (1 + np.exp(-np.maximum(x, 0)))
+    neighbour = Neighbour(d)
+    try:
+        with d.client() as c:
+            np.testing.assert_allclose(c.infer("rs", {"x": x})["y"], expected, rtol=1e-6)
+            with pytest.raises(RequestError) as e:
+                c.infer("rs", {"x": np.full((1, 4), -1, np.float32)})
+            assert e.value.code is ErrorCode.UNAVAILABLE
+            assert re.fullmatch(r"engine segv-c \(worker \d+\) died of SIGSEGV while "
+                                r"running rs version 1", e.value.message), e.value.message
+            np.testing.assert_allclose(c.infer("rs", {"x": x})["y"], expected, rtol=1e-6)
+        poll(lambda: neighbour.runs >= 3, 30)
+    finally:
+        neighbour.finish()
+    assert neighbour.errors == []
+    assert d.proc.poll() is None
