@@ -133,7 +133,8 @@ class Runtime:
         self.workers = (None if config.workers.isolation == "in-process" else
                         WorkerPool(self.registry, self.customops,
                                    config.workers.kill_after_s,
-                                   config.workers.restart_backoff_s))
+                                   config.workers.restart_backoff_s,
+                                   config.workers.max_memory))
         self.models = ModelManager(self.repo, self.registry, config, sink,
                                    observer=self.metrics, processors=self.processors,
                                    customops=self.customops, workers=self.workers)

@@ -94,12 +94,13 @@ class WorkerPool:
     """
 
     def __init__(self, registry: Any, customops: Any, kill_after_s: float,
-                 restart_backoff_s: float = 0.5,
+                 restart_backoff_s: float = 0.5, max_memory: int | None = None,
                  on_restart: Callable[[str, str], None] | None = None) -> None:
         self.registry = registry
         self.customops = customops
         self.kill_after_s = kill_after_s
         self.restart_backoff_s = restart_backoff_s
+        self.max_memory = max_memory
         self._on_restart = on_restart
         self._lock = threading.Lock()
         self._workers: dict[str, Worker] = {}
@@ -263,6 +264,13 @@ class WorkerPool:
             raise self.death(w, what) from None
         finally:
             w.running.pop(me, None)
+        if self.max_memory is not None and header.get("op") == "run":
+            rss = _resident(w.pid)
+            if rss > self.max_memory:  # this run made it grow: it is charged with it
+                channel.close()
+                self.kill(w, f"was killed: its resident memory {rss / 2**20:.1f} MiB passed "
+                             f"workers.max_memory ({self.max_memory / 2**20:.1f} MiB)")
+                raise self.death(w, what)
         with w.lock:
             w.idle.append(channel)
         if "error" in reply:
@@ -322,6 +330,18 @@ class WorkerPool:
             self.kill(w, "stopped")
         if self.zygote is not None:
             self.zygote.close()
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _resident(pid: int) -> int:
+    """A process's resident bytes (``/proc/PID/statm``, ~5 µs); 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 @dataclass

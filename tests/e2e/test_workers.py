@@ -32,6 +32,10 @@ import ctypes
 import os
 import time
 
+import numpy as np
+
+HOARD = []
+
 
 class CstBomb:
     """Identity, unless x's first element asks for a crash."""
@@ -52,6 +56,8 @@ class CstBomb:
             os._exit(3)
         if how == 4:
             time.sleep(3600)
+        if how == 5:
+            HOARD.append(np.ones(400 * 2**20, np.uint8))  # kept: resident
         return [x.copy()]
 '''
 
@@ -356,3 +362,18 @@ def test_a_native_backend_whose_run_segfaults_costs_one_request(start_daemon, re
         neighbour.finish()
     assert neighbour.errors == []
     assert d.proc.poll() is None
+
+
+def test_a_worker_over_its_memory_limit_is_killed(start_daemon, repo, short_tmp):
+    d = daemon_with_workers(start_daemon, repo, short_tmp, max_memory="350MiB")
+    ok = np.full((1, 4), 7, np.float32)
+    with d.client() as c:
+        np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
+        with pytest.raises(RequestError) as e:
+            c.infer("bomb", {"x": np.full((1, 4), 5, np.float32)})
+        assert e.value.code is ErrorCode.UNAVAILABLE
+        assert re.fullmatch(r"engine onnxruntime \(worker \d+\) was killed: its resident "
+                            r"memory [\d.]+ MiB passed workers\.max_memory \(350\.0 MiB\) "
+                            r"while running bomb version 1", e.value.message), e.value.message
+        np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
+    assert "REASON=killed" in d.log() or "was killed: its resident memory" in d.log()
