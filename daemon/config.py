@@ -342,6 +342,9 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "extend_timeout_s": Setting(90.0, _seconds, "a positive number of seconds"),
         "watchdog_stuck": Setting(False, boolean, "true or false"),
     },
+    "security": {
+        "strict_modes": Setting(True, boolean, "true or false"),
+    },
 }
 
 

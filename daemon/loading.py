@@ -31,6 +31,7 @@ from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
 from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.registry import Choice, Registry
+from inferd.libbackends.trust import StrictModes
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,8 @@ class ModelLoader:
                 return load_planned(choice.backend, source.path, options,
                                     model=entry.label, model_dir=repo.root / entry.name,
                                     ops=self.customops, fallbacks=fallbacks, tables=tables,
-                                    probe_timeout_s=config.backends.probe_timeout_s)
+                                    probe_timeout_s=config.backends.probe_timeout_s,
+                                    strict=StrictModes(config.security.strict_modes))
         # Where it is known to run best, else the first entry of the plan that loads
         # (daemon/placer.py, which measures the plan's rivals later); custom ops and
         # nodes the backend lacks make a partitioned plan (libbackends/customops).

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from inferd.ipc.errors import BackendError, ErrorCode, InferdError
 from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
 from inferd.libbackends.registry import Choice
+from inferd.libbackends.trust import UntrustedCode
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,8 @@ def place(model: str, plan: list[Choice], settings: Any, config: Any, load: Load
         b = choice.backend
         try:
             loaded = load(choice, load_options(choice, settings, config, threads))
+        except UntrustedCode:
+            raise  # the model's own code, refused whatever the backend: not a fallback
         except Exception as e:  # noqa: BLE001  a plugin's failure: contained here, once
             err = e if isinstance(e, InferdError) else InferdError(
                 f"backend {b.id} load() raised {type(e).__name__}: {e}")

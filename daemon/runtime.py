@@ -39,10 +39,11 @@ from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.customops.discovery import load_global
 from inferd.libbackends.loader import load_backends
 from inferd.libbackends.registry import Registry
+from inferd.libbackends.trust import StrictModes
 
 log = logging.getLogger(__name__)
 
-RESTART_SECTIONS = ("server", "backends", "customops", "processors", "metrics")
+RESTART_SECTIONS = ("server", "backends", "customops", "processors", "metrics", "security")
 """Config sections a reload does not apply (reported as needs_restart)."""
 STOP_MARGIN_S = 5.0
 """How long past the grace period :meth:`Runtime.serve` waits for the models to stop."""
@@ -127,7 +128,8 @@ class Runtime:
         # Wire tickets are counted by the server, in-process ones (graph nodes calling
         # models) by the sink.
         sink = ReplySink(self.server.send_reply, observe=self.metrics.count)
-        self.processors = ProcessorRegistry()  # filled at start, as the registry
+        # filled at start, as the registry
+        self.processors = ProcessorRegistry(StrictModes(config.security.strict_modes))
         self.customops = OpRegistry()
         # engines in worker processes ([workers] isolation); forked at start
         self.workers = (None if config.workers.isolation == "in-process" else
@@ -324,7 +326,8 @@ class Runtime:
                    if getattr(getattr(self.config, section), key) != value]
         for name in restart:
             log.warning("reload: %s changed; it takes effect at the next restart", name)
-        # [server], [backends] and [processors] stay as they were until a restart.
+        # [server], [backends], [processors], [security]... stay as they were until a
+        # restart (RESTART_SECTIONS).
         for section in RESTART_SECTIONS:
             setattr(config, section, getattr(self.config, section))
         logs.set_levels(config.logging.level, config.logging.modules)

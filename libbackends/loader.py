@@ -8,7 +8,10 @@ Candidates are found by :mod:`inferd.libbackends.discovery`; every one goes foun
 opened -> contract checked -> probed -> registered. At the first stage that fails, one
 WARNING line with PLUGIN_PATH, STAGE (and BACKEND when known) is logged, the candidate
 is recorded in the registry's troubleshooting view, and the next candidate is tried.
-Every plugin, native or Python, is first opened and probed in a child process (see
+Before anything of a plugin is opened, it must pass strict modes
+(:mod:`inferd.libbackends.trust`: only root and the daemon's user can write it and the
+folders above it up to its backends directory), else it fails at ``opened``. Every
+plugin, native or Python, is first opened and probed in a child process (see
 :mod:`inferd.libbackends.childprobe`): one that crashes, calls ``os._exit`` or hangs at
 import or in its probe is reported with the stage and action it was in, and never
 loaded into the daemon.
@@ -41,6 +44,7 @@ from inferd.libbackends.searchpath import BACKENDS
 from inferd.libbackends.registry import (
     Candidate, CandidateError, CandidateStatus, Form, Registry, Stage,
 )
+from inferd.libbackends.trust import STRICT, StrictModes, UntrustedCode
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +109,19 @@ class Loader:
         settings: the config file's sections by name; a backend that has the optional
             ``configure()`` gets the one named after its id (``-`` read as ``_``:
             ``[ncnn]``, ``[onnxruntime_gpu]``) before its probe, ``{}`` if none.
+        strict: who may have written a plugin for it to be opened (``[security]
+            strict_modes``).
     """
 
     def __init__(self, registry: Registry, probe_timeout_s: float = 10.0,
                  builtins: Sequence[Builtin] = BUILTINS,
-                 settings: Mapping[str, dict[str, Any]] | None = None) -> None:
+                 settings: Mapping[str, dict[str, Any]] | None = None,
+                 strict: StrictModes = STRICT) -> None:
         self.registry = registry
         self.probe_timeout_s = probe_timeout_s
         self.builtins = builtins
         self.settings = settings or {}
+        self.strict = strict
 
     def load(self, dirs: Sequence[Path]) -> None:
         """Register the built-ins, then every plugin found in ``dirs``."""
@@ -126,6 +134,7 @@ class Loader:
         for c in candidates:
             if c.status is CandidateStatus.FAILED and not c.reason:
                 try:
+                    self._trusted(Path(c.path))  # before any of it is opened
                     if not (c.form is Form.PYTHON and Path(c.path).is_dir()):
                         _check_readable(Path(c.path))  # before a child blocks on a FIFO
                     plugins.append(Path(c.path))
@@ -147,6 +156,19 @@ class Loader:
                 self._run(c, lambda c: self._native(c, reports[Path(c.path)]))
             else:
                 self._run(c, lambda c: self._python_probed(c, reports[Path(c.path)]))
+
+    def _trusted(self, path: Path) -> None:
+        """Raise CandidateError (opened) unless strict modes allow ``path`` (a package:
+        every file in it), its root being the backends directory it was found in."""
+        try:
+            if path.is_dir():
+                self.strict.check_tree(path, path.parent)
+            else:
+                self.strict.check(path, path.parent)
+        except UntrustedCode as e:
+            raise CandidateError(Stage.OPENED, e.message) from e
+        except OSError as e:
+            raise CandidateError(Stage.OPENED, f"cannot read it: {e.strerror}") from e
 
     # The one place where a plugin's failure is contained and logged.
     def _run(self, c: Candidate, stages: Callable[[Candidate], tuple[Backend, Probe]]) -> None:
@@ -383,7 +405,8 @@ def load_backends(registry: Registry, config: Any,
              ":".join(registry.search_path) or "no usable directory", source)
     settings = {name: dict(vars(section)) for name, section in vars(config).items()
                 if isinstance(section, SimpleNamespace)}
-    Loader(registry, config.backends.probe_timeout_s, settings=settings).load(dirs)
+    Loader(registry, config.backends.probe_timeout_s, settings=settings,
+           strict=StrictModes(config.security.strict_modes)).load(dirs)
     ok = [c for c in registry.candidates if c.status is CandidateStatus.REGISTERED]
     failed = [c for c in registry.candidates if c.status is not CandidateStatus.REGISTERED]
     log.info("backends: %d registered (%s), %d other candidates", len(ok),

@@ -6,9 +6,11 @@ values (numpy arrays or, inside a graph, any Python object) and returns a dict o
 values. Built-in processors are registered explicitly in :data:`BUILTINS`; user
 processors are Python files in a processors directory (``[processors] directory``,
 default ``/usr/lib/inferd/processors``), each exporting ``PROCESSORS = {name: factory}``
-where ``factory(**params)`` returns the step callable. A user file that cannot be
-imported or breaks the contract is logged (one WARNING line: path, stage, reason) and
-skipped; the daemon starts without it.
+where ``factory(**params)`` returns the step callable. A user file that strict modes
+refuse (:mod:`inferd.libbackends.trust`: writable or owned by a user other than root and
+the daemon's, it or a folder up to the processors directory), that cannot be imported or
+that breaks the contract is logged (one WARNING line: path, stage, reason) and skipped;
+the daemon starts without it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.libbackends.loader import ImportFailed, import_file
+from inferd.libbackends.trust import STRICT, StrictModes, UntrustedCode
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +102,17 @@ def register_builtin(name: str) -> Callable[[Factory], Factory]:
 
 
 class ProcessorRegistry:
-    """Built-in processors plus the user processors found in a directory."""
+    """Built-in processors plus the user processors found in a directory.
 
-    def __init__(self) -> None:
+    Args:
+        strict: who may have written a user file for it to be imported (``[security]
+            strict_modes``).
+    """
+
+    def __init__(self, strict: StrictModes = STRICT) -> None:
         _import_builtins()
         self._user: dict[str, tuple[Callable[..., Step], Path]] = {}
+        self._strict = strict
 
     def names(self) -> list[str]:
         return sorted(set(BUILTINS) | set(self._user))
@@ -120,15 +129,21 @@ class ProcessorRegistry:
             return []
         added: list[str] = []
         for path in sorted(root.glob("*.py")):
-            added += self._load_file(path)
+            added += self._load_file(path, root)
         return added
 
-    def _load_file(self, path: Path) -> list[str]:
+    def _load_file(self, path: Path, root: Path) -> list[str]:
         def skip(stage: str, reason: str) -> list[str]:
             log.warning("processor file %s skipped at %s: %s", path, stage, reason,
                         extra={"PLUGIN_PATH": str(path), "STAGE": stage})
             return []
 
+        try:
+            self._strict.check(path, root)
+        except UntrustedCode as e:
+            return skip("import", e.message)
+        except OSError as e:
+            return skip("import", f"cannot read it: {e.strerror}")
         try:
             module = import_file(path, f"inferd_user_processors.{path.stem}")
         except ImportFailed as e:  # contained: a user file must not stop the daemon

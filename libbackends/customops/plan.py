@@ -31,6 +31,7 @@ from inferd.libbackends.customops.contract import BindContext, BoundOp, OpRegist
 from inferd.libbackends.customops.partition import (
     Step, assign, consumed, describe_plan, order_and_group, summary,
 )
+from inferd.libbackends.trust import STRICT, StrictModes
 
 log = logging.getLogger(__name__)
 
@@ -321,14 +322,14 @@ class PartitionedModel(LoadedModel):
 
 def load_planned(backend: Backend, path: Path, options: LoadOptions, *, model: str,
                  model_dir: Path, ops: OpRegistry | None, fallbacks: Sequence[Backend],
-                 probe_timeout_s: float = 10.0, tables: Mapping[str, Any] | None = None
-                 ) -> LoadedModel:
+                 probe_timeout_s: float = 10.0, tables: Mapping[str, Any] | None = None,
+                 strict: StrictModes = STRICT) -> LoadedModel:
     """The model manager's hook: the model's own ``customops/`` folder over the daemon's
-    ops, then :func:`load_model`."""
+    ops (if strict modes allow it: else UntrustedCode), then :func:`load_model`."""
     from inferd.libbackends.customops.discovery import load_model_ops
 
     return load_model(backend, path, options, model=model,
-                      ops=load_model_ops(model_dir, ops, probe_timeout_s),
+                      ops=load_model_ops(model_dir, ops, probe_timeout_s, strict),
                       fallbacks=fallbacks, tables=tables)
 
 

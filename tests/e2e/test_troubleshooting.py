@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import re
 import signal
 import socket
@@ -100,6 +101,9 @@ PROVOKERS = {
     "inferctl: UNAVAILABLE: engine onnxruntime (worker": "worker_crash",
     "ERROR inferd.daemon.workers.pool: engine onnxruntime": "worker_crash",
     "INFO inferd.daemon.workers.pool: worker onnxruntime started": "worker_crash",
+    "backend candidate /usr/lib/inferd/backends/planted.py": "strict_modes",
+    "processor file /usr/lib/inferd/processors/mine.py": "strict_modes",
+    "model conv version 1 failed to load: refusing": "strict_modes",
 }
 
 
@@ -527,3 +531,62 @@ def test_worker_crash(start_daemon, short_tmp: Path, models_dir: Path) -> None:
         c.infer("vad", {**files, "input": np.zeros((1, 512), np.float32),
                         "state": np.zeros((2, 1, 128), np.float32)})
     _check("worker_crash", d.log() + r.stderr)
+
+
+def test_strict_modes(start_daemon, short_tmp: Path) -> None:
+    """Code another user may write is refused and never runs: a backend plugin, a
+    processor file, a model's own custom op (0666 in a 0777 folder; the model fails with
+    the reason, in inferctl models too), while a model file that an application group
+    may write still loads (issue 31, finding 11). Each refused file would create
+    ``ran-<name>`` if it ran."""
+    from onnx import helper
+
+    from tests.libbackends.customops import kit
+
+    def planted(path: Path, body: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"from pathlib import Path\n"
+                        f"Path({str(short_tmp / ('ran-' + path.stem))!r}).write_text('ran')\n"
+                        f"{body}")
+        path.chmod(0o666)
+
+    backends, processors, repo = (short_tmp / n for n in ("backends", "processors", "repo"))
+    planted(backends / "planted.py", "")
+    planted(processors / "mine.py", "PROCESSORS = {}\n")
+    planted(repo / "conv" / "customops" / "sigmoid.py", kit.PY_OPS)
+    (repo / "conv" / "customops").chmod(0o777)
+    kit.save(kit.conv_sigmoid_add(), repo / "conv" / "1" / "model.onnx")
+    relu = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", kit.X4,
+                             [helper.make_tensor_value_info("y", 1, None)])
+    plain = kit.save(helper.make_model(relu, opset_imports=kit.OPSETS),
+                     repo / "plain" / "1" / "model.onnx")
+    # a model folder an application group may write: its model file still loads
+    for node in (repo / "plain", plain.parent, plain):
+        node.chmod(0o664 if node == plain else 0o2775)
+        if os.geteuid() == 0:
+            os.chown(node, -1, 65534)  # nogroup: a group with another user in it
+    config = short_tmp / "inferd.toml"
+    config.write_text(f'[processors]\ndirectory = "{processors}"\n'
+                      f'[placement]\nmode = "first"\n')
+    d = start_daemon("--config", str(config), "--models", str(repo), "--backends-dir",
+                     str(backends))
+    x = kit.sample(2)
+    with Client(d.endpoint, timeout=60) as c:
+        np.testing.assert_array_equal(c.infer("plain", {"x": x})["y"], np.maximum(x, 0))
+        with pytest.raises(RequestError) as e:
+            c.infer("conv", {"x": x})
+        row = next(m for m in c.models() if m["name"] == "conv")
+    assert e.value.code.name == "PERMISSION_DENIED", e.value
+    assert f"{repo / 'conv' / 'customops'} is writable by every user" in e.value.message
+    assert row["state"] == "failed" and row["error"].startswith(
+        f"refusing to load code from {repo / 'conv' / 'customops' / 'sigmoid.py'}: ")
+    shown = _inferctl(d.endpoint, "models").stdout
+    assert "conv" in shown and "refusing to load code from" in shown, shown
+    assert sorted(p.name for p in short_tmp.glob("ran-*")) == []  # none of it ran
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    daemon = "no user but root can write" if os.geteuid() == 0 else \
+        f"no user but root and {me} (uid {os.geteuid()}) can write"
+    _check("strict_modes", d.log(), **{
+        daemon: "no user but root and inferd (uid 998) can write",
+        str(backends): "/usr/lib/inferd/backends", str(processors): "/usr/lib/inferd/processors",
+        str(repo): DOC_REPO})

@@ -37,6 +37,7 @@ def test_search_path_strength() -> None:
 
 def _config(paths: list[str], from_cli: bool = False) -> SimpleNamespace:
     return SimpleNamespace(backends=SimpleNamespace(paths=paths, probe_timeout_s=10.0),
+                           security=SimpleNamespace(strict_modes=True),
                            overridden=frozenset({"backends.paths"} if from_cli else ()))
 
 
