@@ -200,7 +200,8 @@ class ModelLoader:
                or (model_dir / "customops").is_dir())
         call = LoadCall(backend, path, options, entry.label, model_dir, tuple(fallbacks),
                         tables, config.backends.probe_timeout_s,
-                        key=f"{entry.label}@{backend}" if own else backend)
+                        key=f"{entry.label}@{backend}" if own else backend,
+                        strict_modes=config.security.strict_modes)
         model = WorkerModel(self.workers, call, config.workers.load_kill_after_s)
         if model.engine_bytes and self.budget.engine(backend) is None:
             self.budget.engine_imported(backend, model.engine_bytes)

@@ -43,8 +43,8 @@ class UntrustedCode(InferdError):
     """Code would be loaded from a place that a user other than root and the daemon's
     own can write; the message names the path, its mode and owner, and the rule."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, ErrorCode.PERMISSION_DENIED)
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.PERMISSION_DENIED) -> None:
+        super().__init__(message, code)
 
 
 def _user(uid: int) -> str:

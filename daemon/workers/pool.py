@@ -358,12 +358,14 @@ class LoadCall:
     tables: dict[str, Any]
     probe_timeout_s: float
     key: str
+    strict_modes: bool = True
 
     def header(self) -> dict[str, Any]:
         return {"op": "load", "backend": self.backend, "path": str(self.path),
                 "options": self.options, "model": self.model,
                 "model_dir": str(self.model_dir), "fallbacks": list(self.fallbacks),
-                "tables": self.tables, "probe_timeout_s": self.probe_timeout_s}
+                "tables": self.tables, "probe_timeout_s": self.probe_timeout_s,
+                "strict_modes": self.strict_modes}
 
 
 class WorkerModel(LoadedModel):

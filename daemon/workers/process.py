@@ -35,6 +35,7 @@ from inferd.ipc.errors import BackendError, ErrorCode, InferdError, ModelError
 from inferd.ipc.libc import malloc_trim
 from inferd.libbackends.contract import LoadedModel
 from inferd.libbackends.registry import Registry
+from inferd.libbackends.trust import StrictModes, UntrustedCode
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ OOM_SCORE_ADJ = 500
 
 ERRORS: dict[str, type[InferdError]] = {
     "ModelError": ModelError, "BackendError": BackendError, "InferdError": InferdError,
+    "UntrustedCode": UntrustedCode,
 }
 
 
@@ -138,7 +140,8 @@ class WorkerProcess:
             model = load_planned(record.backend, Path(h["path"]), h["options"],
                                  model=h["model"], model_dir=Path(h["model_dir"]),
                                  ops=self.customops, fallbacks=fallbacks,
-                                 tables=h["tables"], probe_timeout_s=h["probe_timeout_s"])
+                                 tables=h["tables"], probe_timeout_s=h["probe_timeout_s"],
+                                 strict=StrictModes(h.get("strict_modes", True)))
             malloc_trim()
             added = max(0, self.rss() - before)
         with self._lock:
