@@ -141,11 +141,17 @@ class ModelLoader:
         # model's own backend: its config section under its model.toml table
         tables = {b.id: backend_options(config, spec.settings, b.id) for b in fallbacks}
 
+        isolation = spec.settings.isolation or config.workers.isolation
+        if isolation != "in-process" and self.workers is None:
+            log.warning("model %s: isolation = %r ignored: the daemon runs no worker "
+                        "processes ([workers] isolation = \"in-process\")", entry.label,
+                        isolation, extra={"MODEL": entry.name})
+
         def load_on(choice: Choice, options: LoadOptions) -> LoadedModel:
             with self._lock:  # held already for the first load; taken for a rival
-                if self.workers is not None:
+                if self.workers is not None and isolation != "in-process":
                     return self._in_worker(entry, choice, options, source.path, tables,
-                                           [b.id for b in fallbacks])
+                                           [b.id for b in fallbacks], isolation)
                 # the planner reads ONNX graphs: onnx comes in with the first model
                 engines[0] += self._engine("onnx", _import_planner)
                 bring_in = getattr(choice.backend, "import_engine", None)
@@ -189,15 +195,15 @@ class ModelLoader:
 
 
     def _in_worker(self, entry: ModelEntry, choice: Choice, options: LoadOptions,
-                   path: Path, tables: dict[str, Any], fallbacks: list[str]) -> LoadedModel:
-        """Load on ``choice`` in its worker process ([workers] isolation): the backend's
-        worker, or the model's own where it brings custom ops or isolation = "model"."""
+                   path: Path, tables: dict[str, Any], fallbacks: list[str],
+                   isolation: str) -> LoadedModel:
+        """Load on ``choice`` in its worker process: the backend's worker, or the model's
+        own where it brings custom ops or ``isolation`` is "model"."""
         assert self.workers is not None
         config = self.catalog.config
         model_dir = self.catalog.repo.root / entry.name
         backend = choice.backend.id
-        own = (config.workers.isolation == "model"
-               or (model_dir / "customops").is_dir())
+        own = isolation == "model" or (model_dir / "customops").is_dir()
         call = LoadCall(backend, path, options, entry.label, model_dir, tuple(fallbacks),
                         tables, config.backends.probe_timeout_s,
                         key=f"{entry.label}@{backend}" if own else backend,

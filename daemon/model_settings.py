@@ -61,6 +61,12 @@ def _batching(v: Any) -> str:
     raise ValueError
 
 
+def _isolation(v: Any) -> str:
+    if v in ("backend", "model", "in-process"):
+        return str(v)
+    raise ValueError
+
+
 def _steps(v: Any) -> list[dict[str, Any]]:
     if isinstance(v, list) and all(isinstance(s, dict) for s in v):
         return [dict(s) for s in v]
@@ -85,6 +91,8 @@ SCHEMA: dict[str, Setting] = {
                          "[placement] mode)"),
     "threads": Setting(None, positive_int, "a positive integer (default: the backend's "
                        "own, or measured within a graph)"),
+    "isolation": Setting(None, _isolation, "\"backend\", \"model\" or \"in-process\" "
+                         "(default: [workers] isolation)"),
     # the model's threads (docs/pipelines.md)
     "instances": Setting(None, positive_int, "a positive integer (default: [models] "
                          "instances)"),
@@ -117,6 +125,7 @@ class ModelSettings:
     backends: list[str] | None = None
     placement: str | None = None
     threads: int | None = None
+    isolation: str | None = None
     instances: int | None = None
     queue_size: int | None = None
     cpu_affinity: list[int] | None = None

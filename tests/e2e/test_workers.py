@@ -377,3 +377,20 @@ def test_a_worker_over_its_memory_limit_is_killed(start_daemon, repo, short_tmp)
                             r"while running bomb version 1", e.value.message), e.value.message
         np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
     assert "REASON=killed" in d.log() or "was killed: its resident memory" in d.log()
+
+
+def test_model_toml_chooses_its_isolation(start_daemon, short_tmp, models_dir):
+    repo = short_tmp / "repo"
+    for name, isolation in (("vad", "model"), ("ocr-cls", "in-process")):
+        (repo / name / "1").mkdir(parents=True)
+        os.symlink(models_dir / name / "1" / "model.onnx", repo / name / "1" / "model.onnx")
+        (repo / name / "model.toml").write_text(f'isolation = "{isolation}"\n')
+    d = daemon_with_workers(start_daemon, repo, short_tmp)
+    with d.client() as c:
+        c.infer("vad", VAD_OK)
+        c.infer("ocr-cls", {"x": np.zeros((1, 3, 48, 192), np.float32)})
+        rows = {m["name"]: m for m in c.models()}
+    log = d.log()
+    assert worker_pids(log, "vad version 1@onnxruntime")  # a worker of its own
+    assert not worker_pids(log, "onnxruntime")  # ocr-cls runs in the daemon
+    assert rows["ocr-cls"]["state"] == "ready"
