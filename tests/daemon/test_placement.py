@@ -410,6 +410,10 @@ def test_a_rival_that_needs_more_than_half_the_memory_available_waits(
     class Machine:
         available = 500 * 2**20  # the rival needs 300 MiB (room.cost)
 
+    # psutil stands in for the machine here: its real available memory (gigabytes, and
+    # moving with whatever else runs) cannot be made to sit between 300 and 600 MiB, the
+    # range in which a 300 MiB rival needs more than half of it. The placer reads only
+    # virtual_memory().available, and that is all the stand-in has.
     monkeypatch.setattr("inferd.daemon.placer.psutil",
                         types.SimpleNamespace(virtual_memory=lambda: Machine))
     slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
@@ -523,6 +527,8 @@ def test_within_a_graph_the_slowest_stage_gets_the_idle_cores(repo: Path,
     (repo / "g").mkdir()
     (repo / "g" / "graph.toml").write_text(
         '[[nodes]]\nname = "a"\nmodel = "m"\n[[nodes]]\nname = "b"\nmodel = "other"\n')
+    # The cores this process may use are the machine's (1 to hundreds): two, so that the
+    # graph's busy time earns a known number of threads whatever runs the test.
     monkeypatch.setattr("inferd.daemon.placer.PROCESS_CORES", frozenset({0, 1}))
     slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", 0.012)
     placer, registry, _ = make([slow, fast], None)
@@ -545,6 +551,7 @@ def test_within_a_graph_the_slowest_stage_gets_the_idle_cores(repo: Path,
 def test_threads_set_in_model_toml_are_not_measured(repo: Path, monkeypatch: Any) -> None:
     (repo / "g").mkdir()
     (repo / "g" / "graph.toml").write_text('[[nodes]]\nname = "a"\nmodel = "m"\n')
+    # two cores whatever the machine has (as above): threads = 1 must not be measured
     monkeypatch.setattr("inferd.daemon.placer.PROCESS_CORES", frozenset({0, 1}))
     slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
     placer, registry, _ = make([slow, fast], None)

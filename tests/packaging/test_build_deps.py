@@ -1,11 +1,16 @@
 """packaging/build_deps.py, what `make deb` runs first: the package list it derives from
 debian/control (host libraries qualified for a cross build), and the apt-get line it
-prints, instead of installing, when it does not run as root."""
+prints, instead of installing, when it does not run as root: the script itself, run by
+a user who is not root against this machine's dpkg, nothing stubbed."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,23 +38,76 @@ def test_the_list_comes_from_the_control_file():
     assert cross["python3-numpy"] == "python3-numpy" and cross["dh-python"] == "dh-python"
 
 
-def test_without_root_it_prints_the_apt_get_line_and_stops(monkeypatch, capsys):
-    monkeypatch.setattr(build_deps, "missing", lambda arch, cross: ["dh-python", "lintian-x"])
-    monkeypatch.setattr(build_deps.os, "geteuid", lambda: 1000)
-    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    assert build_deps.main(["build_deps.py", arch]) == 1
-    err = capsys.readouterr().err
-    assert f"make deb ARCH={arch} needs packages this machine lacks" in err
-    assert "  sudo apt-get install --no-install-recommends dh-python lintian-x" in err
+def _run_unprivileged(where: Path, arch: str) -> subprocess.CompletedProcess[str]:
+    """packaging/build_deps.py ARCH run for real by a user who is not root: this one, or
+    nobody (65534) when the tests run as root. Copied with debian/control into ``where``
+    (a folder nobody can read: the checkout may be in root's home) and run by the
+    system's python3, as make runs it."""
+    (where / "debian").mkdir()
+    shutil.copy(ROOT / "packaging" / "build_deps.py", where)
+    shutil.copy(ROOT / "packaging" / "debian" / "control", where / "debian")
+    where.chmod(0o755)
+    cmd = [sys.executable, str(where / "build_deps.py"), arch]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None or not os.access("/usr/bin/python3", os.X_OK):
+            pytest.skip("as root this needs setpriv and /usr/bin/python3 to drop to nobody")
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+               "/usr/bin/python3", *cmd[1:]]
+    env = {**os.environ, "HOME": str(where)}  # not root's, which nobody cannot read
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=where,
+                          env=env)
 
 
-def test_nothing_missing_means_nothing_to_do(monkeypatch):
-    monkeypatch.setattr(build_deps, "missing", lambda arch, cross: [])
-    monkeypatch.setattr(build_deps.os, "geteuid", lambda: 1000)
-    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True,
+def _dpkg(*args: str) -> str:
+    return subprocess.run(["dpkg", *args], capture_output=True, text=True,
                           check=True).stdout.strip()
-    assert build_deps.main(["build_deps.py", arch]) == 0
+
+
+def test_without_root_it_prints_the_apt_get_line_and_stops(short_tmp: Path) -> None:
+    """A cross build for an architecture dpkg does not know here: the script finds what
+    is missing with the real dpkg tools and, not being root, prints the lines instead
+    of running them."""
+    foreign = _dpkg("--print-foreign-architectures").split()
+    arch = next(a for a in ("riscv64", "s390x", "ppc64el", "mips64el") if a not in foreign)
+    out = _run_unprivileged(short_tmp, arch)
+    assert out.returncode == 1, out
+    assert "Traceback" not in out.stderr, out.stderr
+    assert f"make deb ARCH={arch} needs packages this machine lacks; as root:" in out.stderr
+    lines = out.stderr.splitlines()
+    assert f"  sudo dpkg --add-architecture {arch}" in lines, out.stderr
+    install = next(ln for ln in lines if ln.startswith("  sudo apt-get install "))
+    packages = install.split()[4:]
+    assert install.split()[:4] == ["sudo", "apt-get", "install", "--no-install-recommends"]
+    assert {f"crossbuild-essential-{arch}", f"libzmq3-dev:{arch}",
+            f"libjansson-dev:{arch}"} <= set(packages), install
+    assert not {"python3-numpy", "dh-python"} & {p.split(":")[0] for p in packages
+                                                 if p.endswith(f":{arch}")}, install
+
+
+def test_what_it_finds_missing_is_what_dpkg_finds_missing(short_tmp: Path) -> None:
+    """A native build: the script stops (and prints the line) exactly when
+    dpkg-checkbuilddeps or dpkg-query finds something missing on this machine, and names
+    every build dependency dpkg-checkbuilddeps calls unmet."""
+    if shutil.which("dpkg-checkbuilddeps") is None:
+        pytest.skip("dpkg-dev is not installed: nothing to compare with")
+    arch = _dpkg("--print-architecture")
+    out = _run_unprivileged(short_tmp, arch)
+    check = subprocess.run(["dpkg-checkbuilddeps", str(ROOT / "packaging" / "debian" /
+                                                       "control")],
+                           capture_output=True, text=True)
+    tools = [p for p in build_deps.TOOLS if not build_deps.installed(p)]
+    assert "Traceback" not in out.stderr, out.stderr
+    if check.returncode == 0 and not tools:
+        assert (out.returncode, out.stderr) == (0, "")
+        return
+    assert out.returncode == 1, out
+    install = next(ln for ln in out.stderr.splitlines()
+                   if ln.startswith("  sudo apt-get install "))
+    # "Unmet build dependencies: debhelper-compat (= 13) dh-python python3-all:native"
+    unmet = re.sub(r"\(.*?\)", "", check.stderr.partition("Unmet build dependencies:")[2])
+    listed = {p.split(":")[0] for p in install.split()[4:]}
+    assert set(tools) <= listed, install
+    assert {n.split(":")[0] for n in unmet.split()} <= listed, (check.stderr, install)
 
 
 @pytest.mark.parametrize("relation, names", [
