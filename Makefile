@@ -18,7 +18,8 @@ SYSTEM_PACKAGES := python3-venv gcc g++ libc6-dev libzmq3-dev libjansson-dev pkg
 	mesa-vulkan-drivers vulkan-tools libvulkan1
 
 .PHONY: setup system-packages run test test-fast soak bench clean examples deb deb-test lint libinferd \
-        venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64 wheels apt-repo
+        venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64 wheels apt-repo \
+        deb-test-deps-systemd deb-test-deps-arm64
 
 setup: system-packages $(STAMP) models/.complete
 
@@ -158,6 +159,9 @@ build/deb/%/.built: $(DEB_SOURCES) | deb-build-deps-% $(STAMP)
 
 deb-build-deps-%:
 	@$(PYTHON) packaging/build_deps.py $*
+
+deb-test-deps-systemd deb-test-deps-arm64:
+	@$(PYTHON) packaging/build_deps.py --test $(@:deb-test-deps-%=deb-test-%)
 .SECONDARY: deb-build-deps-amd64 deb-build-deps-arm64
 
 # A signed apt repository in build/apt/ of make deb's packages for APT_ARCHS (docs/install.md,
@@ -179,13 +183,17 @@ wheels: $(STAMP)
 deb-test: deb models/.complete
 	$(PY) tests/packaging/check_debs.py build/deb/$(ARCH) models
 
-# Needs root: the amd64 packages in a Debian 12 container with systemd as PID 1.
-deb-test-systemd: build/deb/amd64/.built models/.complete
+# Needs root: the amd64 packages in a Debian 12 container with systemd as PID 1. What it
+# needs on this machine (mmdebstrap, systemd-nspawn, ...) comes first, installed when run
+# as root, else the apt-get line is printed and make stops (packaging/build_deps.py).
+deb-test-systemd: deb-test-deps-systemd build/deb/amd64/.built models/.complete
 	$(PY) tests/packaging/check_systemd.py build/deb/amd64 models
 
 # Needs root: the arm64 packages in an arm64 Debian 12 root under qemu-user, their
-# results against the amd64 packages'.
-deb-test-arm64: build/deb/amd64/.built build/deb/arm64/.built models/.complete
+# results against the amd64 packages'. Its own packages first, as above (qemu-user-static,
+# binfmt-support, the arm64 libraries...).
+deb-test-arm64: deb-test-deps-arm64 build/deb/amd64/.built build/deb/arm64/.built \
+                models/.complete
 	lintian --fail-on error,warning build/deb/arm64/inferd_*_arm64.changes
 	$(PY) tests/packaging/check_arm64.py build/deb models
 

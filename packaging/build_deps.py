@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""What `make deb ARCH=...` needs on the build machine, installed when run as root, or
-the exact apt-get line printed (exit status 1) otherwise, as `make setup` does for
-its own packages. Called first by packaging/build-deb.sh.
+"""What `make deb ARCH=...` and the package tests (`make deb-test-systemd`, `make
+deb-test-arm64`) need on the build machine, installed when run as root, or the exact
+apt-get lines printed (exit status 1) otherwise, as `make setup` does for its own
+packages. Called first by packaging/build-deb.sh, and by the Makefile before the tests.
 
-The list: build-essential, dpkg-dev and python3-venv (make deb fetches the add-ons'
-wheels with the project's venv), every package of packaging/debian/control's
+make deb's list: build-essential, dpkg-dev and python3-venv (make deb fetches the
+add-ons' wheels with the project's venv), every package of packaging/debian/control's
 Build-Depends and Build-Depends-Arch (version constraints and build profiles dropped,
 ``:native`` kept native) and, to cross-build, crossbuild-essential-ARCH and the
 Build-Depends-Arch libraries of ARCH (``libzmq3-dev:arm64``; ARCH is added to dpkg's
 architectures first). With dpkg-dev present, dpkg-checkbuilddeps decides what is
-missing; without it (a fresh machine) everything is.
+missing; without it (a fresh machine) everything is. The tests' lists are
+:data:`TEST_PACKAGES` (each test also runs make deb, which brings its own).
 
-Usage: build_deps.py ARCH
+Usage: build_deps.py ARCH | build_deps.py --test deb-test-systemd|deb-test-arm64
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ from pathlib import Path
 
 CONTROL = Path(__file__).resolve().parent / "debian" / "control"
 TOOLS = ["build-essential", "dpkg-dev", "python3-venv"]
+TEST_PACKAGES: dict[str, tuple[str | None, list[str]]] = {
+    # the Debian 12 root (mmdebstrap, tests/packaging/make_root.sh) booted with
+    # systemd-nspawn; the throwaway key and apt repository (gnupg, apt-ftparchive)
+    "deb-test-systemd": (None, ["mmdebstrap", "systemd-container", "gnupg", "apt-utils"]),
+    # an arm64 root under qemu-user (binfmt, tests/packaging/binfmt.sh; mmdebstrap
+    # checks the architecture runs with arch-test), lintian on the arm64 packages, the
+    # arm64 libraries whose symbols files dpkg-shlibdeps and the cross-built example read
+    "deb-test-arm64": ("arm64", ["mmdebstrap", "arch-test", "systemd-container",
+                                 "qemu-user-static", "binfmt-support", "lintian",
+                                 "binutils-aarch64-linux-gnu", "libc6:arm64",
+                                 "libstdc++6:arm64", "libgcc-s1:arm64"]),
+}
+"""make target -> (the foreign architecture it adds to dpkg, or None; its packages)."""
 
 
 def say(text: str) -> None:
@@ -91,33 +106,59 @@ def installed(package: str) -> bool:
     return out.returncode == 0 and "ok installed" in out.stdout
 
 
+def provide(target: str, need: list[str], add_arch: str | None) -> int:
+    """Install ``need`` (after ``dpkg --add-architecture add_arch``) as root, or print
+    the lines that would and return 1; 0 when nothing is missing."""
+    if not need and not add_arch:
+        return 0
+    steps = ([["dpkg", "--add-architecture", add_arch]] if add_arch else []) + [
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *need]]
+    if os.geteuid() != 0:
+        say(f"make {target} needs packages this machine lacks; as root:")
+        for cmd in steps:
+            print("  sudo " + " ".join(c for c in cmd if c not in ("-y", "-qq")),
+                  file=sys.stderr)
+        return 1
+    say(f"installing for make {target}: {' '.join(need)}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in steps:
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    return 0
+
+
+def foreign(arch: str | None) -> bool:
+    """Whether ``arch`` is an architecture dpkg does not install yet (None: no)."""
+    if arch is None:
+        return False
+    native = subprocess.run(["dpkg", "--print-architecture"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    added = subprocess.run(["dpkg", "--print-foreign-architectures"], capture_output=True,
+                           text=True, check=True).stdout.split()
+    return arch != native and arch not in added
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__.strip().splitlines()[-1], file=sys.stderr)
+    usage = __doc__.strip().splitlines()[-1]
+    if len(argv) == 3 and argv[1] == "--test" and argv[2] in TEST_PACKAGES:
+        target = argv[2]
+        arch, packages = TEST_PACKAGES[target]
+        lacking = [p for p in packages if not installed(p)]
+        if provide(target, lacking, arch if foreign(arch) else None):
+            return 1
+        still = [p for p in packages if not installed(p)]
+        if still:
+            raise SystemExit(f"build_deps: still missing after apt-get: {' '.join(still)}")
+        return 0
+    if len(argv) != 2 or argv[1].startswith("-"):
+        print(usage, file=sys.stderr)
         return 2
     arch = argv[1]
     build_arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True,
                                 text=True, check=True).stdout.strip()
     cross = arch != build_arch
-    foreign = subprocess.run(["dpkg", "--print-foreign-architectures"], capture_output=True,
-                             text=True, check=True).stdout.split()
-    add_arch = cross and arch not in foreign
-    need = missing(arch, cross)
-    if not need and not add_arch:
-        return 0
-    steps = ([["dpkg", "--add-architecture", arch]] if add_arch else []) + [
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *need]]
-    if os.geteuid() != 0:
-        say(f"make deb ARCH={arch} needs packages this machine lacks; as root:")
-        for cmd in steps:
-            print("  sudo " + " ".join(c for c in cmd if c not in ("-y", "-qq")),
-                  file=sys.stderr)
+    if provide(f"deb ARCH={arch}", missing(arch, cross), arch if foreign(arch) else None):
         return 1
-    say(f"installing for make deb ARCH={arch}: {' '.join(need)}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in steps:
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     still = missing(arch, cross)
     if still:
         raise SystemExit(f"build_deps: still missing after apt-get: {' '.join(still)}")

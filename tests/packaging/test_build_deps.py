@@ -38,24 +38,34 @@ def test_the_list_comes_from_the_control_file():
     assert cross["python3-numpy"] == "python3-numpy" and cross["dh-python"] == "dh-python"
 
 
-def _run_unprivileged(where: Path, arch: str) -> subprocess.CompletedProcess[str]:
-    """packaging/build_deps.py ARCH run for real by a user who is not root: this one, or
-    nobody (65534) when the tests run as root. Copied with debian/control into ``where``
-    (a folder nobody can read: the checkout may be in root's home) and run by the
-    system's python3, as make runs it."""
-    (where / "debian").mkdir()
-    shutil.copy(ROOT / "packaging" / "build_deps.py", where)
-    shutil.copy(ROOT / "packaging" / "debian" / "control", where / "debian")
+def _unprivileged(where: Path, *args: str,
+                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``make ...`` or ``build_deps.py ...`` (``args``) run for real by a user who is not
+    root: this one, or nobody (65534) when the tests run as root. The Makefile,
+    packaging/build_deps.py and debian/control are copied into ``where``, which nobody
+    can read (the checkout may be in root's home); the script is run by the system's
+    python3, as make runs it."""
+    (where / "packaging" / "debian").mkdir(parents=True)
+    shutil.copy(ROOT / "Makefile", where)
+    shutil.copy(ROOT / "packaging" / "build_deps.py", where / "packaging")
+    shutil.copy(ROOT / "packaging" / "debian" / "control", where / "packaging" / "debian")
     where.chmod(0o755)
-    cmd = [sys.executable, str(where / "build_deps.py"), arch]
+    python = sys.executable
+    wrap: list[str] = []
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None or not os.access("/usr/bin/python3", os.X_OK):
             pytest.skip("as root this needs setpriv and /usr/bin/python3 to drop to nobody")
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-               "/usr/bin/python3", *cmd[1:]]
-    env = {**os.environ, "HOME": str(where)}  # not root's, which nobody cannot read
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=where,
-                          env=env)
+        python = "/usr/bin/python3"
+        wrap = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if args[0] == "make":
+        cmd = ["make", "-s", *args[1:], f"PYTHON={python}"]
+    else:
+        cmd = [python, str(where / "packaging" / "build_deps.py"), *args]
+    # HOME: not root's, which nobody cannot read; PATH: without a venv or pyenv's shims
+    full = {**os.environ, "HOME": str(where), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+            **(env or {})}
+    return subprocess.run([*wrap, *cmd], capture_output=True, text=True, timeout=120,
+                          cwd=where, env=full)
 
 
 def _dpkg(*args: str) -> str:
@@ -69,7 +79,7 @@ def test_without_root_it_prints_the_apt_get_line_and_stops(short_tmp: Path) -> N
     of running them."""
     foreign = _dpkg("--print-foreign-architectures").split()
     arch = next(a for a in ("riscv64", "s390x", "ppc64el", "mips64el") if a not in foreign)
-    out = _run_unprivileged(short_tmp, arch)
+    out = _unprivileged(short_tmp, arch)
     assert out.returncode == 1, out
     assert "Traceback" not in out.stderr, out.stderr
     assert f"make deb ARCH={arch} needs packages this machine lacks; as root:" in out.stderr
@@ -91,7 +101,7 @@ def test_what_it_finds_missing_is_what_dpkg_finds_missing(short_tmp: Path) -> No
     if shutil.which("dpkg-checkbuilddeps") is None:
         pytest.skip("dpkg-dev is not installed: nothing to compare with")
     arch = _dpkg("--print-architecture")
-    out = _run_unprivileged(short_tmp, arch)
+    out = _unprivileged(short_tmp, arch)
     check = subprocess.run(["dpkg-checkbuilddeps", str(ROOT / "packaging" / "debian" /
                                                        "control")],
                            capture_output=True, text=True)
@@ -116,3 +126,64 @@ def test_what_it_finds_missing_is_what_dpkg_finds_missing(short_tmp: Path) -> No
 ])
 def test_relation_fields_give_package_names(relation, names):
     assert build_deps.names(relation) == names
+
+
+def _fresh_dpkg(where: Path) -> dict[str, str]:
+    """The environment of a machine on which dpkg has installed nothing and knows no
+    foreign architecture: an empty dpkg database (dpkg and dpkg-query read
+    DPKG_ADMINDIR)."""
+    admin = where / "dpkg"
+    for sub in ("info", "updates"):
+        (admin / sub).mkdir(parents=True)
+    (admin / "status").touch()
+    return {"DPKG_ADMINDIR": str(admin)}
+
+
+@pytest.mark.parametrize("test, foreign, wanted", [
+    ("deb-test-systemd", None, ["mmdebstrap", "systemd-container", "gnupg", "apt-utils"]),
+    ("deb-test-arm64", "arm64", ["mmdebstrap", "qemu-user-static", "binfmt-support",
+                                 "libc6:arm64", "libstdc++6:arm64", "libgcc-s1:arm64"]),
+])
+def test_the_package_tests_print_their_apt_get_line_on_a_fresh_machine(
+        short_tmp: Path, test: str, foreign: str | None, wanted: list[str]) -> None:
+    """`make deb-test-systemd` stopped with "mmdebstrap: command not found" and a Python
+    traceback on a fresh machine (issue 31 item 16): its first step is now what it needs,
+    installed as root, or the lines printed. Here the make target itself, by a user who
+    is not root, on an empty dpkg database."""
+    out = _unprivileged(short_tmp, "make", f"deb-test-deps-{test.split('-')[-1]}",
+                        env=_fresh_dpkg(short_tmp))
+    assert out.returncode != 0, out
+    assert "Traceback" not in out.stderr and "command not found" not in out.stderr, out
+    lines = out.stderr.splitlines()
+    assert f"build_deps: make {test} needs packages this machine lacks; as root:" in lines
+    assert (f"  sudo dpkg --add-architecture {foreign}" in lines) == bool(foreign), lines
+    install = next(ln for ln in lines if ln.startswith("  sudo apt-get install "))
+    assert install.split()[4:] == build_deps.TEST_PACKAGES[test][1], install
+    assert set(wanted) <= set(install.split()), install
+
+
+@pytest.mark.parametrize("test", sorted(build_deps.TEST_PACKAGES))
+def test_the_package_tests_need_what_dpkg_says_is_missing(short_tmp: Path,
+                                                          test: str) -> None:
+    """On this machine, as it is: the script lists exactly the packages dpkg-query does
+    not find installed (nothing, and exit status 0, when all are)."""
+    out = _unprivileged(short_tmp, "--test", test)
+    lacking = [p for p in build_deps.TEST_PACKAGES[test][1] if not build_deps.installed(p)]
+    assert "Traceback" not in out.stderr, out.stderr
+    if not lacking and "--add-architecture" not in out.stderr:
+        assert (out.returncode, out.stderr) == (0, ""), out
+        return
+    assert out.returncode == 1, out
+    install = next(ln for ln in out.stderr.splitlines()
+                   if ln.startswith("  sudo apt-get install "))
+    assert install.split()[4:] == lacking, install
+
+
+def test_make_checks_what_the_package_tests_need_before_it_builds() -> None:
+    """The check is the targets' first step: not after make deb's minutes."""
+    for test, built in (("deb-test-systemd", "build-deb.sh amd64"),
+                        ("deb-test-arm64", "build-deb.sh amd64")):
+        out = subprocess.run(["make", "-n", "-C", str(ROOT), test], capture_output=True,
+                             text=True, check=True).stdout
+        check = out.index(f"build_deps.py --test {test}")
+        assert check < out.index(built), out
