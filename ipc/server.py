@@ -45,6 +45,7 @@ from inferd.ipc.errors import ErrorCode, Failure, InferdError, ProtocolError, fa
 from inferd.ipc.protocol import Op, Reply, Request, decode_request, encode_reply, peek_request_id
 from inferd.ipc.replies import Observer, Ticket
 from inferd.ipc.shm import Regions, shm_path
+from inferd.ipc.shmcheck import RegionLimits
 from inferd.ipc.socketfile import Listener, SocketLock, _chgrp
 from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames, tuned
 
@@ -228,7 +229,10 @@ class Server:
         self._router = router
         self._handed_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         if path is not None:
-            self.regions = Regions(shm_path(path), self._mode, self._access)
+            bounds = RegionLimits.derive(self.connections.fd_limit,
+                                         self.connections.fd_brake, self.connections.max)
+            self.regions = Regions(shm_path(path), self._mode, self._access, bounds,
+                                   _open_fds)
             self.regions.bind(self._chgrp if self._group else None)
         self._monitor = monitor
         limits = self.connections

@@ -6,20 +6,36 @@ Why a passed descriptor and not a name in ``/dev/shm`` or ``/proc/<pid>/fd``: th
 ``PrivateTmp=``, ``PrivateDevices=`` and ``ProtectProc=`` hide both from the daemon, while
 a descriptor passed over a socket is the capability itself and ``SO_PEERCRED`` names who
 passed it. The daemon maps each region once, checks its sender against ``[access]``,
-refuses a memfd that may shrink (``F_SEAL_SHRINK``: a shrunk region would crash the
-reader with SIGBUS), bounds every offset, lets only the process that registered a region
-name it, and forgets a process's regions when its registration socket closes (a mapping
-lives on until the last request using it finishes).
+refuses a memfd that may shrink (``F_SEAL_SHRINK``, checked before its size is read: a
+shrunk region would crash the reader with SIGBUS), bounds every offset, lets only the
+process that registered a region name it, and forgets a process's regions when its
+registration socket closes (a mapping lives on until the last request using it
+finishes).
+
+The registration socket is open to every local client the socket's mode lets in, so
+nothing one client sends may stop it for the others (issue 31):
+
+- every message read is answered, whatever it holds or whatever fails while serving it
+  (:mod:`inferd.ipc.shmcheck` bounds a message's size and nesting before parsing it);
+- replies are sent without blocking; a connection that leaves more than
+  :data:`MAX_UNREAD_REPLIES` unread is closed (and its regions forgotten);
+- each region holds one descriptor of the daemon (its mapping's copy; the passed one is
+  closed) and one mapping: regions are bounded per connection, process, user and
+  daemon-wide, from the open-files limit and ``vm.max_map_count``
+  (:class:`~inferd.ipc.shmcheck.RegionLimits`), and refused outright once the process's
+  descriptors near the server's descriptor brake, so that client connections always
+  find theirs;
+- a failure of the service's loop itself is logged with its traceback and the loop
+  starts again over the same connections and regions (:meth:`Regions._run`).
 
 - :class:`Regions`: the daemon's side, its own thread (``inferd-shm``) serving the
   registration socket, and the lookups the I/O thread makes while decoding.
 - :class:`Region`: the client's side, a memfd mapped in the client, with
-  :meth:`Region.ndarray` to place tensors in it.
+  :meth:`Region.ndarray` to place tensors in it; :class:`Registration`, its connection.
 """
 
 from __future__ import annotations
 
-import array
 import errno
 import fcntl
 import json
@@ -27,11 +43,13 @@ import logging
 import mmap
 import os
 import secrets
+import select
 import selectors
 import socket
-import stat
 import struct
 import threading
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,18 +59,26 @@ import numpy as np
 from numpy.typing import NDArray
 
 from inferd.ipc.access import Access, Peer
-from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError
+from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError, failure
 from inferd.ipc.protocol import SHM_ALIGN, Resolver
+from inferd.ipc.shmcheck import (MAX_FDS, MAX_MESSAGE, RegionLimits,
+                                 parse, passed_fds, sealed_size)
 
 log = logging.getLogger(__name__)
 
 ALIGN = SHM_ALIGN
 """Offsets the client's allocator hands out (as the daemon places outputs)."""
-MAX_REGION_BYTES = 4 * 2**30
-"""Largest region one registration may map."""
-MAX_REGIONS_PER_CONNECTION = 64
+MAX_UNREAD_REPLIES = 64
+"""Replies kept for a connection beyond what its socket buffer takes; past it the
+connection is closed (a client that never reads must not stop the service)."""
+ACCEPT_RETRY_S = 1.0
+"""How long accepting pauses after the kernel had no descriptor for a connection."""
+MAX_REFUSED = 16
+"""Connections refused (past a bound) kept open until their first message, which is
+answered with the reason; past these, one is closed at once after sending it."""
 _UCRED = struct.Struct("3i")
-_MAX_MESSAGE = 4096
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * struct.calcsize("i"))
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 
 def shm_path(socket_path: Path) -> Path:
@@ -66,25 +92,62 @@ class _Mapped:
     mm: mmap.mmap
     size: int
     owner: Peer
-    conn: socket.socket
+
+
+class _Conn:
+    """One registration connection: its socket (non-blocking), its client (SO_PEERCRED,
+    fixed when it connected), the regions registered on it and the replies its socket
+    has not taken yet; or, for a connection refused, why (its first message's reply)."""
+
+    def __init__(self, sock: socket.socket, peer: Peer,
+                 refusal: InferdError | None = None) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.refusal = refusal
+        self.tokens: list[str] = []
+        self.unsent: deque[bytes] = deque()
+
+    @property
+    def closed(self) -> bool:
+        return self.sock.fileno() == -1
 
 
 class Regions:
     """The daemon's registered regions and their registration socket.
 
+    The regions, their counts and the connections are this object's; the ``inferd-shm``
+    thread changes them, the I/O thread reads the regions (:meth:`resolver`). A failure
+    of the thread's loop is logged with its traceback and the loop starts again over the
+    same state; a failure while serving one message is an error reply to its sender.
+
     Args:
         path: the registration socket's path (beside the ipc socket file).
         mode: its file mode (that of the ipc socket).
         access: the server's allow-list, read at each registration (reloads apply).
+        limits: the bounds (:meth:`RegionLimits.derive`).
+        open_fds: the process's open descriptors now (checked at each registration
+            against ``limits.fd_refuse``).
     """
 
-    def __init__(self, path: Path, mode: int, access: Callable[[], Access]) -> None:
+    def __init__(self, path: Path, mode: int, access: Callable[[], Access],
+                 limits: RegionLimits, open_fds: Callable[[], int]) -> None:
         self.path = path
+        self.limits = limits
+        self.failures = 0
+        """Times the thread's loop failed and started again."""
         self._mode = mode
         self._access = access
-        self._lock = threading.Lock()
+        self._open_fds = open_fds
+        self._lock = threading.Lock()  # the regions and their counts (I/O thread reads)
         self._regions: dict[str, _Mapped] = {}
-        self._by_conn: dict[socket.socket, list[str]] = {}
+        self._per_process: Counter[tuple[int, int]] = Counter()
+        self._per_uid: Counter[int] = Counter()
+        # the inferd-shm thread's alone:
+        self._conns: dict[int, _Conn] = {}  # by descriptor, refused ones too
+        self._refused = 0  # of those, refused
+        self._conns_per_uid: Counter[int] = Counter()
+        self._sel: selectors.BaseSelector | None = None
+        self._listening = True  # False while accepting pauses (no descriptor to spare)
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop_r, self._stop_w = socket.socketpair()
@@ -104,8 +167,14 @@ class Regions:
         if chgrp is not None:
             chgrp(self.path)
         s.listen(64)
+        s.setblocking(False)
         self._listener = s
-        self._thread = threading.Thread(target=self._serve, name="inferd-shm", daemon=True)
+        lim = self.limits
+        log.info("shared-memory regions: at most %d (%d per user, %d per process, %d per "
+                 "connection) on %d registration connections (open-files limit %d, "
+                 "vm.max_map_count %d)", lim.regions, lim.per_uid, lim.per_process,
+                 lim.per_connection, lim.connections, lim.fd_limit, lim.map_count)
+        self._thread = threading.Thread(target=self._run, name="inferd-shm", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -116,10 +185,13 @@ class Regions:
             self._thread.join(10)
             self._thread = None
         with self._lock:
-            for conn in list(self._by_conn):
-                conn.close()
-            self._by_conn.clear()
             self._regions.clear()
+            self._per_process.clear()
+            self._per_uid.clear()
+        for conn in self._conns.values():
+            conn.sock.close()
+        self._conns.clear()
+        self._conns_per_uid.clear()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -143,98 +215,237 @@ class Regions:
         return resolve
 
     def count(self) -> int:
+        """Regions registered now."""
         with self._lock:
             return len(self._regions)
 
     # ----------------------------------------------------------------- inferd-shm
 
+    def _run(self) -> None:
+        """The thread: serve until stopped. A failure of the loop itself (not of one
+        message: that is its sender's error reply) is logged with its traceback, and the
+        loop starts again over the same connections and regions; one that keeps failing
+        starts again after a pause that doubles up to a second."""
+        pause = 0.0
+        while True:
+            started = time.monotonic()
+            try:
+                self._serve()
+                return
+            except Exception:  # noqa: BLE001  the one place the loop's failure is caught
+                self.failures += 1
+                log.exception("the shared-memory registration service failed; serving "
+                              "again with its %d regions and %d connections",
+                              self.count(), len(self._conns) - self._refused)
+            quick = time.monotonic() - started < 1.0
+            pause = min(1.0, max(0.01, 2 * pause)) if quick else 0.0
+            if pause and select.select([self._stop_r], [], [], pause)[0]:
+                return
+
     def _serve(self) -> None:
         assert self._listener is not None
         sel = selectors.DefaultSelector()
-        sel.register(self._listener, selectors.EVENT_READ, "accept")
-        sel.register(self._stop_r, selectors.EVENT_READ, "stop")
-        while True:
-            for key, _ in sel.select():
-                if key.data == "stop":
-                    sel.close()
-                    return
-                if key.data == "accept":
-                    try:
-                        conn, _ = self._listener.accept()
-                    except OSError:
+        self._sel = sel
+        try:
+            sel.register(self._stop_r, _READ)
+            if self._listening:
+                sel.register(self._listener, _READ)
+            for conn in self._conns.values():
+                sel.register(conn.sock, _READ | _WRITE if conn.unsent else _READ, conn)
+            while True:
+                ready = sel.select(None if self._listening else ACCEPT_RETRY_S)
+                if not ready and not self._listening:
+                    self._listen(True)
+                for key, events in ready:
+                    if key.fileobj is self._stop_r:
+                        return
+                    if key.fileobj is self._listener:
+                        self._accept()
                         continue
-                    with self._lock:
-                        self._by_conn[conn] = []
-                    sel.register(conn, selectors.EVENT_READ, "conn")
-                    continue
-                client = key.fileobj
-                assert isinstance(client, socket.socket)
-                if not self._message(client):
-                    sel.unregister(client)
-                    self._forget(client)
+                    conn = key.data
+                    if events & _WRITE and not conn.closed:
+                        self._flush(conn)
+                    if events & _READ and not conn.closed:
+                        self._message(conn)
+        finally:
+            self._sel = None
+            sel.close()
 
-    def _forget(self, conn: socket.socket) -> None:
+    def _listen(self, on: bool) -> None:
+        if on == self._listening or self._listener is None:
+            return
+        self._listening = on
+        if self._sel is not None:
+            if on:
+                self._sel.register(self._listener, _READ)
+            else:
+                self._sel.unregister(self._listener)
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._sel is not None
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as e:  # EMFILE, ENFILE, ENOBUFS: the kernel had nothing to spare
+            self._listen(False)
+            log.warning("cannot accept a shared-memory registration connection (%s): "
+                        "accepting again in %g s or when one closes",
+                        e.strerror, ACCEPT_RETRY_S)
+            return
+        sock.setblocking(False)
+        pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET,
+                                                      socket.SO_PEERCRED, _UCRED.size))
+        peer = Peer.parse(f"localhost:{uid}:{gid}:{pid}")
+        assert peer is not None  # three integers
+        refusal = self._connection_refusal(peer)
+        if refusal is not None and self._refused >= MAX_REFUSED:
+            try:  # told at once; it reads this after its send fails
+                sock.send(_error_reply(refusal))
+            except OSError:
+                pass
+            sock.close()
+            return
+        conn = _Conn(sock, peer, refusal)
+        self._conns[sock.fileno()] = conn
+        if refusal is None:
+            self._conns_per_uid[uid] += 1
+        else:  # told why in the reply to its first message, then closed
+            self._refused += 1
+        self._sel.register(sock, _READ, conn)
+
+    def _connection_refusal(self, peer: Peer) -> InferdError | None:
+        lim = self.limits
+        served = len(self._conns) - self._refused
+        if served >= lim.connections:
+            return _exhausted(f"{served} shared-memory registration connections "
+                              f"are open, the most the daemon serves (from its open-files "
+                              f"limit {lim.fd_limit}); one per client process is enough")
+        if self._conns_per_uid[peer.uid] >= lim.connections_per_uid:
+            return _exhausted(f"uid {peer.uid} has {self._conns_per_uid[peer.uid]} "
+                              f"shared-memory registration connections open, the most one "
+                              f"user may have; one per client process is enough")
+        return self._descriptor_refusal()
+
+    def _descriptor_refusal(self) -> InferdError | None:
+        lim, fds = self.limits, self._open_fds()
+        if fds < lim.fd_refuse:
+            return None
+        return _exhausted(f"the daemon has {fds} descriptors open, {lim.fd_limit - fds} "
+                          f"below its open-files limit {lim.fd_limit}: no region is "
+                          f"registered within {lim.fd_limit - lim.fd_refuse} of it (client "
+                          f"connections need them); try again later")
+
+    def _close(self, conn: _Conn, why: str = "") -> None:
+        """Close ``conn`` and forget its regions."""
+        if conn.closed:
+            return
+        fd = conn.sock.fileno()
+        if self._sel is not None:
+            self._sel.unregister(conn.sock)
         with self._lock:
-            tokens = self._by_conn.pop(conn, [])
-            for t in tokens:
-                self._regions.pop(t, None)
-        conn.close()
-        if tokens:
+            for token in conn.tokens:
+                self._drop(token)
+        if why:
+            log.warning("closed the shared-memory registration connection of %s: %s; its "
+                        "%d regions are forgotten", conn.peer.describe(), why,
+                        len(conn.tokens))
+        elif conn.tokens:
             log.debug("a client's registration socket closed: %d regions dropped",
-                      len(tokens))
+                      len(conn.tokens))
+        conn.tokens.clear()
+        del self._conns[fd]
+        if conn.refusal is None:
+            _decrement(self._conns_per_uid, conn.peer.uid)
+        else:
+            self._refused -= 1
+        conn.sock.close()
+        self._listen(True)  # a descriptor came free
 
-    def _message(self, conn: socket.socket) -> bool:
-        """Serve one message of ``conn``; False when it closed."""
-        fds: list[int] = []
+    def _message(self, conn: _Conn) -> None:
+        """Serve one message of ``conn``: every message read is answered."""
         try:
-            data, ancdata, _, _ = conn.recvmsg(_MAX_MESSAGE, socket.CMSG_SPACE(
-                4 * struct.calcsize("i")))
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    a = array.array("i")
-                    a.frombytes(payload[:len(payload) - len(payload) % a.itemsize])
-                    fds.extend(a)
+            data, ancdata, flags, _ = conn.sock.recvmsg(MAX_MESSAGE, _ANCILLARY,
+                                                        socket.MSG_CMSG_CLOEXEC)
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError:
-            return False
-        if not data:
-            for fd in fds:
-                os.close(fd)
-            return False
+            self._close(conn)
+            return
+        fds = passed_fds(ancdata)
         try:
-            reply = self._handle(conn, data, fds)
-        except InferdError as e:
-            reply = {"error": {"code": str(e.code), "message": e.message}}
+            if not data:  # the client closed (or sent an empty datagram: the same)
+                self._close(conn)
+                return
+            if conn.refusal is not None:
+                self._send(conn, _error_reply(conn.refusal))
+                self._close(conn)
+                return
+            reply = self._answer(conn, data, flags, fds)
         finally:
             for fd in fds:
                 os.close(fd)
-        try:
-            conn.send(json.dumps(reply).encode())
-        except OSError:
-            return False
-        return True
+        self._send(conn, reply)
 
-    def _handle(self, conn: socket.socket, data: bytes, fds: list[int]) -> dict[str, Any]:
+    def _answer(self, conn: _Conn, data: bytes, flags: int, fds: list[int]) -> bytes:
+        """The reply to one message: its result, or the error it met, whatever that is."""
         try:
-            msg = json.loads(data)
-        except ValueError:
-            raise ProtocolError("shared-memory message is not JSON") from None
-        if not isinstance(msg, dict):
-            raise ProtocolError("shared-memory message must be a JSON object")
-        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET,
-                                                      socket.SO_PEERCRED, _UCRED.size))
-        peer = Peer.parse(f"localhost:{uid}:{gid}:{pid}")
-        if peer is None or not self._access().allows(peer):
-            raise InferdError(f"uid {uid} gid {gid} pid {pid} is not allowed by [access]",
+            if flags & socket.MSG_TRUNC:
+                raise ProtocolError(f"a shared-memory message is at most {MAX_MESSAGE} "
+                                    f"bytes")
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError(f"a shared-memory message passes at most {MAX_FDS} "
+                                    f"file descriptors (SCM_RIGHTS)")
+            return json.dumps(self._handle(conn, parse(data), fds)).encode()
+        except Exception as e:  # noqa: BLE001  a message's failure is its sender's reply
+            return _error_reply(e)
+
+    def _send(self, conn: _Conn, reply: bytes) -> None:
+        """Send without blocking; what the socket does not take waits for it, up to
+        :data:`MAX_UNREAD_REPLIES` replies, past which the connection is closed."""
+        if conn.closed:
+            return
+        if not conn.unsent:
+            try:
+                conn.sock.send(reply)
+                return
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                self._close(conn)
+                return
+        conn.unsent.append(reply)
+        if len(conn.unsent) > MAX_UNREAD_REPLIES:
+            self._close(conn, f"it left more than {MAX_UNREAD_REPLIES} replies unread")
+        elif len(conn.unsent) == 1 and self._sel is not None:
+            self._sel.modify(conn.sock, _READ | _WRITE, conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.unsent:
+            try:
+                conn.sock.send(conn.unsent[0])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._close(conn)
+                return
+            conn.unsent.popleft()
+        if self._sel is not None:
+            self._sel.modify(conn.sock, _READ, conn)
+
+    def _handle(self, conn: _Conn, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        peer = conn.peer
+        if not self._access().allows(peer):
+            raise InferdError(f"{peer.describe()} is not allowed by [access]",
                               ErrorCode.PERMISSION_DENIED)
         op = msg.get("op")
         if op == "unregister":
             token = msg.get("region")
+            if not isinstance(token, str) or token not in conn.tokens:
+                raise ProtocolError(f"unknown shared-memory region {str(token)[:40]!r}")
             with self._lock:
-                mine = self._by_conn.get(conn, [])
-                if token not in mine:
-                    raise ProtocolError(f"unknown shared-memory region {str(token)[:40]!r}")
-                mine.remove(token)
-                self._regions.pop(token, None)
+                conn.tokens.remove(token)
+                self._drop(token)
             return {"ok": True}
         if op != "register":
             raise ProtocolError(f"shared-memory op must be 'register' or 'unregister', got "
@@ -242,44 +453,67 @@ class Regions:
         if len(fds) != 1:
             raise ProtocolError(f"register passes exactly one file descriptor "
                                 f"(SCM_RIGHTS); got {len(fds)}")
-        fd = fds[0]
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ProtocolError("the region must be a memfd (memfd_create), not a "
-                                f"{_kind(st.st_mode)}")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError as e:
-            raise ProtocolError("the region must be a memfd made with MFD_ALLOW_SEALING "
-                                f"and sealed with F_SEAL_SHRINK ({e.strerror})") from None
-        if not seals & fcntl.F_SEAL_SHRINK:
-            raise ProtocolError("the region's memfd must be sealed with F_SEAL_SHRINK "
-                                "(a region that shrinks would crash its reader)")
-        if not 0 < st.st_size <= MAX_REGION_BYTES:
-            raise ProtocolError(f"a region is 1 to {MAX_REGION_BYTES} bytes; this one is "
-                                f"{st.st_size}", ErrorCode.RESOURCE_EXHAUSTED)
-        with self._lock:
-            if len(self._by_conn.get(conn, [])) >= MAX_REGIONS_PER_CONNECTION:
-                raise ProtocolError(f"at most {MAX_REGIONS_PER_CONNECTION} regions per "
-                                    f"connection", ErrorCode.RESOURCE_EXHAUSTED)
-        try:
-            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED,
-                           mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            raise InferdError(f"cannot map the region: {os.strerror(e.errno or errno.EIO)}",
+        size = sealed_size(fds[0])
+        self._check_budget(conn)
+        try:  # the mapping keeps a duplicate of the descriptor; the caller closes ours
+            mm = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as e:
+            why = os.strerror(e.errno or errno.EIO) if isinstance(e, OSError) else str(e)
+            raise InferdError(f"cannot map the region: {why}",
                               ErrorCode.RESOURCE_EXHAUSTED) from None
         token = "r" + secrets.token_hex(12)
         with self._lock:
-            self._regions[token] = _Mapped(token, mm, st.st_size, peer, conn)
-            self._by_conn.setdefault(conn, []).append(token)
-        log.debug("region %s of %d bytes registered by %s", token, st.st_size,
-                  peer.describe())
-        return {"region": token, "size": st.st_size}
+            self._regions[token] = _Mapped(token, mm, size, peer)
+            self._per_process[peer.pid, peer.uid] += 1
+            self._per_uid[peer.uid] += 1
+            conn.tokens.append(token)
+        log.debug("region %s of %d bytes registered by %s", token, size, peer.describe())
+        return {"region": token, "size": size}
+
+    def _check_budget(self, conn: _Conn) -> None:
+        """Raise the first bound one more region of ``conn`` would pass."""
+        lim, peer = self.limits, conn.peer
+        with self._lock:
+            held = (len(conn.tokens), self._per_process[peer.pid, peer.uid],
+                    self._per_uid[peer.uid], len(self._regions))
+        if held[0] >= lim.per_connection:
+            raise _exhausted(f"at most {lim.per_connection} regions per connection; "
+                             f"unregister one first")
+        if held[1] >= lim.per_process:
+            raise _exhausted(f"at most {lim.per_process} regions per process (pid "
+                             f"{peer.pid} holds {held[1]}); unregister one first")
+        if held[2] >= lim.per_uid:
+            raise _exhausted(f"at most {lim.per_uid} regions per user (uid {peer.uid} "
+                             f"holds {held[2]}); unregister one first")
+        if held[3] >= lim.regions:
+            raise _exhausted(f"the daemon holds {held[3]} regions, its limit (from its "
+                             f"open-files limit {lim.fd_limit} and vm.max_map_count "
+                             f"{lim.map_count}); try again when others have unregistered")
+        refusal = self._descriptor_refusal()
+        if refusal is not None:
+            raise refusal
+
+    def _drop(self, token: str) -> None:
+        """Forget region ``token`` (the lock is held)."""
+        region = self._regions.pop(token, None)
+        if region is not None:
+            _decrement(self._per_process, (region.owner.pid, region.owner.uid))
+            _decrement(self._per_uid, region.owner.uid)
 
 
-def _kind(mode: int) -> str:
-    return "directory" if stat.S_ISDIR(mode) else "device" if (
-        stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else "pipe or socket"
+def _exhausted(message: str) -> InferdError:
+    return InferdError(message, ErrorCode.RESOURCE_EXHAUSTED)
+
+
+def _error_reply(e: BaseException) -> bytes:
+    code, message = failure(e, "shared-memory registration", log)
+    return json.dumps({"error": {"code": str(code), "message": message}}).encode()
+
+
+def _decrement(counter: Counter[Any], key: Any) -> None:
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]
 
 
 # --------------------------------------------------------------------------- client
@@ -366,11 +600,25 @@ class Registration:
 
     def _call(self, msg: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
         payload = json.dumps(msg).encode()
-        if fds:
-            socket.send_fds(self.sock, [payload], fds)
+        try:
+            if fds:
+                socket.send_fds(self.sock, [payload], fds)
+            else:
+                self.sock.send(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            # a connection the daemon refused: its one reply says why, if it is there
+            self.sock.setblocking(False)
+            try:
+                data = self.sock.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                raise
         else:
-            self.sock.send(payload)
-        reply = json.loads(self.sock.recv(_MAX_MESSAGE))
+            data = self.sock.recv(MAX_MESSAGE)
+        if not data:
+            raise ConnectionResetError("the daemon closed the registration connection")
+        reply = json.loads(data)
         if "error" in reply:
             raise InferdError(reply["error"]["message"], ErrorCode(reply["error"]["code"]))
         return reply  # type: ignore[no-any-return]

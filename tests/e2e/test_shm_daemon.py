@@ -1,15 +1,31 @@
 """Shared-memory tensors through a real daemon (issue 19, item 7): a 4.9 MB input read
 in place and its output written into the client's region, bit for bit; a 1920x1080
-frame through the OCR graph gives what it gives by socket."""
+frame through the OCR graph gives what it gives by socket; and the registration service
+against hostile clients (issue 31: a malformed message, descriptors)."""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
 import numpy as np
+import psutil
 import pytest
 
 from inferd.ipc import Region
+from inferd.ipc.shm import shm_path
+from inferd.ipc.shmcheck import max_map_count
 
 from tests.e2e.test_wire_bits import reduce_sum_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -43,3 +59,88 @@ def test_a_camera_frame_through_the_ocr_graph(start_daemon, models_dir) -> None:
         got = c.infer("ocr", {"image": shared})
     assert got["texts"].tolist() == want["texts"].tolist()
     np.testing.assert_array_equal(got["boxes"], want["boxes"])
+
+
+def _register(sock: socket.socket) -> dict:
+    fd = os.memfd_create("inferd-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 4096)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        socket.send_fds(sock, [b'{"op":"register"}'], [fd])
+        return json.loads(sock.recv(4096))
+    finally:
+        os.close(fd)
+
+
+def _connect(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    s.settimeout(5)
+    s.connect(str(path))
+    return s
+
+
+@pytest.mark.slow
+def test_a_malformed_registration_message_is_answered(start_daemon) -> None:
+    """Issue 31, item 1: 3,000 nested '[' are an error reply; the service goes on
+    (before: its thread died of RecursionError, and nobody could register after)."""
+    d = start_daemon()
+    s = _connect(shm_path(d.socket_path))
+    try:
+        s.send(b"[" * 3000)
+        reply = json.loads(s.recv(4096))  # before: socket.timeout
+        assert reply["error"] == {"code": "INVALID_ARGUMENT", "message": "a shared-memory "
+                                  "message nests deeper than 4 levels"}, reply
+    finally:
+        s.close()
+    with d.client() as c:
+        region = c.register(Region(4096))
+        c.unregister(region)
+    assert "Traceback" not in d.log()
+
+
+@pytest.mark.slow
+def test_regions_leave_the_descriptors_client_connections_need(start_daemon) -> None:
+    """Issue 31, item 4: under an open-files limit of 1024, registration connections
+    that each register as many regions as they may stop at the bounds derived from that
+    limit, far from it, and ZeroMQ clients are still served. Before: 40 connections of
+    up to 64 regions took the daemon to its limit, and the next ZeroMQ client made
+    libzmq abort it."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux)")
+    d = start_daemon(wrap=["prlimit", "--nofile=1024:1024", "--"])
+    path = shm_path(d.socket_path)
+    conns, registered, refusals = [], 0, Counter[str]()
+    try:
+        while len(conns) < 40 and not refusals.keys() & {"TimeoutError", "OSError"}:
+            s = _connect(path)
+            conns.append(s)
+            for _ in range(64):
+                try:
+                    reply = _register(s)
+                except OSError as e:  # no reply (before: the service hung at its limit)
+                    refusals[type(e).__name__] += 1
+                    break
+                if "error" in reply:
+                    refusals[reply["error"]["message"].split(" (")[0]] += 1
+                    break
+                registered += 1
+        fds = psutil.Process(d.proc.pid).num_fds()
+        with d.client(timeout=10) as c:  # before: no reply; libzmq aborted the daemon
+            assert c.ping()["ready"]
+        flood = subprocess.run([sys.executable, "-m", "tests.e2e.connections_kit",
+                                d.endpoint, "300", "0.5", "ping", "all"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+        assert json.loads(flood.stdout)["codes"] == {"OK": 300}, flood.stdout + flood.stderr
+        assert d.proc.poll() is None, d.log()
+        assert fds < 1024 - 320, fds
+        assert registered == 84, (registered, refusals)
+        assert refusals == {"at most 84 regions per user": 11,
+                            "uid {} has 12 shared-memory registration connections open, "
+                            "the most one user may have; one per client process is "
+                            "enough".format(os.getuid()): 28}, refusals
+    finally:
+        for s in conns:
+            s.close()
+    assert ("shared-memory regions: at most 168 (84 per user, 168 per process, 64 per "
+            "connection) on 24 registration connections (open-files limit 1024, "
+            f"vm.max_map_count {max_map_count()})") in d.log()

@@ -104,6 +104,12 @@ PROVOKERS = {
     "backend candidate /usr/lib/inferd/backends/planted.py": "strict_modes",
     "processor file /usr/lib/inferd/processors/mine.py": "strict_modes",
     "model conv version 1 failed to load: refusing": "strict_modes",
+    "shared-memory regions: at most": "shm_registration",
+    "RESOURCE_EXHAUSTED: at most 64 regions per connection;": "shm_registration",
+    "RESOURCE_EXHAUSTED: at most 84 regions per user": "shm_registration",
+    "RESOURCE_EXHAUSTED: uid 1000 has 12 shared-memory": "shm_registration",
+    "INVALID_ARGUMENT: a shared-memory message nests": "shm_registration",
+    "closed the shared-memory registration connection": "shm_registration",
 }
 
 
@@ -590,3 +596,68 @@ def test_strict_modes(start_daemon, short_tmp: Path) -> None:
         daemon: "no user but root and inferd (uid 998) can write",
         str(backends): "/usr/lib/inferd/backends", str(processors): "/usr/lib/inferd/processors",
         str(repo): DOC_REPO})
+
+
+@pytest.mark.slow
+def test_shm_registration(start_daemon) -> None:
+    """The shared-memory registration socket's bounds under an open-files limit of
+    1024, a malformed message and a client that does not read its replies (issue 31)."""
+    import fcntl
+    import json
+
+    d = start_daemon(wrap=["prlimit", "--nofile=1024:1024", "--"])
+    path = d.socket_path.with_name(d.socket_path.name + ".shm")
+    out: list[str] = []
+
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(10)
+        s.connect(str(path))
+        conns.append(s)
+        return s
+
+    def register(s: socket.socket) -> bool:
+        fd = os.memfd_create("inferd-test", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, 4096)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        socket.send_fds(s, [b'{"op":"register"}'], [fd])
+        os.close(fd)
+        reply = json.loads(s.recv(4096))
+        if "error" in reply:
+            out.append(f"{reply['error']['code']}: {reply['error']['message']}")
+        return "region" in reply
+
+    conns: list[socket.socket] = []
+    try:
+        s = connect()
+        s.send(b"[" * 3000)
+        reply = json.loads(s.recv(4096))["error"]
+        out.append(f"{reply['code']}: {reply['message']}")
+        while register(s):  # 64, then the connection's bound
+            pass
+        for _ in range(12):  # the user's bound (84), then their connections' (12)
+            c = connect()
+            while register(c):
+                pass
+        hog = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conns.append(hog)
+        for s in conns[:-1]:  # make room for it
+            s.close()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                hog.connect(str(path))
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        hog.settimeout(2)
+        try:
+            for _ in range(5000):
+                hog.send(b'{"op":"unregister","region":"none"}')
+        except OSError:
+            pass  # closed by the daemon (or it stopped taking them: the check says)
+    finally:
+        for s in conns:
+            s.close()
+    _check("shm_registration", "\n".join(out) + "\n" + d.log())
