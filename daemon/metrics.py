@@ -96,6 +96,13 @@ class Metrics:
         self.requests.inc((name, ticket.code or OK))
         self.request_seconds.observe(name, ticket.answered - ticket.received)
 
+    def answered(self, name: str) -> tuple[int, int]:
+        """The infer requests for the model or graph ``name`` answered since the daemon
+        started, as :meth:`count` counted them: (OK, any other code)."""
+        codes = self.requests.of(name)
+        ok = codes.pop(OK, 0)
+        return ok, sum(codes.values())
+
     def for_model(self, name: str) -> Callable[[list[Any], float, float], None]:
         """The workers' run hook for ``name``: (tickets, started, seconds)."""
         wait, run, batch = (self.queue_wait.child(name), self.run_seconds.child(name),
@@ -196,6 +203,11 @@ class _Counts:
     def inc(self, key: tuple[str, ...]) -> None:
         with self._lock:
             self._values[key] = self._values.get(key, 0) + 1
+
+    def of(self, first: str) -> dict[str, int]:
+        """The counts whose first label value is ``first``, by the second's value."""
+        with self._lock:
+            return {key[1]: n for key, n in self._values.items() if key[0] == first}
 
     def family(self) -> Metric:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)

@@ -435,6 +435,8 @@ class Runtime:
             stuck = self.watch.stuck()
             for m in models:
                 m["stuck"] = stuck.get(m["name"], [])
+                if m.get("kind") == "graph":  # a graph's requests are the metrics' count
+                    m["requests"], m["failed_requests"] = self.metrics.answered(m["name"])
                 if not request.params.get("verbose"):
                     m.pop("placement", None)
             return {"models": models}

@@ -95,3 +95,31 @@ def test_output_into_a_closed_pipe_ends_quietly(daemon, args):
     r = closed_pipe_run("--socket", daemon.endpoint, *args)
     assert r.stderr == "" and r.returncode == 128 + signal.SIGPIPE, r.stderr
 
+
+
+def test_a_graphs_row_counts_its_requests(daemon):
+    """`inferctl models` showed REQUESTS 0 for the ocr graph after four graph requests,
+    which the metrics counted (issue 31 item 14): the row reads the metrics' count."""
+    from inferd.ipc import RequestError
+
+    blank = np.full((48, 160, 3), 255, np.uint8)
+    try:
+        with daemon.client(timeout=120) as c:
+            for _ in range(4):
+                assert c.infer("ocr", {"image": blank})["texts"].tolist() == []
+            with pytest.raises(RequestError):
+                c.infer("ocr", {"image": np.zeros((4, 4), np.float32)})
+            ok = sum(v for n, lab, v in c.call("metrics")["samples"]
+                     if n == "inferd_requests_total" and lab == {"model": "ocr", "code": "OK"})
+        assert ok == 4
+        r = inferctl(daemon.endpoint, "--json", "models")
+        row = next(m for m in json.loads(r.stdout) if m["name"] == "ocr")
+        assert (row["kind"], row["requests"], row["failed_requests"]) == ("graph", 4, 1), row
+        lines = inferctl(daemon.endpoint, "models").stdout.splitlines()
+        column = lines[0].index("REQUESTS")
+        line = next(ln for ln in lines if ln.split()[0] == "ocr")
+        assert line[column:].split()[0] == "4", lines
+    finally:
+        with daemon.client(timeout=60) as c:  # as the module's other tests expect it
+            for name in ("ocr", "ocr-det", "ocr-rec"):
+                c.unload(name)
