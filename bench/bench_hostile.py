@@ -8,7 +8,17 @@
    ``server.max_connections`` costs), and what is left of it once they closed;
 3. bytes: 100 connections each sending one 19.7 MB ocr-det request with
    ``server.max_bytes_in_flight = 128MiB``: answers by code, the RSS growth while the
-   admitted ones run, and the transient peak while libzmq receives them all at once.
+   admitted ones run, and the transient peak while libzmq receives them all at once;
+4. decode cost (issue 31, items 6-8): a polite client's ping p99 alone and beside a
+   process that sends, one at a time and at most 20 a second, (6) 32 small requests
+   then a 64 MiB float32 input in a region just registered (the daemon's first touch of
+   its pages) to a tiny model (``sinsum``: Sin then ReduceSum; its small runs are short,
+   so the 33rd request may run on the I/O thread), (7) a header-only
+   int4 tensor filling a 128 MiB region to a model that does not exist (with
+   ``max_bytes_per_client = "1GiB"``, so that its 256 MiB unpacked are admitted and the
+   name decides), (8) 10.5 million two-byte strings (63 MB) to a model that does not
+   exist under a 64 MiB ``max_bytes_in_flight`` (target: p99 within 2x alone); the
+   daemon's RSS growth (peak, sampled) and the replies' codes.
 
 The load average is printed beside the figures: other work on the machine moves them.
 """
@@ -28,10 +38,12 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, ROOT, DaemonProcess, cpu_note, pct, verdict  # noqa: E402
+from common import (  # noqa: E402
+    MODELS, ROOT, DaemonProcess, cpu_note, pct, verdict,
+)
 
-from inferd.ipc import Client, RequestError  # noqa: E402
-from inferd.ipc.protocol import Op  # noqa: E402
+from inferd.ipc import Client, Region, RequestError  # noqa: E402
+from inferd.ipc.protocol import TAG, Op  # noqa: E402
 
 X = {"x": np.zeros((1, 3, 48, 192), np.float32)}
 ROUNDS = 3
@@ -158,6 +170,158 @@ def held_bytes() -> None:
         config.unlink(missing_ok=True)
 
 
+DECODE_WINDOW_S = 4.0
+
+
+def _hostile(endpoint: str, case: str, stop: Any, codes: Any) -> None:
+    """Send the case's request over and over until ``stop`` (a process of its own)."""
+    import zmq
+
+    with Client(endpoint, timeout=120) as c:
+        frames: list[bytes] = []
+        if case == "6":
+            small = {"x": np.ones(4, np.float32)}
+        elif case == "7":
+            region = c.register(Region(128 * 2**20))
+            header = {"id": "7", "op": "infer", "model": "no-such-model", "inputs": [
+                {"name": "x", "dtype": "int4", "shape": [256 * 2**20],
+                 "region": region.token, "offset": 0}]}
+            frames = [TAG, json.dumps(header).encode()]
+        else:
+            header = {"id": "8", "op": "infer", "model": "no-such-model", "inputs": [
+                {"name": "x", "dtype": "string", "shape": [10_500_000]}]}
+            frames = [TAG, json.dumps(header).encode(),
+                      (np.uint32(2).tobytes() + b"ab") * 10_500_000]
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        while not stop.is_set():
+            if case == "6":
+                try:
+                    for _ in range(32):  # the model's runs are short: the fast path opens
+                        c.infer("sinsum", small)
+                    region = c.register(Region(64 * 2**20 + 4096))
+                    big = region.ndarray((16 * 1024 * 1024,), np.float32)
+                    big[...] = 1.0
+                    c.infer("sinsum", {"x": big})
+                    del big
+                    c.unregister(region)
+                    region.close()
+                    code = "OK"
+                except RequestError as e:
+                    code = str(e.code)
+            else:
+                s.send_multipart(frames)
+                while not s.poll(100) and not stop.is_set():
+                    pass
+                if stop.is_set():
+                    break
+                reply = json.loads(s.recv_multipart()[1])
+                code = reply.get("error", {}).get("code", "OK")
+            codes.put(code)
+            stop.wait(0.05)  # at most 20 a second: the request's own cost, not a flood
+        s.close()
+        ctx.term()
+
+
+def _ping_p99(endpoint: str, seconds: float, proc: Any) -> tuple[float, int, int]:
+    """(p99 of a polite client's pings over ``seconds``, how many, the daemon's peak
+    RSS growth meanwhile, sampled every 10 ms on a thread of its own)."""
+    import threading
+
+    base = proc.memory_info().rss
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.01):
+            peak[0] = max(peak[0], proc.memory_info().rss - base)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    lat = []
+    try:
+        with Client(endpoint, timeout=60) as c:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                t0 = time.perf_counter()
+                c.ping()
+                lat.append(time.perf_counter() - t0)
+                time.sleep(0.002)
+    finally:
+        done.set()
+        sampler.join()
+    return pct(lat, 0.99), len(lat), peak[0]
+
+
+def _sinsum_model(repo: Path) -> None:
+    """``sinsum``: y = sum(sin(x)) over a float32 vector, a scalar out (the run is the
+    cost, not the reply)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Sin", ["x"], ["s"]),
+         helper.make_node("ReduceSum", ["s"], ["y"], keepdims=0)], "sinsum",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    path = repo / "sinsum" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, path)
+
+
+def decode_cost(only: set[str] | None = None) -> None:
+    """Part 4; ``only``: these items (``bench_hostile.py decode 6 8``)."""
+    repo = Path("/tmp") / f"inferd-bh-repo-{time.time_ns()}"
+    _sinsum_model(repo)
+    tight = repo.parent / f"inferd-bh-{time.time_ns()}.toml"
+    tight.write_text('[server]\nmax_bytes_in_flight = "64MiB"\n')
+    roomy = repo.parent / f"inferd-bh-roomy-{time.time_ns()}.toml"
+    roomy.write_text('[server]\nmax_bytes_per_client = "1GiB"\n')
+    try:
+        for cases, config in ((("6", "7"), roomy), (("8",), tight)):
+            cases = tuple(c for c in cases if only is None or c in only)
+            if not cases:
+                continue
+            d = DaemonProcess("--models", str(repo), "--preload", "sinsum",
+                              config=config)
+            proc = psutil.Process(d.proc.pid)
+            try:
+                alone, n, _ = _ping_p99(d.endpoint, DECODE_WINDOW_S, proc)
+                bound = ("max_bytes_in_flight 64 MiB" if config is tight else
+                         "max_bytes_per_client 1 GiB")
+                print(f"  ping p99 alone ({bound}): {alone * 1e3:.2f} ms ({n} pings)",
+                      flush=True)
+                for case in cases:
+                    stop, codes = mp.Event(), mp.Queue()
+                    p = mp.Process(target=_hostile, args=(d.endpoint, case, stop, codes))
+                    p.start()
+                    time.sleep(1.0 if case != "6" else 2.0)  # its set-up and first sends
+                    beside, n, peak = _ping_p99(d.endpoint, DECODE_WINDOW_S, proc)
+                    stop.set()
+                    p.join(120)
+                    got: dict[str, int] = {}
+                    while not codes.empty():
+                        code = codes.get()
+                        got[code] = got.get(code, 0) + 1
+                    ratio = beside / alone
+                    print(f"  item {case}: ping p99 beside it {beside * 1e3:.2f} ms "
+                          f"({n} pings) = {ratio:.1f}x alone "
+                          f"{verdict(ratio, 2.0, higher_is_better=False)}; daemon RSS "
+                          f"+{peak / 2**20:.0f} MiB (peak, sampled); its replies {got}",
+                          flush=True)
+            finally:
+                d.stop()
+    finally:
+        tight.unlink(missing_ok=True)
+        roomy.unlink(missing_ok=True)
+        import shutil
+        shutil.rmtree(repo, ignore_errors=True)
+
+
 def main() -> None:
     print(f"bench_hostile ({cpu_note()}; load average "
           f"{', '.join(f'{x:.1f}' for x in os.getloadavg())})")
@@ -167,8 +331,15 @@ def main() -> None:
     connections()
     print("3. request bytes held")
     held_bytes()
+    print("4. decode cost beside a polite client's pings (issue 31, items 6-8)")
+    decode_cost()
     print(f"(load average {', '.join(f'{x:.1f}' for x in os.getloadavg())})")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["decode"]:  # only part 4 (or some of its items)
+        print(f"bench_hostile decode ({cpu_note()}; load average "
+              f"{', '.join(f'{x:.1f}' for x in os.getloadavg())})")
+        decode_cost(set(sys.argv[2:]) or None)
+    else:
+        main()

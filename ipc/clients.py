@@ -181,7 +181,6 @@ class ClientLimits:
         held, owned = self.held, self._owned.get(use.owner, 0)
         ticket.held += extra
         self._release(use, -extra)
-        self._since_trim += extra
         bound = self.max_held
         total = ticket.held
         what = (f"this request's tensors would take {_mib(total)} once decoded "
@@ -195,7 +194,7 @@ class ClientLimits:
         if bound and (held + extra > bound or (held + extra > bound * 3 // 4
                                                and owned + extra > bound // 4)):
             self.refused += 1
-            self._refused_bytes += total
+            self._refused_bytes += ticket.size  # what was received: nothing was decoded
             self._refused_at = time.monotonic()
             why = ("would pass the limit" if held + extra > bound else
                    f"would pass three quarters of the limit, past which one user may hold "
@@ -205,6 +204,7 @@ class ClientLimits:
                     f"holds already that {why} of {_mib(bound)} "
                     f"(server.max_bytes_in_flight); send smaller tensors, or retry when "
                     f"replies have come")
+        self._since_trim += extra  # decoded, later freed: worth an idle trim
         return None
 
     def holds(self, key: bytes) -> bool:
