@@ -148,6 +148,7 @@ class Regions:
         self._conns_per_uid: Counter[int] = Counter()
         self._sel: selectors.BaseSelector | None = None
         self._listening = True  # False while accepting pauses (no descriptor to spare)
+        self._accept_failing = False  # the last accept failed (its warning is written)
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop_r, self._stop_w = socket.socketpair()
@@ -289,10 +290,13 @@ class Regions:
             return
         except OSError as e:  # EMFILE, ENFILE, ENOBUFS: the kernel had nothing to spare
             self._listen(False)
-            log.warning("cannot accept a shared-memory registration connection (%s): "
-                        "accepting again in %g s or when one closes",
-                        e.strerror, ACCEPT_RETRY_S)
+            if not self._accept_failing:  # once until an accept succeeds again
+                log.warning("cannot accept a shared-memory registration connection (%s): "
+                            "accepting again in %g s or when one closes",
+                            e.strerror, ACCEPT_RETRY_S)
+            self._accept_failing = True
             return
+        self._accept_failing = False
         sock.setblocking(False)
         pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET,
                                                       socket.SO_PEERCRED, _UCRED.size))

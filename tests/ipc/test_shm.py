@@ -557,3 +557,52 @@ def test_regions_stop_short_of_the_descriptor_brake(short_tmp: Path) -> None:
     finally:
         s.close()
         limited.close()
+
+
+def _cpu_s(stat_fd: int) -> float:
+    """CPU seconds a thread has used (user + system), from its /proc stat file open on
+    ``stat_fd`` (read again from the start: no new descriptor needed)."""
+    fields = os.pread(stat_fd, 4096, 0).decode().rsplit(")", 1)[1]
+    utime, stime = fields.split()[11:13]
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+
+def test_accepting_pauses_while_no_descriptor_is_left(
+        short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Item 4: when the kernel has no descriptor for a new registration connection
+    (EMFILE), accepting pauses (one warning) instead of spinning on a listener that
+    stays readable, and resumes by itself. Before: the loop retried at once, forever
+    (0.69 s of CPU in 1.5 s here)."""
+    import resource
+
+    regions = _service(short_tmp)
+    thread = next(t for t in threading.enumerate() if t.name == "inferd-shm")
+    stat_fd = os.open(f"/proc/self/task/{thread.native_id}/stat", os.O_RDONLY)
+    probe = _conn(regions.path)  # an answer: the service's loop is running (kept open:
+    assert "error" in _ask(probe, b'{"op":"none"}')  # its close would free a number)
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    waiting.settimeout(10)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    try:  # every descriptor number below the limit is taken
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+        before = _cpu_s(stat_fd)
+        waiting.connect(str(regions.path))  # queued: the service cannot accept it
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:  # the service's thread, meanwhile
+            time.sleep(0.05)
+        spent = _cpu_s(stat_fd) - before
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        assert spent < 0.05, f"the service used {spent:.2f} s of CPU in 1.5 s"
+        assert "cannot accept a shared-memory registration connection (Too many open " \
+            "files): accepting again in 1 s or when one closes" in caplog.text
+        assert "region" in _register(waiting)  # accepted once a descriptor is free
+        assert caplog.text.count("cannot accept") == 1
+    finally:
+        os.close(stat_fd)
+        probe.close()
+        waiting.close()
+        regions.close()
