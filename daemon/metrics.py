@@ -327,6 +327,28 @@ def open_peers(endpoint: str) -> int:
     return count
 
 
+def textfile_wanted(path: Path, under_systemd: bool) -> bool:
+    """Whether to write the metrics textfile at ``path``, decided once at start.
+
+    Under systemd always: the unit makes its directory (``RuntimeDirectory=``), so a
+    failure to write there is worth the writer's warning. Elsewhere (the source tree's
+    ``make run`` with the shipped config, a test) only where its directory exists and
+    this process may write into it; if not, one INFO line says so and there is no
+    textfile (the ``metrics`` op, ``inferctl top`` and ``[metrics] listen`` still serve
+    the metrics).
+    """
+    if under_systemd:
+        return True
+    directory = path.parent
+    if os.access(directory, os.W_OK | os.X_OK):
+        return True
+    why = "does not exist" if not directory.is_dir() else "is not writable by this user"
+    log.info("metrics textfile %s off: its directory %s %s and inferd was not started by "
+             "systemd (set [metrics] textfile to a writable path, or \"\" to say none)",
+             path, directory, why)
+    return False
+
+
 class TextfileWriter:
     """Rewrites the metrics textfile atomically every ``interval`` seconds on the
     ``inferd-metrics`` thread (and once more at stop).

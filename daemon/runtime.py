@@ -21,7 +21,7 @@ from inferd.daemon.graphs import GraphManager
 from inferd.daemon.inline import InlineOps
 from inferd.daemon.workers.pool import WorkerPool
 from inferd.daemon.watch import Watch
-from inferd.daemon.metrics import Metrics, TextfileWriter
+from inferd.daemon.metrics import Metrics, TextfileWriter, textfile_wanted
 from inferd.daemon.metrics_http import MetricsEndpoint, parse_listen
 from inferd.daemon.models import ModelManager
 from inferd.daemon.pipeline import unpin_current_thread
@@ -186,7 +186,7 @@ class Runtime:
 
     def _start_metrics(self) -> None:
         m = self.config.metrics
-        if m.textfile:
+        if m.textfile and textfile_wanted(Path(m.textfile), self.notifier.enabled):
             self._textfile = TextfileWriter(self.metrics, Path(m.textfile), m.interval_s)
             self._textfile.start()
         listen = parse_listen(m.listen)

@@ -118,6 +118,43 @@ def test_textfile_counts_the_requests_made(metrics_daemon):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("systemd", [False, True], ids=["by-hand", "under-systemd"])
+def test_a_textfile_whose_directory_is_absent(start_daemon, models_dir, short_tmp: Path,
+                                              systemd: bool) -> None:
+    """Started from the source tree with the shipped config (textfile
+    /run/inferd/metrics.prom, a directory only the package's unit makes), the daemon
+    warned that it could not write the file (issue 31 item 14). Outside systemd the
+    textfile is now off, said once at INFO; under systemd ($NOTIFY_SOCKET) a directory
+    missing is the unit's fault, and the warning stays."""
+    path = short_tmp / "absent" / "metrics.prom"
+    config = short_tmp / "inferd.toml"
+    config.write_text(f'[metrics]\ntextfile = "{path}"\ninterval_s = 0.1\n')
+    env = {"INFERD_CONFIG": str(config)}
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # what systemd listens on
+    notify.bind(str(short_tmp / "notify"))
+    if systemd:
+        env["NOTIFY_SOCKET"] = str(short_tmp / "notify")
+    try:
+        d = start_daemon("--models", str(models_dir), env=env)
+        with d.client() as c:  # the metrics are still served
+            assert "inferd_uptime_seconds" in c.call("metrics")["text"]
+        warning = f"cannot write the metrics textfile {path} (metrics.textfile)"
+        if systemd:
+            assert poll(lambda: warning in d.log()), d.log()
+        assert d.stop() == 0  # a writer writes once more at stop
+    finally:
+        notify.close()
+    log = d.log_path.read_text()
+    off = (f"INFO inferd.daemon.metrics: metrics textfile {path} off: its directory "
+           f"{path.parent} does not exist and inferd was not started by systemd")
+    if systemd:
+        assert off not in log and log.count(warning) == 1, log
+    else:
+        assert log.count(off) == 1 and warning not in log, log
+    assert not path.parent.exists()
+
+
+@pytest.mark.slow
 def test_metrics_op_and_http_endpoint(metrics_daemon):
     d, tmp = metrics_daemon
     with d.client() as c:

@@ -97,6 +97,9 @@ PROVOKERS = {
     "model vad cannot be served: model vad: cannot read": "hostile_files",
     "model ocr-cls version 1: its files changed on disk": "hostile_files",
     "open-files limit raised from": "hostile_files",
+    "metrics textfile /run/inferd/metrics.prom off:": "metrics_textfile",
+    "cannot write the metrics textfile": "metrics_textfile",
+    "metrics textfile /run/inferd/metrics.prom written again": "metrics_textfile",
     "placement decisions in": "decisions_file",
     "inferctl: UNAVAILABLE: engine onnxruntime (worker": "worker_crash",
     "ERROR inferd.daemon.workers.pool: engine onnxruntime": "worker_crash",
@@ -511,6 +514,41 @@ def test_decisions_file(start_daemon, short_tmp: Path) -> None:
     assert d.log().count("are not a decisions file") == 1, d.log()
     assert (state / "decisions.json.bad").read_text() == "[" * 100_000
     _check("decisions_file", d.log(), **{str(state): "/var/lib/inferd/state/placement"})
+
+
+@pytest.mark.slow
+def test_metrics_textfile(start_daemon, short_tmp: Path) -> None:
+    """The shipped config's textfile in a directory that is not there: by hand one INFO
+    line and no textfile; under systemd ($NOTIFY_SOCKET) the warning, and the file
+    written again once the directory is there (issue 31 item 14)."""
+    run = short_tmp / "run-inferd"
+    (short_tmp / "repo").mkdir()
+    config = short_tmp / "inferd.toml"
+    config.write_text(f'[metrics]\ntextfile = "{run}/metrics.prom"\ninterval_s = 0.1\n')
+    args = ("--config", str(config), "--models", str(short_tmp / "repo"))
+    for name in ("by-hand", "unit"):
+        (short_tmp / name).mkdir()
+    by_hand = start_daemon(*args, workdir=short_tmp / "by-hand")
+    assert by_hand.stop() == 0
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(short_tmp / "notify"))
+    try:
+        unit = start_daemon(*args, workdir=short_tmp / "unit",
+                            env={"NOTIFY_SOCKET": str(short_tmp / "notify")})
+        deadline = time.monotonic() + 30
+        while "cannot write the metrics textfile" not in unit.log():
+            assert time.monotonic() < deadline, unit.log()
+            time.sleep(0.05)
+        run.mkdir()  # what RuntimeDirectory= does
+        while not (run / "metrics.prom").exists():
+            assert time.monotonic() < deadline, unit.log()
+            time.sleep(0.05)
+        assert unit.stop() == 0
+    finally:
+        notify.close()
+    produced = (short_tmp / "by-hand" / "inferd.log").read_text() + \
+        (short_tmp / "unit" / "inferd.log").read_text()
+    _check("metrics_textfile", produced, **{str(run): "/run/inferd"})
 
 
 @pytest.mark.slow
