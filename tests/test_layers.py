@@ -145,3 +145,19 @@ def test_ml_dtypes_waits_for_a_tensor_of_its_types(forker, module: str) -> None:
 def test_the_daemon_reaches_the_server_loop_only_through_the_runtime(forker,
                                                                      module: str) -> None:
     assert "inferd.ipc.server" not in _imported_after(forker, module)
+
+
+WORKERS = _modules("daemon/workers", "inferd.daemon.workers")
+
+
+@pytest.mark.parametrize("module", WORKERS)
+def test_the_worker_floor_sits_under_the_cache(forker, module: str) -> None:
+    """daemon/workers/ (the zygote, the worker's side, the channel, the pool and the
+    quarantine) imports nothing else of the daemon: the cache builds on it, never the
+    other way; and importing it brings in no engine (a worker imports its engine at its
+    first load)."""
+    loaded = _loaded(forker, module)
+    daemon = {m for m in loaded if m.startswith("inferd.daemon")
+              and not m.startswith("inferd.daemon.workers") and m != "inferd.daemon"}
+    assert not daemon, daemon
+    assert not loaded & set(ENGINES), loaded & set(ENGINES)
