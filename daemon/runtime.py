@@ -136,7 +136,8 @@ class Runtime:
                         WorkerPool(self.registry, self.customops,
                                    config.workers.kill_after_s,
                                    config.workers.restart_backoff_s,
-                                   config.workers.max_memory))
+                                   config.workers.max_memory,
+                                   config.workers.idle_exit_s))
         self.models = ModelManager(self.repo, self.registry, config, sink,
                                    observer=self.metrics, processors=self.processors,
                                    customops=self.customops, workers=self.workers)

@@ -76,6 +76,9 @@ class Worker:
     lock: threading.Lock = field(default_factory=threading.Lock)
     ended: threading.Event = field(default_factory=threading.Event)
     killed_for: str = ""
+    models: int = 0
+    """Models loaded in it; ``pending``: loads on their way (both under the pool's lock)."""
+    pending: int = 0
 
     @property
     def alive(self) -> bool:
@@ -95,12 +98,14 @@ class WorkerPool:
 
     def __init__(self, registry: Any, customops: Any, kill_after_s: float,
                  restart_backoff_s: float = 0.5, max_memory: int | None = None,
+                 idle_exit_s: float = 10.0,
                  on_restart: Callable[[str, str], None] | None = None) -> None:
         self.registry = registry
         self.customops = customops
         self.kill_after_s = kill_after_s
         self.restart_backoff_s = restart_backoff_s
         self.max_memory = max_memory
+        self.idle_exit_s = idle_exit_s
         self._on_restart = on_restart
         self._lock = threading.Lock()
         self._workers: dict[str, Worker] = {}
@@ -132,11 +137,13 @@ class WorkerPool:
     # ----------------------------------------------------------------- workers
 
     def worker(self, key: str, backend: str) -> Worker:
-        """The live worker for ``key``, started if there is none."""
+        """The live worker for ``key``, started if there is none, with one load pending
+        on it (see :meth:`loaded`)."""
         with self._spawn_lock:
             with self._lock:
                 w = self._workers.get(key)
                 if w is not None and w.alive:
+                    w.pending += 1
                     return w
                 if self._closed:
                     raise InferdError("the daemon is stopping", ErrorCode.UNAVAILABLE)
@@ -159,6 +166,7 @@ class WorkerPool:
             except OSError:
                 w.pidfd = -1  # gone already: the zygote's report ends it
             with self._lock:
+                w.pending = 1
                 self._workers[key] = w
                 self._by_pid[pid] = w
                 self._last_start[key] = time.monotonic()
@@ -304,16 +312,39 @@ class WorkerPool:
             return None
         return int(reply["rss"])
 
-    def unloaded(self, w: Worker, left: int) -> None:
-        """A model left ``w``; its last one ends it (memory a worker keeps after an
-        unload is not room): closing its control channel ends it."""
-        if left:
-            return
-        w.killed_for = "unloaded"
+    def loaded(self, w: Worker, ok: bool) -> None:
+        """The load :meth:`worker` counted as pending on ``w`` ended (``ok``: the model is
+        in it now)."""
         with self._lock:
-            if self._workers.get(w.name) is w:
-                del self._workers[w.name]
-        with w.lock:
+            w.pending -= 1
+            w.models += ok
+        if not ok:
+            self._idle_soon(w)
+
+    def unloaded(self, w: Worker) -> None:
+        """A model left ``w``. A worker with no model left ends after
+        ``idle_exit_s`` unless a load comes first (memory a worker keeps after an
+        unload is not room; an engine imported again for each of a run of loads and
+        unloads costs a second each)."""
+        with self._lock:
+            w.models -= 1
+        self._idle_soon(w)
+
+    def _idle_soon(self, w: Worker) -> None:
+        if w.models <= 0 and w.pending <= 0:
+            timer = threading.Timer(self.idle_exit_s, self._retire, (w,))
+            timer.daemon = True
+            timer.start()
+
+    def _retire(self, w: Worker) -> None:
+        with self._lock:
+            if w.models > 0 or w.pending > 0 or w.running or self._workers.get(w.name) is not w:
+                return
+            del self._workers[w.name]
+            w.killed_for = "unloaded"
+        log.info("worker %s (pid %d) ends: no model left in it for %g s", w.name, w.pid,
+                 self.idle_exit_s, extra={"BACKEND": w.backend, "WORKER_PID": w.pid})
+        with w.lock:  # closing its control channel ends it
             for channel in (w.control, *w.idle):
                 channel.close()
             w.idle.clear()
@@ -381,9 +412,15 @@ class WorkerModel(LoadedModel):
 
     def _load(self) -> None:
         w = self.pool.worker(self.call.key, self.call.backend)
-        reply, _ = self.pool.call(w, self.call.header(), f"the load of {self.call.model}",
-                                  timeout=self.load_timeout_s,
-                                  key="workers.load_kill_after_s")
+        try:
+            reply, _ = self.pool.call(w, self.call.header(),
+                                      f"the load of {self.call.model}",
+                                      timeout=self.load_timeout_s,
+                                      key="workers.load_kill_after_s")
+        except BaseException:
+            self.pool.loaded(w, False)
+            raise
+        self.pool.loaded(w, True)
         self.worker = w
         self.handle = int(reply["handle"])
         self.inputs: tuple[TensorSpec, ...] = tuple(reply["inputs"])
@@ -426,14 +463,14 @@ class WorkerModel(LoadedModel):
         if not w.alive:
             return
         try:
-            reply, _ = self.pool.call(w, {"op": "unload", "handle": self.handle},
-                                      f"the unload of {self.call.model}", timeout=30.0,
-                                      key="a 30 s limit")
+            self.pool.call(w, {"op": "unload", "handle": self.handle},
+                           f"the unload of {self.call.model}", timeout=30.0,
+                           key="a 30 s limit")
         except InferdError as e:
             log.warning("model %s: unload in worker %d failed: %s", self.call.model, w.pid,
                         e.message)
             return
-        self.pool.unloaded(w, int(reply.get("left", 1)))
+        self.pool.unloaded(w)
 
     def memory_bytes(self) -> int | None:
         return self._memory

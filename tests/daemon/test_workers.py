@@ -216,3 +216,23 @@ def test_a_worker_models_working_memory_is_measured_in_the_worker(pool, models_d
         assert meter.rss() > 20 * 2**20 and meter.rss() != METER.rss()
     finally:
         model.unload()
+
+
+def test_a_worker_with_no_model_ends_after_idle_exit_s_unless_a_load_comes(models_dir):
+    registry = Registry()
+    registry.register(_onnxruntime_cpu())
+    p = WorkerPool(registry, OpRegistry(), kill_after_s=30.0, idle_exit_s=1.0)
+    p.start()
+    try:
+        model = WorkerModel(p, vad_call(models_dir), 60.0)
+        pid = model.pid
+        model.unload()
+        again = WorkerModel(p, vad_call(models_dir), 60.0)  # within the grace: same one
+        assert again.pid == pid
+        again.run(VAD)
+        again.unload()
+        poll(lambda: not again.worker.alive, 20)
+        assert p.pids() == {}
+        assert p.restarts == {}  # an expected end, not a death
+    finally:
+        p.close()
