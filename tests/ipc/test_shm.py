@@ -81,6 +81,27 @@ def test_inputs_by_reference_and_outputs_into_the_slot(echo: Echo) -> None:
         assert seen[0, 0] == 42
 
 
+def test_where_arrays_and_outputs_go_in_a_region(echo: Echo) -> None:
+    """What docs/protocol.md says ("Where things go in a region"): ndarray() at the next
+    64-byte boundary or at the offset given (the mark unmoved); outputs_into=region in
+    the free tail, which it leaves free; (region, offset, size) from that offset."""
+    with Client(echo.server.endpoint, timeout=10) as c:
+        region = c.register(Region(1 << 16))
+        a = region.ndarray((3,), np.uint8)
+        b = region.ndarray((2,), np.float32)
+        assert (region.locate(a), region.locate(b)) == (0, 64)
+        pinned = region.ndarray((4,), np.uint8, offset=1000)
+        assert region.locate(pinned) == 1000 and region.free() == (128, (1 << 16) - 128)
+        b[...] = [1.5, 2.5]
+        out = c.infer("m", {"b": b, "a": a}, outputs_into=region)
+        assert (region.locate(out["b"]), region.locate(out["a"])) == (128, 192)
+        assert region.free()[0] == 128  # the tail is still free: the next array is there
+        assert region.locate(region.ndarray((1,), np.uint8)) == 128
+        out = c.infer("m", {"b": b}, outputs_into=(region, 4000, 100))
+        assert region.locate(out["b"]) == 4032  # aligned up from the slot's start
+        np.testing.assert_array_equal(out["b"], [1.5, 2.5])
+
+
 def test_another_process_cannot_name_my_region(echo: Echo) -> None:
     with Client(echo.server.endpoint, timeout=10) as c:
         region = c.register(Region(4096))
