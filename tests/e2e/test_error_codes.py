@@ -85,7 +85,20 @@ def test_invalid_argument_found_by_the_engine(served) -> None:
     """Inputs the engine fails on because they hold no element, on an axis the model
     leaves free (onnxruntime says FAIL): the client's error, not INTERNAL (issue 31
     item 12). vad with a zero batch is not sent: it aborts onnxruntime (issue 30)."""
-    d = served
+    _engine_refuses_empty_inputs(served)
+
+
+def test_invalid_argument_found_by_the_engine_in_a_worker(start_daemon, short_tmp,
+                                                          models_dir) -> None:
+    """The same with the engine in a worker process: the code crosses over with it."""
+    config = short_tmp / "inferd.toml"
+    config.write_text('[workers]\nisolation = "backend"\n')
+    d = start_daemon("--config", str(config), "--models", str(models_dir))
+    _engine_refuses_empty_inputs(d)
+    assert "worker onnxruntime started" in d.log(), d.log()
+
+
+def _engine_refuses_empty_inputs(d) -> None:
     vad = {"input": np.zeros((1, 0), np.float32), "state": np.zeros((2, 1, 128), np.float32),
            "sr": np.array(16000, np.int64)}
     with d.client() as c:
