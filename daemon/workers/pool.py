@@ -139,22 +139,25 @@ class WorkerPool:
     def worker(self, key: str, backend: str) -> Worker:
         """The live worker for ``key``, started if there is none, with one load pending
         on it (see :meth:`loaded`)."""
-        with self._spawn_lock:
+        while True:
             with self._lock:
-                w = self._workers.get(key)
-                if w is not None and w.alive:
-                    w.pending += 1
+                w = self._live_worker(key)
+                if w is not None:
                     return w
-                if self._closed:
-                    raise InferdError("the daemon is stopping", ErrorCode.UNAVAILABLE)
                 wait = self._backoff(key)
-            if wait > 0:
-                time.sleep(wait)  # a worker that keeps dying is not restarted in a tight loop
-            if self.zygote is None:
-                raise InferdError("worker processes are not started", ErrorCode.INTERNAL)
+            if wait <= 0:
+                break
+            time.sleep(wait)  # a worker that keeps dying is not restarted in a tight loop
+        with self._spawn_lock:  # one start at a time: the zygote answers in order
+            with self._lock:
+                w = self._live_worker(key)
+                if w is not None:
+                    return w
             ours, theirs = pair()
             t0 = time.monotonic()
             try:
+                if self.zygote is None:
+                    raise OSError("worker processes are not started")
                 pid = self.zygote.spawn(theirs, key)
             except OSError as e:
                 ours.close()
@@ -177,6 +180,34 @@ class WorkerPool:
         if status is not None:
             self._exited(pid, status)
         return w
+
+    def _live_worker(self, key: str) -> Worker | None:
+        """``key``'s live worker with one more load pending on it (the pool's lock held);
+        raises while the daemon stops."""
+        if self._closed:
+            raise InferdError("the daemon is stopping", ErrorCode.UNAVAILABLE)
+        w = self._workers.get(key)
+        if w is not None and w.alive:
+            w.pending += 1
+            return w
+        return None
+
+    def _prestart(self, key: str, backend: str) -> None:
+        """Start ``key``'s worker again at once and import its engine, so that the next
+        request pays only its model's load (a worker nobody loads in ends after
+        ``idle_exit_s``)."""
+        try:
+            w = self.worker(key, backend)
+        except InferdError:
+            return  # stopping, or the zygote is gone: the next request says so
+        try:
+            self.call(w, {"op": "engine", "backend": backend}, f"the import of {backend}",
+                      timeout=self.kill_after_s)
+        except InferdError as e:
+            log.warning("worker %s: importing %s ahead of the next request failed: %s", key,
+                        backend, e.message, extra={"BACKEND": backend})
+        finally:
+            self.loaded(w, False)
 
     def _backoff(self, key: str) -> float:
         deaths = self._deaths.get(key)
@@ -222,6 +253,8 @@ class WorkerPool:
                          "REASON": reason})
         if self._on_restart is not None:
             self._on_restart(w.backend, reason)
+        threading.Thread(target=self._prestart, args=(w.name, w.backend),
+                         name="inferd-worker-restart", daemon=True).start()
 
     def death(self, w: Worker, what: str) -> WorkerDied:
         """The error for a call on ``w`` (running ``what``) that found it gone."""

@@ -11,6 +11,8 @@ threads run side by side as they did in-process. Operations:
   and what the load added to this process's resident memory.
 - ``run``: the inputs are read in place from the daemon's arena; the outputs go back
   through this end's arena.
+- ``engine``: import the backend's engine (a worker started again after a death, so
+  that the next request pays only its model's load).
 - ``unload``, ``trim`` (``malloc_trim`` before a measured run), ``stats`` (this process's
   resident memory).
 
@@ -105,6 +107,12 @@ class WorkerProcess:
                         model.unload()
                     malloc_trim()
                     channel.send({"ok": True, "left": len(self.models)})
+                elif op == "engine":  # a worker started again: its engine before a load
+                    record = self.registry.records.get(header["backend"])
+                    bring_in = getattr(record.backend, "import_engine", None) if record else None
+                    if callable(bring_in):
+                        bring_in()
+                    channel.send({"ok": True})
                 elif op == "trim":
                     malloc_trim()
                     channel.send({"ok": True})
