@@ -19,7 +19,7 @@ SYSTEM_PACKAGES := python3-venv gcc g++ libc6-dev libzmq3-dev libjansson-dev pkg
 
 .PHONY: setup system-packages run test test-fast soak bench clean examples deb deb-test lint libinferd \
         venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64 wheels apt-repo \
-        deb-test-deps-systemd deb-test-deps-arm64
+        deb-test-deps deb-test-deps-systemd deb-test-deps-arm64
 
 setup: system-packages $(STAMP) models/.complete
 
@@ -160,8 +160,8 @@ build/deb/%/.built: $(DEB_SOURCES) | deb-build-deps-% $(STAMP)
 deb-build-deps-%:
 	@$(PYTHON) packaging/build_deps.py $*
 
-deb-test-deps-systemd deb-test-deps-arm64:
-	@$(PYTHON) packaging/build_deps.py --test $(@:deb-test-deps-%=deb-test-%)
+deb-test-deps deb-test-deps-systemd deb-test-deps-arm64:
+	@$(PYTHON) packaging/build_deps.py --test $(subst -deps,,$@)
 .SECONDARY: deb-build-deps-amd64 deb-build-deps-arm64
 
 # A signed apt repository in build/apt/ of make deb's packages for APT_ARCHS (docs/install.md,
@@ -180,7 +180,8 @@ wheels: $(STAMP)
 	    -d .cache/wheels/onnxruntime-gpu onnxruntime-gpu==1.31.1
 
 # Needs root: builds, lints, installs, runs and purges the packages (tests/packaging/).
-deb-test: deb models/.complete
+# What it needs on this machine first, as deb-test-systemd below.
+deb-test: deb-test-deps deb models/.complete
 	$(PY) tests/packaging/check_debs.py build/deb/$(ARCH) models
 
 # Needs root: the amd64 packages in a Debian 12 container with systemd as PID 1. What it

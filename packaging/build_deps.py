@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""What `make deb ARCH=...` and the package tests (`make deb-test-systemd`, `make
-deb-test-arm64`) need on the build machine, installed when run as root, or the exact
-apt-get lines printed (exit status 1) otherwise, as `make setup` does for its own
-packages. Called first by packaging/build-deb.sh, and by the Makefile before the tests.
+"""What `make deb ARCH=...` and the package tests (`make deb-test`, `make
+deb-test-systemd`, `make deb-test-arm64`) need on the build machine, installed when run
+as root, or the exact apt-get lines printed (exit status 1) otherwise, as `make setup`
+does for its own packages. Called first by packaging/build-deb.sh, and by the Makefile
+before the tests.
 
 make deb's list: build-essential, dpkg-dev and python3-venv (make deb fetches the
 add-ons' wheels with the project's venv), every package of packaging/debian/control's
@@ -13,7 +14,7 @@ architectures first). With dpkg-dev present, dpkg-checkbuilddeps decides what is
 missing; without it (a fresh machine) everything is. The tests' lists are
 :data:`TEST_PACKAGES` (each test also runs make deb, which brings its own).
 
-Usage: build_deps.py ARCH | build_deps.py --test deb-test-systemd|deb-test-arm64
+Usage: build_deps.py ARCH | build_deps.py --test deb-test|deb-test-systemd|deb-test-arm64
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from pathlib import Path
 CONTROL = Path(__file__).resolve().parent / "debian" / "control"
 TOOLS = ["build-essential", "dpkg-dev", "python3-venv"]
 TEST_PACKAGES: dict[str, tuple[str | None, list[str]]] = {
+    # lintian; systemd-analyze; the installed daemon's Depends (dpkg -i installs none);
+    # its unit's seccomp filter emulated; users made and dropped to (passwd, setpriv)
+    "deb-test": (None, ["lintian", "systemd", "procps", "python3-numpy", "python3-onnx",
+                        "python3-prometheus-client", "python3-psutil", "python3-systemd",
+                        "python3-zmq", "python3-seccomp", "fakeroot", "util-linux",
+                        "passwd"]),
     # the Debian 12 root (mmdebstrap, tests/packaging/make_root.sh) booted with
     # systemd-nspawn; the throwaway key and apt repository (gnupg, apt-ftparchive)
     "deb-test-systemd": (None, ["mmdebstrap", "systemd-container", "gnupg", "apt-utils"]),
