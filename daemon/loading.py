@@ -174,8 +174,10 @@ class ModelLoader:
             rss = METER.rss() - before - engines[0]
             # Read after the load is measured: parsing the file leaves freed heap behind
             # (trimmed here), and what stays (a skeleton without weights, 0.2-2 MiB) is
-            # not the engine's.
-            graph = _graph(entry, source.path)
+            # not the engine's. A model in a worker has its graph read there: onnx's
+            # shape inference on shapes a client chose runs where a crash costs little.
+            graph = (_EngineGraph(model) if isinstance(model.engine, WorkerModel)
+                     else _graph(entry, source.path))
             METER.trim()
             reported = model.memory_bytes()
             figures = LoadFigures(model_cost(rss, reported,
@@ -215,6 +217,20 @@ class ModelLoader:
                      "budget from now on", backend, model.pid,
                      format_bytes(model.engine_bytes), extra={"BACKEND": backend})
         return model
+
+
+class _EngineGraph:
+    """The activations of a model whose engine runs in a worker, computed there (in the
+    worker the model runs in now: placement may move it)."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def peak(self, shapes: Any, values: Any = None) -> Any:
+        engine = self._model.engine
+        if not isinstance(engine, WorkerModel):
+            raise ValueError("the model left its worker")
+        return engine.peak(shapes, dict(values or {}))
 
 
 def _import_planner() -> None:

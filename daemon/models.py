@@ -304,7 +304,7 @@ class ModelManager:
         workers.start()
         if self._observer is not None:
             self._observer.loaded(entry.name, time.monotonic() - started, True)
-        from inferd.libbackends.customops.plan import plan_note  # loaded with the model
+        from inferd.libbackends.customops.contract import plan_note
 
         where = loaded.placement
         log.info("model %s loaded on %s, device %s, in %.0f ms, %s%s; chosen: %s",

@@ -38,6 +38,7 @@ from typing import Any
 
 from numpy.typing import NDArray
 
+from inferd.daemon.activations import Peak
 from inferd.daemon.workers.channel import Channel, Gone, pair
 from inferd.daemon.workers.process import decode_error
 from inferd.daemon.workers.zygote import Zygote, describe_status
@@ -507,6 +508,14 @@ class WorkerModel(LoadedModel):
 
     def memory_bytes(self) -> int | None:
         return self._memory
+
+    def peak(self, shapes: dict[str, Any], values: dict[str, NDArray[Any]]) -> Peak:
+        """:meth:`inferd.daemon.activations.Activations.peak`, computed in the worker."""
+        reply, _ = self.pool.call(self._live(), {"op": "peak", "handle": self.handle,
+                                                 "path": str(self.call.path),
+                                                 "shapes": dict(shapes)},
+                                  f"the activations of {self.call.model}", values)
+        return Peak(*reply["peak"])
 
     def trim(self) -> None:
         """Free heap back to the system in the worker (before a measured run: a worker

@@ -13,6 +13,8 @@ threads run side by side as they did in-process. Operations:
   through this end's arena.
 - ``engine``: import the backend's engine (a worker started again after a death, so
   that the next request pays only its model's load).
+- ``peak``: a run's peak of activations for the input shapes a client chose (onnx's
+  shape inference, native code, runs here, not in the daemon).
 - ``unload``, ``trim`` (``malloc_trim`` before a measured run), ``stats`` (this process's
   resident memory).
 
@@ -75,6 +77,7 @@ class WorkerProcess:
         self._lock = threading.Lock()
         self._proc = psutil.Process()
         self._load_lock = threading.Lock()  # one load at a time: its RSS delta is its own
+        self._graphs: dict[int, Any] = {}  # handle -> Activations, made at first use
 
     def rss(self) -> int:
         return int(self._proc.memory_info().rss)
@@ -103,6 +106,7 @@ class WorkerProcess:
                     channel.send(self._load(header))
                 elif op == "unload":
                     model = self.models.pop(header["handle"], None)
+                    self._graphs.pop(header["handle"], None)
                     if model is not None:
                         model.unload()
                     malloc_trim()
@@ -113,6 +117,10 @@ class WorkerProcess:
                     if callable(bring_in):
                         bring_in()
                     channel.send({"ok": True})
+                elif op == "peak":  # onnx's shape inference on a client's shapes: here
+                    peak = self._graph(header).peak(header["shapes"], tensors)
+                    channel.send({"ok": True, "peak": (peak.bytes, peak.unsized,
+                                                       peak.tensors)})
                 elif op == "trim":
                     malloc_trim()
                     channel.send({"ok": True})
@@ -126,6 +134,14 @@ class WorkerProcess:
             except Exception as e:  # noqa: BLE001  every failure is the call's answer
                 tensors = {}
                 channel.send(encode_error(e))
+
+    def _graph(self, h: dict[str, Any]) -> Any:
+        from inferd.daemon.activations import Activations
+
+        graph = self._graphs.get(h["handle"])
+        if graph is None:
+            graph = self._graphs[h["handle"]] = Activations(Path(h["path"]))
+        return graph
 
     def _load(self, h: dict[str, Any]) -> dict[str, Any]:
         from inferd.libbackends.customops.plan import load_planned

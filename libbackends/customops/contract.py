@@ -4,7 +4,8 @@ Every implementation (a Python class, a native CPU library, a native OpenCL libr
 a :class:`CustomOp`: it matches ONNX nodes by op type and (optionally) domain, and is
 bound to one node of one model as a :class:`BoundOp` that infers output types and
 computes. The :class:`OpRegistry` holds the ops of one scope (the daemon's directories,
-or one model's own ``customops/`` folder layered over them).
+or one model's own ``customops/`` folder layered over them). A partitioned plan's one-line
+summary lives here too, without onnx: the daemon logs it for a model loaded in a worker.
 """
 
 from __future__ import annotations
@@ -184,3 +185,21 @@ class OpRegistry:
                 "skipped": [s.to_json() for s in self.skipped],
                 "search_path": list(self.search_path),
                 "search_path_source": self.search_path_source}
+
+
+def summary(plan: dict[str, Any]) -> str:
+    """One line: ``3 steps, 2 cuts: onnxruntime 1 node | python:cstSigmoid | ...``."""
+    parts = []
+    for s in plan["steps"]:
+        n = len(s["nodes"])
+        text = s["executor"] if ":" in s["executor"] else \
+            f"{s['executor']} {n} node{'s' if n != 1 else ''}"
+        parts.append(text + (f" [{s['detail']}]" if s["detail"] else ""))
+    return (f"{len(plan['steps'])} steps, {plan['cuts']} cuts: " + " | ".join(parts))
+
+
+def plan_note(model: Any) -> str:
+    """``", partitioned: 3 steps, 2 cuts: ..."`` for a loaded model's load log line, or
+    "" (light: the daemon calls it for a model loaded in a worker, without onnx)."""
+    plan = model.describe().get("plan")
+    return f", partitioned: {summary(plan)}" if plan else ""

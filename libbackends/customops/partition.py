@@ -24,7 +24,9 @@ from onnx import GraphProto, ModelProto, NodeProto
 
 from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.libbackends.contract import Backend
-from inferd.libbackends.customops.contract import STANDARD_DOMAINS, CustomOp, OpRegistry
+from inferd.libbackends.customops.contract import (  # noqa: F401  summary: re-exported
+    STANDARD_DOMAINS, CustomOp, OpRegistry, summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -195,14 +197,3 @@ def describe_plan(graph: GraphProto, steps: list[Step], detail: dict[int, str]) 
                        "nodes": [node_label(graph, i) for i in s.nodes],
                        "inputs": s.inputs, "outputs": s.outputs}
                       for k, s in enumerate(steps)]}
-
-
-def summary(plan: dict[str, Any]) -> str:
-    """One line: ``3 steps, 2 cuts: onnxruntime 1 node | python:cstSigmoid | ...``."""
-    parts = []
-    for s in plan["steps"]:
-        n = len(s["nodes"])
-        text = s["executor"] if ":" in s["executor"] else \
-            f"{s['executor']} {n} node{'s' if n != 1 else ''}"
-        parts.append(text + (f" [{s['detail']}]" if s["detail"] else ""))
-    return (f"{len(plan['steps'])} steps, {plan['cuts']} cuts: " + " | ".join(parts))

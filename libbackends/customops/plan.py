@@ -331,9 +331,3 @@ def load_planned(backend: Backend, path: Path, options: LoadOptions, *, model: s
     return load_model(backend, path, options, model=model,
                       ops=load_model_ops(model_dir, ops, probe_timeout_s, strict),
                       fallbacks=fallbacks, tables=tables)
-
-
-def plan_note(model: LoadedModel) -> str:
-    """``", partitioned: 3 steps, 2 cuts: ..."`` for the load log line, or ""."""
-    plan = model.describe().get("plan")
-    return f", partitioned: {summary(plan)}" if plan else ""

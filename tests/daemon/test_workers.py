@@ -236,3 +236,16 @@ def test_a_worker_with_no_model_ends_after_idle_exit_s_unless_a_load_comes(model
         assert p.restarts == {}  # an expected end, not a death
     finally:
         p.close()
+
+
+def test_the_activations_of_a_model_in_a_worker_are_sized_there(pool, models_dir):
+    from inferd.daemon.activations import Activations
+
+    path = models_dir / "vad" / "1" / "model.onnx"
+    shapes = {"input": (8, 512), "state": (2, 8, 128), "sr": ()}
+    values = {"sr": np.array(16000, np.int64)}
+    model = WorkerModel(pool, vad_call(models_dir), 60.0)
+    try:
+        assert model.peak(shapes, values) == Activations(path).peak(shapes, values)
+    finally:
+        model.unload()

@@ -127,6 +127,9 @@ def test_a_zero_batch_that_aborts_onnxruntime_costs_one_request(start_daemon, re
                      r"died of SIGABRT while running vad version 1; its models load again",
                      log), log
     assert len(worker_pids(log, "onnxruntime")) == 2  # the first, and the one started again
+    # no engine, and not onnx's shape inference either, in the daemon itself
+    maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
+    assert "onnxruntime" not in maps and "onnx_cpp2py_export" not in maps
 
 
 class Neighbour:

@@ -17,7 +17,8 @@ from inferd.libbackends.contract import LoadOptions
 from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.customops.discovery import load_folders
 from inferd.libbackends.customops.partition import node_support
-from inferd.libbackends.customops.plan import PartitionedModel, load_model, plan_note
+from inferd.libbackends.customops.contract import plan_note
+from inferd.libbackends.customops.plan import PartitionedModel, load_model
 from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend, OrtModel
 from tests.libbackends.customops import kit
 from tests.libbackends.customops.conftest import KINDS, op_folder
