@@ -115,6 +115,7 @@ class WorkerPool:
         self._deaths: dict[str, collections.deque[float]] = {}
         self._last_start: dict[str, float] = {}
         self._spawn_lock = threading.Lock()  # not _lock: the zygote's reader takes that
+        self._timers: set[threading.Timer] = set()  # idle workers' ends, cancelled at close
         self.restarts: collections.Counter[tuple[str, str]] = collections.Counter()
         self.zygote: Zygote | None = None
         self._closed = False
@@ -365,13 +366,19 @@ class WorkerPool:
         self._idle_soon(w)
 
     def _idle_soon(self, w: Worker) -> None:
-        if w.models <= 0 and w.pending <= 0:
+        with self._lock:
+            if w.models > 0 or w.pending > 0 or self._closed:
+                return
             timer = threading.Timer(self.idle_exit_s, self._retire, (w,))
+            timer.name = f"inferd-worker-idle-{w.pid}"
             timer.daemon = True
-            timer.start()
+            self._timers.add(timer)
+        timer.start()
 
     def _retire(self, w: Worker) -> None:
         with self._lock:
+            self._timers = {t for t in self._timers if t.is_alive()
+                            and t is not threading.current_thread()}
             if w.models > 0 or w.pending > 0 or w.running or self._workers.get(w.name) is not w:
                 return
             del self._workers[w.name]
@@ -388,13 +395,25 @@ class WorkerPool:
             return {k: w.pid for k, w in self._workers.items() if w.alive}
 
     def close(self) -> None:
+        """End every worker and the zygote; nothing of the pool is left (threads, fds)."""
         with self._lock:
             self._closed = True
             workers = list(self._workers.values())
+            timers, self._timers = self._timers, set()
+        for timer in timers:
+            timer.cancel()
         for w in workers:
             self.kill(w, "stopped")
         if self.zygote is not None:
-            self.zygote.close()
+            self.zygote.close()  # reaped: every worker's end is reported before this
+        for w in workers:
+            with w.lock:
+                for channel in (w.control, *w.idle):
+                    channel.close()
+                w.idle.clear()
+            if w.pidfd >= 0:
+                os.close(w.pidfd)
+                w.pidfd = -1
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
