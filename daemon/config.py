@@ -83,6 +83,14 @@ def _held_bound(v: Any) -> int | None:
     return 0 if bound is None else bound
 
 
+def _message_bound(v: Any) -> int | None:
+    """``server.max_message_bytes``: None for "auto" (the runtime derives it from
+    ``max_bytes_in_flight`` and ``max_connections``), else bytes up to 4 GiB."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return None
+    return _size_upto(4 * 2**30)(v)
+
+
 def _string(v: Any) -> str:
     if isinstance(v, str) and v:
         return v
@@ -221,9 +229,9 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "socket": Setting(defs.SOCKET, _endpoint, "a ZeroMQ endpoint such as "
                       "'ipc:///run/inferd/inferd.sock'"),
         "socket_mode": Setting("0660", _mode, "an octal file mode string such as '0660'"),
-        "max_message_bytes": Setting("256MiB", _size_upto(4 * 2**30),
-                                 "a positive size in bytes up to 4GiB, e.g. 268435456 or "
-                                 "'256MiB'"),
+        "max_message_bytes": Setting("auto", _message_bound,
+                                     "\"auto\" or a positive size in bytes up to 4GiB, e.g. "
+                                     "268435456 or '256MiB'"),
         "max_requests_per_client": Setting(512, _int_upto(10**6),
                                            "a positive integer up to 1000000"),
         "max_bytes_per_client": Setting("128MiB", _size_upto(2**40),

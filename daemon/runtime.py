@@ -88,6 +88,31 @@ def requests_bound(config: Config) -> int:
     return max(HELD_FLOOR, min(left // 2, total // 4))
 
 
+MESSAGE_FLOOR = 32 * 2**10
+"""The least ``server.max_message_bytes = "auto"`` gives: what the clients take inline
+whatever the daemon (``inferd.ipc.staging.INLINE_BYTES``); twice it is 64 KiB, so a
+header of the protocol's largest (65,536 bytes) is answered, never dropped by libzmq."""
+MESSAGE_CEILING = 256 * 2**20
+"""The most ``"auto"`` gives (the fixed default before it was derived)."""
+
+
+def message_bound(config: Config, held: int) -> int:
+    """``server.max_message_bytes`` in bytes. ``"auto"``: ``held``
+    (``max_bytes_in_flight``, 0: none) over 4 x ``max_connections``, within
+    :data:`MESSAGE_FLOOR` and :data:`MESSAGE_CEILING`. libzmq holds at most two messages
+    per connection before the daemon reads them (one in the receive pipe, whose high-water
+    mark is 1, and one being received), each frame at most twice this (``ZMQ_MAXMSGSIZE``):
+    4 x this x ``max_connections`` bytes for all connections together, no more than
+    ``max_bytes_in_flight`` (above the floor). ``held`` 0: the ceiling (nothing bounds)."""
+    value = config.server.max_message_bytes
+    if value is not None:
+        return int(value)
+    if held <= 0:
+        return MESSAGE_CEILING
+    per = held // (4 * config.server.max_connections)
+    return max(MESSAGE_FLOOR, min(MESSAGE_CEILING, per))
+
+
 class Runtime:
     """A daemon instance: call :meth:`start`, then :meth:`serve` on the main thread.
 
@@ -109,8 +134,9 @@ class Runtime:
                                config.models.allow_external_links)
         # Reads the runtime only when collected; counts each answered request's ticket.
         self.metrics = Metrics(self)
+        held = requests_bound(config)
         self.server = Server(config.server.socket, self.handle,
-                             max_message_bytes=config.server.max_message_bytes,
+                             max_message_bytes=message_bound(config, held),
                              socket_mode=config.server.socket_mode,
                              grace_s=config.server.shutdown_grace_s,
                              socket_group=config.server.socket_group,
@@ -121,7 +147,7 @@ class Runtime:
                              max_replies_queued_per_client=(
                                  config.server.max_replies_queued_per_client),
                              max_connections=config.server.max_connections,
-                             max_bytes_in_flight=requests_bound(config),
+                             max_bytes_in_flight=held,
                              observe=self.metrics.count, resolve=self.resolve)
         self.server.on_stop = self._on_stop
         self.server.on_peer_gone = self._peer_gone
@@ -395,7 +421,8 @@ class Runtime:
                                                                                 ticket))
             return None
         if op is Op.PING:
-            return Reply(request.id, result={"pong": True, "ready": self.ready.is_set()})
+            return Reply(request.id, result={"pong": True, "ready": self.ready.is_set(),
+                                             "max_message_bytes": self.server.max_message_bytes})
         if op in (Op.STATUS, Op.MODELS, Op.METRICS, Op.BACKENDS):
             self.inline.submit(request, ticket, lambda: Reply(request.id, result=(
                 self._inline_result(request))))
@@ -523,7 +550,7 @@ class Runtime:
             "loaded_models": self.models.loaded(),
             "cache": self.models.cache_status(),
             "memory": {"rss_bytes": mem.rss, "vms_bytes": mem.vms},
-            "max_message_bytes": self.config.server.max_message_bytes,
+            "max_message_bytes": self.server.max_message_bytes,
             "requests": self.server.stats["requests"],
             "stuck": self.watch.stuck(),
         }

@@ -11,6 +11,7 @@ import random
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from inferd.ipc import defs
 from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError, RequestError
 from inferd.ipc.protocol import Op, Reply, Request, decode_reply, encode_request
 from inferd.ipc.shm import Region, Registration, shm_path
+from inferd.ipc.staging import INLINE_BYTES, Lease, Staging, frame_bytes
 from inferd.ipc.transport import ipc_path, recv_frames, send_frames, tuned
 
 DEFAULT_ENDPOINT = defs.SOCKET
@@ -66,10 +68,15 @@ def _check_reachable(endpoint: str) -> None:
 
 class _Base:
     def __init__(self, endpoint: str | None, timeout: float, max_in_flight: int,
-                 retry_exhausted: bool) -> None:
+                 retry_exhausted: bool, max_inline_bytes: int | None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.endpoint = endpoint or default_endpoint()
+        self.max_inline_bytes = max_inline_bytes
+        path = ipc_path(self.endpoint)
+        # big inputs into shared memory of our own (ipc:// only: tcp:// has none)
+        self._staging = Staging(shm_path(path)) if (
+            path is not None and max_inline_bytes is not None) else None
         self.timeout = timeout
         self.max_in_flight = max_in_flight
         self.retry_exhausted = retry_exhausted
@@ -95,6 +102,25 @@ class _Base:
                                                 (inputs or {}).items()},
                        outputs=list(outputs) if outputs is not None else None,
                        timeout_ms=int((timeout or self.timeout) * 1000), params=params)
+
+    def _stage(self, req: Request, frames: list[Any],
+               placed: Any = None) -> tuple[Request, list[Any], Lease | None]:
+        """``req`` and its frames, with its largest inputs moved into a region of the
+        client's own when its frames pass ``max_inline_bytes`` (and the lease to give
+        back once its reply came)."""
+        if self._staging is None or self.max_inline_bytes is None:
+            return req, frames, None
+        over = frame_bytes(frames) - self.max_inline_bytes
+        if over <= 0:
+            return req, frames, None
+        lease = self._staging.stage(req.inputs, over, placed)
+        if lease is None:
+            return req, frames, None
+        req = replace(req, inputs=lease.inputs)
+
+        def locate(array: NDArray[Any]) -> tuple[str, int] | None:
+            return lease.locate(array) or (placed(array) if placed is not None else None)
+        return req, encode_request(req, locate), lease
 
     def _retry_pause(self, reply: Reply, attempt: int, give_up: float) -> float | None:
         """How long to wait before sending ``reply``'s request again, or None to keep
@@ -143,6 +169,11 @@ class Client(_Base):
         retry_exhausted: :meth:`infer` sends a request again when the daemon answers
             RESOURCE_EXHAUSTED (a full queue, a per-client limit), after an exponential
             backoff (:func:`backoff`), until its timeout. Off by default.
+        max_inline_bytes: a request whose frames would pass this many bytes has its
+            largest numeric inputs copied into shared memory of the client's own and
+            sent by reference (docs/protocol.md, "Inline limit"); the default is the
+            least the daemon takes inline. None: always frames (the daemon refuses a
+            request over its ``server.max_message_bytes``). ``ipc://`` only.
 
     Raises:
         RequestError: UNAVAILABLE at once if the ipc socket file is missing or not
@@ -152,8 +183,9 @@ class Client(_Base):
     def __init__(self, endpoint: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  context: zmq.Context | None = None, *,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 retry_exhausted: bool = False) -> None:
-        super().__init__(endpoint, timeout, max_in_flight, retry_exhausted)
+                 retry_exhausted: bool = False,
+                 max_inline_bytes: int | None = INLINE_BYTES) -> None:
+        super().__init__(endpoint, timeout, max_in_flight, retry_exhausted, max_inline_bytes)
         self._ctx = context or zmq.Context.instance()
         self._sock = tuned(self._ctx.socket(zmq.DEALER))
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -168,6 +200,7 @@ class Client(_Base):
         self._waiting: set[str] = set()
         self._registration: Registration | None = None
         self._regions: dict[str, Region] = {}
+        self._leases: dict[str, Lease] = {}  # request id -> its inputs' staging region
 
     def __enter__(self) -> Client:
         return self
@@ -182,6 +215,9 @@ class Client(_Base):
                 self._registration.close()
                 self._registration = None
             self._regions.clear()
+            self._leases.clear()
+            if self._staging is not None:
+                self._staging.close()
 
     # ----------------------------------------------------------------- shared memory
 
@@ -250,15 +286,20 @@ class Client(_Base):
     def _send(self, req: Request) -> float:
         """Send ``req`` once fewer than ``max_in_flight`` requests are in flight; returns
         the monotonic time after which its reply is given up."""
-        frames = encode_request(req, self._locate if self._regions else None)
+        placed = self._locate if self._regions else None
+        req, frames, lease = self._stage(req, encode_request(req, placed), placed)
         give_up = time.monotonic() + (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S
         while True:
             with self._lock:
                 if len(self._waiting) < self.max_in_flight:
                     self._waiting.add(req.id)
+                    if lease is not None:
+                        self._leases[req.id] = lease
                     send_frames(self._sock, frames)
                     return give_up
                 if time.monotonic() >= give_up:
+                    if lease is not None and self._staging is not None:
+                        self._staging.give_back(lease, reusable=True)  # never sent
                     raise RequestError(f"no reply from {self.endpoint} within the client "
                                        f"timeout: {len(self._waiting)} requests in flight "
                                        f"(max_in_flight) left no room to send",
@@ -276,6 +317,7 @@ class Client(_Base):
         if got.id not in self._waiting:
             return None  # a late reply to a request whose caller gave up
         self._waiting.discard(got.id)
+        self._release(got.id, reusable=True)
         if got.id == request_id:
             return got
         self._replies[got.id] = got
@@ -289,11 +331,19 @@ class Client(_Base):
                     return reply
                 if request_id not in self._waiting or deadline - time.monotonic() <= 0:
                     self._waiting.discard(request_id)
+                    self._release(request_id, reusable=False)  # the daemon may read it yet
                     raise RequestError(f"no reply from {self.endpoint} within the "
                                        f"client timeout", ErrorCode.DEADLINE_EXCEEDED)
                 got = self._receive_one(request_id)
                 if got is not None:
                     return got
+
+    def _release(self, request_id: str, reusable: bool) -> None:
+        """Give back the staging region of request ``request_id`` (caller holds
+        ``_lock``)."""
+        lease = self._leases.pop(request_id, None)
+        if lease is not None and self._staging is not None:
+            self._staging.give_back(lease, reusable)
 
     def call(self, op: Op | str, model: str | None = None, **fields: Any) -> Any:
         """Send a control op and return its ``result``."""
@@ -373,8 +423,9 @@ class AsyncClient(_Base):
     def __init__(self, endpoint: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  context: zmq.asyncio.Context | None = None, *,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 retry_exhausted: bool = False) -> None:
-        super().__init__(endpoint, timeout, max_in_flight, retry_exhausted)
+                 retry_exhausted: bool = False,
+                 max_inline_bytes: int | None = INLINE_BYTES) -> None:
+        super().__init__(endpoint, timeout, max_in_flight, retry_exhausted, max_inline_bytes)
         self._slots: asyncio.Semaphore | None = None  # made on first use, in its loop
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock = tuned(self._ctx.socket(zmq.DEALER))
@@ -397,6 +448,8 @@ class AsyncClient(_Base):
             except asyncio.CancelledError:
                 pass
         self._sock.close(0)
+        if self._staging is not None:
+            self._staging.close()
 
     async def _receive(self) -> None:
         while True:
@@ -423,8 +476,10 @@ class AsyncClient(_Base):
                                f"left no room to send", ErrorCode.DEADLINE_EXCEEDED) from None
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._futures[req.id] = future
+        lease = None
         try:
-            await self._sock.send_multipart(encode_request(req), copy=False)
+            req, frames, lease = self._stage(req, encode_request(req))
+            await self._sock.send_multipart(frames, copy=False)
             return await asyncio.wait_for(future, max(0.001, give_up - time.monotonic()))
         except asyncio.TimeoutError:
             raise RequestError(f"no reply from {self.endpoint} within the client timeout",
@@ -432,6 +487,9 @@ class AsyncClient(_Base):
         finally:
             self._futures.pop(req.id, None)
             self._slots.release()
+            if lease is not None and self._staging is not None:
+                # reusable once answered; else the daemon may still read it
+                self._staging.give_back(lease, reusable=future.done())
 
     async def call(self, op: Op | str, model: str | None = None, **fields: Any) -> Any:
         return self._unwrap(await self.submit(op, model, **fields)).result

@@ -55,9 +55,22 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Request, Ticket], Reply | None]
 
 
-RECEIVE_HWM = 1000
-"""Requests libzmq may hold per client before the I/O thread reads them (ZMQ_RCVHWM);
-past it the client's sends wait (backpressure), nothing is dropped."""
+RECEIVE_HWM = 1
+"""Requests libzmq may hold per connection before the I/O thread reads them (ZMQ_RCVHWM);
+past it the client's sends wait (backpressure), nothing is dropped. libzmq receives a
+message whole before the daemon sees it and counts messages, not bytes: with 1 it holds
+at most two per connection (this one and the one it is receiving), each frame at most
+``ZMQ_MAXMSGSIZE``, which is what bounds the socket layer's memory for all connections
+together (``daemon.runtime.message_bound``). A client's further requests wait in its own
+send queue, in its own memory."""
+
+
+def over_inline(size: int, limit: int) -> str:
+    """The answer to a request whose frames pass ``server.max_message_bytes``."""
+    return (f"message of {size} bytes is over the limit of {limit} bytes "
+            f"(server.max_message_bytes): send tensors this large through shared memory, "
+            f"named by region and offset (docs/protocol.md, \"Shared memory\"); a single "
+            f"frame over {2 * limit} bytes closes the connection")
 
 
 def _fd_count_in_size() -> bool:
@@ -105,8 +118,9 @@ class Server:
     Args:
         endpoint: where to bind, e.g. ``ipc:///run/inferd/inferd.sock``.
         handler: called on the I/O thread for each decoded request.
-        max_message_bytes: requests larger than this (all frames) get RESOURCE_EXHAUSTED;
-            libzmq drops the connection of a peer sending one frame over twice this.
+        max_message_bytes: requests larger than this (all frames) get RESOURCE_EXHAUSTED,
+            naming shared memory (the way for bigger tensors); libzmq drops the connection
+            of a peer sending one frame over twice this.
         socket_mode: file mode set on an ipc socket file.
         socket_group: group given to an ipc socket file ("" leaves the process's own).
         access: the allow-list; replace :attr:`access` to change it (e.g. on reload).
@@ -140,7 +154,7 @@ class Server:
                                        resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self._max_replies_queued = max_replies_queued_per_client
         self._handler = handler
-        self._max_bytes = max_message_bytes
+        self.max_message_bytes = max_message_bytes
         self._mode = socket_mode
         self._group = socket_group
         self.access = access or Access()
@@ -194,7 +208,7 @@ class Server:
         router = tuned(self._ctx.socket(zmq.ROUTER))
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 1000)
-        router.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
+        router.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_message_bytes)
         # Both are per connection on a ROUTER: replies waiting for a client that does not
         # read, and requests libzmq holds before the I/O thread takes them.
         router.setsockopt(zmq.SNDHWM, self._max_replies_queued)
@@ -235,6 +249,8 @@ class Server:
                                    _open_fds)
             self.regions.bind(self._chgrp if self._group else None)
         self._monitor = monitor
+        log.info("requests of up to %d bytes are taken inline (server.max_message_bytes); "
+                 "bigger tensors travel in shared memory", self.max_message_bytes)
         limits = self.connections
         if limits.max < limits.configured:
             log.warning("server.max_connections = %d, but the open-files limit leaves room "
@@ -568,9 +584,8 @@ class Server:
         to decode go to the ``inferd-decode`` thread, after admission has counted what
         decoding them will make (:meth:`ClientLimits.decoding`)."""
         try:
-            if ticket.size > self._max_bytes:
-                raise ProtocolError(f"message of {ticket.size} bytes is over the limit of "
-                                    f"{self._max_bytes} bytes (server.max_message_bytes)",
+            if ticket.size > self.max_message_bytes:
+                raise ProtocolError(over_inline(ticket.size, self.max_message_bytes),
                                     ErrorCode.RESOURCE_EXHAUSTED,
                                     request_id=peek_request_id(body))
             request = decode_request(body, self.regions.resolver(peer)

@@ -27,7 +27,7 @@ def test_shipped_file_lists_every_key_with_its_builtin_default():
 def test_defaults_without_a_file():
     cfg = load_config(None)
     assert cfg.server.socket == "ipc:///run/inferd/inferd.sock"
-    assert cfg.server.max_message_bytes == 256 * 2**20
+    assert cfg.server.max_message_bytes is None  # "auto": derived at start (runtime)
     assert cfg.server.socket_mode == 0o660
     assert cfg.server.cpu_affinity == []
     assert cfg.cache.malloc_arenas == 2  # two glibc heaps for all threads (docs/cache.md)
@@ -36,7 +36,7 @@ def test_defaults_without_a_file():
 
 @pytest.mark.parametrize("text, words", [
     ("[server]\nmax_message_bytes = -5\n",
-     "[server] max_message_bytes = -5: expected a positive size"),
+     "[server] max_message_bytes = -5: expected \"auto\" or a positive size"),
     ("[models]\nqueue_size = \"many\"\n",
      "[models] queue_size = 'many': expected a positive integer"),
     ("[server]\nsocket = \"/tmp/x\"\n", "[server] socket = '/tmp/x': expected a ZeroMQ endpoint"),

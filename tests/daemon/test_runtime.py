@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from inferd.daemon.config import load_config
-from inferd.daemon.runtime import Runtime
+from inferd.daemon.runtime import MESSAGE_FLOOR, Runtime, message_bound
+from inferd.ipc.staging import INLINE_BYTES
 
 
 def _fds() -> set[str]:
@@ -20,6 +21,29 @@ def _fds() -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("text, held, want", [
+    ("", 256 * 2**20, 32 * 2**10),  # a 2 GB board's "auto": 256 MiB / (4 x 2048)
+    ("", 6 * 2**30, 768 * 2**10),  # a 24 GiB machine's "auto"
+    ("", 64 * 2**20, 32 * 2**10),  # the floor
+    ("max_connections = 16\n", 2**40, 256 * 2**20),  # the ceiling
+    ("", 0, 256 * 2**20),  # max_bytes_in_flight "unlimited": nothing to derive from
+    ('max_message_bytes = "8MiB"\n', 256 * 2**20, 8 * 2**20),  # set: as set
+])
+def test_the_inline_limit_is_derived_from_the_bytes_and_connections_bounds(
+        tmp_path, text, held, want):
+    """"auto": libzmq may hold two messages per connection, each frame up to twice the
+    limit, so 4 x the limit x max_connections stays within max_bytes_in_flight (down to
+    the floor, which is what the clients send inline anyway)."""
+    path = tmp_path / "inferd.toml"
+    path.write_text("[server]\n" + text)
+    config = load_config(path)
+    got = message_bound(config, held)
+    assert got == want
+    if not text and held and got > MESSAGE_FLOOR:
+        assert 4 * got * config.server.max_connections <= held
+    assert MESSAGE_FLOOR == INLINE_BYTES  # no daemon refuses what a client sends inline
+
+
 def test_two_runtimes_in_one_process_start_serve_stop_without_leaks(models_dir, short_tmp):
     import onnxruntime  # noqa: F401  (imported once per process; not a leak)
     try:  # its import starts openvino_telemetry's thread pool, once per process

@@ -148,10 +148,13 @@ def test_100_connections_with_one_big_request_each_stay_under_the_bound(
     196 to 2,168 MiB (a client with fewer than 2 requests queued was always admitted).
     Now what is over server.max_bytes_in_flight is refused and its memory returned at
     once; what libzmq receives in parallel before the daemon can refuse it is a
-    transient (printed, not bounded by the key: docs/configuration.md)."""
+    transient (printed). The requests come in frames, so ``max_message_bytes`` is set
+    above them: its "auto" would refuse them at the socket, which bounds that transient
+    (tests/e2e/test_receive_transient.py); this test is about what the daemon admits."""
     root = os.getuid() == 0
     config = _config(short_tmp, f'[server]\nsocket_mode = "0666"\nmax_bytes_in_flight = '
-                     f'{HELD_BOUND}\n[cache]\nmax_memory = "1536MiB"\n')
+                     f'{HELD_BOUND}\nmax_message_bytes = "32MiB"\n[cache]\n'
+                     f'max_memory = "1536MiB"\n')
     os.chmod(short_tmp, 0o755)
     d = start_daemon("--config", str(config), "--models", str(models_dir), "--preload",
                      "ocr-det", "--preload", "ocr-cls")

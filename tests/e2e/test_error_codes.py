@@ -150,13 +150,39 @@ def test_permission_denied(start_daemon, short_tmp, models_dir) -> None:
 
 
 def test_resource_exhausted(start_daemon, short_tmp, models_dir) -> None:
-    """Retry with backoff, except a message over the size limit."""
+    """Retry with backoff, except a message over the size limit: a client with only
+    libzmq that sends a tensor in frames past the inline limit is told the limit and the
+    way (shared memory), under its request's id; the limit is in ``ping``'s answer; the
+    Python client moves the same tensor into shared memory by itself and is served."""
     config = short_tmp / "inferd.toml"
     config.write_text('[server]\nmax_message_bytes = "64KiB"\n')
     d = start_daemon("--config", str(config), "--models", str(models_dir))
-    with d.client() as c:
-        code, message = code_of(lambda: c.infer("ocr-cls", {"x": X}))  # 110,592 bytes
-    assert code is ErrorCode.RESOURCE_EXHAUSTED and "max_message_bytes" in message
+    with d.client() as c, Client(d.endpoint, max_inline_bytes=None) as framing:
+        assert c.ping()["max_message_bytes"] == 65536
+        code, message = code_of(lambda: framing.infer("ocr-cls", {"x": X}))  # in frames
+        assert code is ErrorCode.RESOURCE_EXHAUSTED and "max_message_bytes" in message
+        scores = next(iter(c.infer("ocr-cls", {"x": X}).values()))  # in shared memory
+        assert scores.shape == (1, 2)
+    frames = encode_request(Request("raw-1", Op.INFER, model="ocr-cls", inputs={"x": X}))
+    size = sum(memoryview(f).nbytes for f in frames)  # 110,592 bytes of tensor and more
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVTIMEO, 30_000)
+    raw.connect(d.endpoint)
+    try:
+        raw.send_multipart(frames, copy=False)
+        reply = decode_reply(raw.recv_multipart())
+    finally:
+        raw.close(0)
+        ctx.term()
+    assert reply.id == "raw-1" and reply.error is not None
+    assert reply.error.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert reply.error.message == (
+        f"message of {size} bytes is over the limit of 65536 bytes "
+        "(server.max_message_bytes): send tensors this large through shared memory, named "
+        "by region and offset (docs/protocol.md, \"Shared memory\"); a single frame over "
+        "131072 bytes closes the connection")
 
 
 def test_deadline_exceeded(served) -> None:

@@ -1,10 +1,13 @@
 """Shared-memory tensors through a real daemon (issue 19, item 7): a 4.9 MB input read
 in place and its output written into the client's region, bit for bit; a 1920x1080
-frame through the OCR graph gives what it gives by socket; and the registration service
-against hostile clients (issue 31: a malformed message, descriptors)."""
+frame through the OCR graph gives what it gives by socket; the registration service
+against hostile clients (issue 31: a malformed message, descriptors); and the Python
+clients move inputs too big to send inline into shared memory by themselves (issue 31,
+item 9)."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -16,16 +19,74 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import onnx
 import psutil
 import pytest
+from onnx import TensorProto, helper
 
-from inferd.ipc import Region
+from inferd.ipc import AsyncClient, Client, Region
 from inferd.ipc.shm import shm_path
 from inferd.ipc.shmcheck import max_map_count
 
 from tests.e2e.test_wire_bits import reduce_sum_model
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def row_sums_model(repo: Path) -> None:
+    """``x`` [N, M] float32 -> ``y`` [N, 1], each row's sum: a result that depends on how
+    onnxruntime walks the input (so a tensor read from elsewhere could show in its bits)."""
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1)], "rows",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "M"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    path = repo / "rows" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+
+
+@pytest.mark.slow
+def test_big_inputs_move_into_shared_memory_by_themselves(start_daemon, short_tmp) -> None:
+    """A request whose frames would pass 32 KiB has its big inputs copied into a region
+    of the client's own and sent by reference: the results are those of the same
+    request in frames bit for bit; many requests in flight share a few regions (each
+    request a block of one, freed with its reply); the async client does the same; and
+    after a daemon restart (which forgets every region) the client registers anew."""
+    repo = short_tmp / "repo"
+    row_sums_model(repo)
+    config = short_tmp / "inferd.toml"  # frames of 4.8 MB taken too, for the comparison
+    config.write_text('[server]\nmax_message_bytes = "16MiB"\n')
+    args = ("--config", str(config), "--models", str(repo), "--preload", "rows")
+    d = start_daemon(*args)
+    x = np.random.default_rng(7).standard_normal((4, 300_000)).astype(np.float32)
+    with Client(d.endpoint) as c, Client(d.endpoint, max_inline_bytes=None) as framing:
+        want = framing.infer("rows", {"x": x})["y"]
+        assert c.infer("rows", {"x": x})["y"].tobytes() == want.tobytes()
+        assert framing._staging is None and c._staging is not None
+        assert c._staging.made == 1
+        # 64 in flight at once, 1.2 MB each: blocks of 16 MiB regions
+        pending = [c.submit("infer", "rows", {"x": x[i % 4:i % 4 + 1]}) for i in range(64)]
+        for i, p in enumerate(pending):
+            assert p.result()["y"].tobytes() == want[i % 4:i % 4 + 1].tobytes()
+        assert 1 < c._staging.made <= 6, c._staging.made
+        for _ in range(3):  # all free again: the same regions serve
+            assert c.infer("rows", {"x": x})["y"].tobytes() == want.tobytes()
+        made = c._staging.made
+        assert made <= 6
+
+        async def async_rows() -> bytes:
+            async with AsyncClient(d.endpoint) as a:
+                return (await a.infer("rows", {"x": x}))["y"].tobytes()
+        assert asyncio.run(async_rows()) == want.tobytes()
+
+        d.stop()  # a restart forgets every region
+        d2 = start_daemon(*args)
+        assert d2.endpoint == d.endpoint
+        assert c.infer("rows", {"x": x})["y"].tobytes() == want.tobytes()
+        assert c._staging.made == made + 1
 
 
 @pytest.mark.slow
@@ -47,12 +108,15 @@ def test_big_tensor_in_and_out_through_shared_memory(start_daemon, short_tmp) ->
 
 
 @pytest.mark.slow
-def test_a_camera_frame_through_the_ocr_graph(start_daemon, models_dir) -> None:
-    d = start_daemon("--models", str(models_dir))
+def test_a_camera_frame_through_the_ocr_graph(start_daemon, models_dir, short_tmp) -> None:
+    config = short_tmp / "inferd.toml"  # the 6.2 MB frame taken in frames too
+    config.write_text('[server]\nmax_message_bytes = "8MiB"\n')
+    d = start_daemon("--config", str(config), "--models", str(models_dir))
     frame = np.full((1080, 1920, 3), 255, np.uint8)
     frame[500:560, 800:1100] = 0  # one dark bar: a box, perhaps a text
-    with d.client(timeout=300) as c:
-        want = c.infer("ocr", {"image": frame})
+    with d.client(timeout=300) as c, Client(d.endpoint, timeout=300,
+                                            max_inline_bytes=None) as framing:
+        want = framing.infer("ocr", {"image": frame})
         region = c.register(Region(frame.nbytes))
         shared = region.ndarray(frame.shape, np.uint8)
         shared[...] = frame

@@ -75,6 +75,7 @@ PROVOKERS = {
     "graph g failed to load:": "bad_files",
     "RESOURCE_EXHAUSTED: model ocr-det version 1: queue is full": "limits",
     "RESOURCE_EXHAUSTED: message of": "limits",
+    "requests of up to": "limits",
     "RESOURCE_EXHAUSTED: this client has": "limits",
     "RESOURCE_EXHAUSTED: model ocr-det version 1 failed to load": "limits",
     "model vad version 1 unloaded: evicted to make room": "limits",
@@ -284,12 +285,15 @@ def test_limits(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     config.write_text('[server]\nmax_message_bytes = "1MiB"\n[cache]\nmax_memory = "1MiB"\n')
     d1 = start_daemon("--config", str(config), "--models", str(repo),
                       workdir=_dir(short_tmp / "d1"))
-    with d1.client(timeout=60) as c:
+    # in frames whatever the size (the Python client would move the 1.8 MB into shared
+    # memory), so that the message limit answers
+    with Client(d1.endpoint, timeout=60, max_inline_bytes=None) as c:
         for model, x in (("ocr-det", np.zeros((1, 3, 64, 64), np.float32)),
                          ("ocr-cls", np.zeros((4, 3, 48, 768), np.float32))):
             with pytest.raises(RequestError) as e:
                 c.infer(model, {"x": x})
             out.append(f"{e.value.code}: {e.value.message}")
+    out.append(d1.log())
     # 3. Room for either small model, not both: the second evicts the first.
     config = short_tmp / "budget.toml"
     config.write_text(f"[cache]\nmax_memory = {engines + max(vad, cls) + min(vad, cls) // 2}\n")
@@ -442,10 +446,13 @@ def test_hostile_clients(start_daemon, short_tmp: Path, models_dir: Path) -> Non
     (repo / "garbage" / "1").mkdir(parents=True)
     (repo / "garbage" / "1" / "model.onnx").write_bytes(b"not a model" * 100)
     config = short_tmp / "inferd.toml"
-    config.write_text('[server]\nmax_connections = 4\nmax_bytes_in_flight = "2MiB"\n')
+    # requests in frames (max_message_bytes above them, the client's shared memory off):
+    # their bytes are what max_bytes_in_flight counts
+    config.write_text('[server]\nmax_connections = 4\nmax_bytes_in_flight = "2MiB"\n'
+                      'max_message_bytes = "4MiB"\n')
     d = start_daemon("--config", str(config), "--models", str(repo), "--preload", "ocr-cls")
     out = []
-    with Client(d.endpoint, timeout=120, max_in_flight=2) as c:
+    with Client(d.endpoint, timeout=120, max_in_flight=2, max_inline_bytes=None) as c:
         x = np.zeros((4, 3, 48, 768), np.float32)  # 1.8 MB: one fits, not two
         for r in [p.reply() for p in [c.submit(Op.INFER, "ocr-cls", inputs={"x": x})
                                       for _ in range(2)]]:

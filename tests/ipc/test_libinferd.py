@@ -41,7 +41,9 @@ def daemon(models_dir: Path) -> Iterator[Daemon]:
     # compared bit for bit, and measured placement may move ocr-cls to OpenVINO between
     # the two (seen once in CI's set: the cls output differed in its last bits).
     config = work / "inferd.toml"
-    config.write_text('[placement]\nmode = "first"\n')
+    # An inline limit of its own, whatever this machine's memory makes of "auto"
+    # (test_shm: a call over it in frames is refused, staged it runs).
+    config.write_text('[placement]\nmode = "first"\n[server]\nmax_message_bytes = "512KiB"\n')
     d = Daemon(work, ["--config", str(config), "--models", str(repo), "--preload", "ocr-cls",
                       "--preload", "slow"])
     try:
@@ -239,7 +241,9 @@ def test_shared_memory_tensors(programs, daemon, kind):
     x = (np.arange(1 * 3 * 48 * 192, dtype=np.int64) * 7919 % 1000).astype(np.float32) / 1000
     with Client(daemon.endpoint) as c:
         ref = next(iter(c.infer("ocr-cls", {"x": x.reshape(1, 3, 48, 192)}).values()))
-    for way in ("framed", "shared", "into"):  # bit for bit, every way
+    for way in ("framed", "shared", "into", "staged"):  # bit for bit, every way
         assert got[way] == ref.tobytes().hex(), way
+    assert "over the limit of 524288 bytes (server.max_message_bytes)" in got["refused"]
+    assert "big staged ok" in out
     assert "the outputs need more" in got["small"]
     assert got["regions"].startswith("63 more, then at most 64 regions per connection")

@@ -192,7 +192,13 @@ typedef enum inferd_option {
     INFERD_OPT_MAX_IN_FLIGHT = 2,
     /* Nonzero: inferd_infer sends again after RESOURCE_EXHAUSTED, backing off from
      * 5 ms doubling to 0.5 s with jitter, until its deadline. Default 0. */
-    INFERD_OPT_RETRY_EXHAUSTED = 3
+    INFERD_OPT_RETRY_EXHAUSTED = 3,
+    /* A call whose frames (tag, header and inputs) would pass this many bytes has its
+     * largest inputs copied into a shared-memory region of the library's own and sent
+     * by reference (docs/protocol.md, "Inline limit"; these regions count among the
+     * client's 64). Default 32768, the least the daemon takes inline; 0: always frames
+     * (the daemon refuses a call over its server.max_message_bytes). ipc:// only. */
+    INFERD_OPT_MAX_INLINE_BYTES = 4
 } inferd_option;
 
 inferd_code inferd_client_set(inferd_client *client, inferd_option option, int64_t value);

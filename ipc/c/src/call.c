@@ -162,7 +162,7 @@ inferd_code inferd_call_add_input(inferd_call *call, const inferd_tensor *t)
     json_decref(spec);
     if (bad)
         return ifd_fail(c, INFERD_NO_MEMORY, "out of memory for input '%s'", t->name);
-    ifd_input in = {t->data, t->size, t->release == NULL, NULL, 0};
+    ifd_input in = {t->data, t->size, t->release == NULL, NULL, 0, 0};
     if (t->dtype != INFERD_STRING)  /* bytes in a region of the client: by reference */
         in.region = ifd_region_of(c, t->data, t->size, &in.offset);
     call->inputs[call->n_inputs++] = in;

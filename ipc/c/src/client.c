@@ -183,6 +183,7 @@ inferd_code inferd_client_new(inferd_client **out, const char *endpoint, void *z
         return INFERD_NO_MEMORY;
     c->timeout_ms = IFD_DEFAULT_TIMEOUT_MS;
     c->max_in_flight = IFD_DEFAULT_MAX_IN_FLIGHT;
+    c->max_inline = IFD_DEFAULT_MAX_INLINE;
     c->shm_fd = -1;
     if (endpoint == NULL || *endpoint == '\0')
         endpoint = getenv(INFERD_SOCKET_ENV);
@@ -277,6 +278,12 @@ inferd_code inferd_client_set(inferd_client *c, inferd_option option, int64_t va
     case INFERD_OPT_RETRY_EXHAUSTED:
         c->retry_exhausted = value != 0;
         return INFERD_OK;
+    case INFERD_OPT_MAX_INLINE_BYTES:
+        if (value < 0)
+            return ifd_fail(c, INFERD_INVALID_ARGUMENT, "max_inline_bytes must be 0 (always "
+                            "frames) or more, got %lld", (long long)value);
+        c->max_inline = value;
+        return INFERD_OK;
     }
     return ifd_fail(c, INFERD_INVALID_ARGUMENT, "unknown option %d", (int)option);
 }
@@ -314,6 +321,7 @@ void ifd_complete(inferd_call *call, inferd_code code, const char *fmt, ...)
 {
     inferd_client *c = call->client;
     flight_remove(c, call);
+    ifd_unstage(call, 0);  /* not answered: the daemon may read its staging region yet */
     call->state = IFD_DONE;
     call->code = code;
     va_list ap;
@@ -402,6 +410,7 @@ static void deliver(inferd_client *c, zmq_msg_t *frames, size_t n)
     call->reply = r;
     call->frames = frames;
     call->n_frames = n;
+    ifd_unstage(call, 1);  /* answered: its staging region is free for another call */
     ifd_complete(call, code, "%s", r.message ? r.message : "");
 }
 

@@ -21,6 +21,8 @@
 #define IFD_DEFAULT_MAX_IN_FLIGHT 64
 #define IFD_BACKOFF_FIRST_MS 5
 #define IFD_BACKOFF_MAX_MS 500
+#define IFD_DEFAULT_MAX_INLINE 32768  /* the least the daemon's "auto" limit gives */
+#define IFD_KEEP_STAGING 4            /* free staging regions kept for later calls */
 
 /* ------------------------------------------------------------------ errors */
 
@@ -109,6 +111,7 @@ typedef struct ifd_input {
     int borrowed;
     inferd_region *region;      /* by reference: no frame, its bytes in this region */
     uint64_t offset;
+    int staged;                 /* copied into the call's staging region by the library */
 } ifd_input;
 
 struct inferd_call {
@@ -132,6 +135,7 @@ struct inferd_call {
     ifd_hold *hold;             /* the inputs' releases and libzmq's references */
     int borrowed;               /* some input has no release function */
     inferd_region *into;        /* outputs_into, or NULL */
+    inferd_region *staged;      /* the library's region holding inputs too big to frame */
     uint64_t into_offset, into_size;
 
     /* in flight */
@@ -159,6 +163,9 @@ struct inferd_client {
     int64_t timeout_ms;
     int64_t max_in_flight;
     int retry_exhausted;
+    int64_t max_inline;         /* INFERD_OPT_MAX_INLINE_BYTES; 0: always frames */
+    inferd_region *spare[IFD_KEEP_STAGING];  /* staging regions free for the next call */
+    size_t n_spare;
     char prefix[17];
     uint64_t next_seq;
     uint64_t rng;
@@ -191,6 +198,13 @@ inferd_code ifd_region_ready(inferd_region *r);
 inferd_region *ifd_region_of(inferd_client *c, const void *data, size_t size, uint64_t *offset);
 /* ifd_resolver over the regions of the client CTX. */
 const void *ifd_region_bytes(void *ctx, const char *token, size_t *size);
+/* Moves CALL's largest framed inputs into a staging region of the library's own when its
+ * frames (HEADER_BYTES of tag and header with them) would pass the client's
+ * max_inline; the inputs are then sent by reference. */
+inferd_code ifd_stage(inferd_call *call, size_t header_bytes);
+/* Puts CALL's staged inputs back to frames and its staging region back: kept for later
+ * calls when REUSABLE (the daemon answered: it reads the region no more), else freed. */
+void ifd_unstage(inferd_call *call, int reusable);
 /* Frees every region of C and closes its registration socket. */
 void ifd_regions_free(inferd_client *c);
 

@@ -291,3 +291,118 @@ inferd_code inferd_call_set_outputs_into(inferd_call *call, inferd_region *regio
     call->into_size = size;
     return INFERD_OK;
 }
+
+/* ------------------------------------------------------------------ staging */
+
+/* Inputs too big to frame (docs/protocol.md, "Inline limit"): the daemon takes at most
+ * server.max_message_bytes in frames, so that what libzmq holds before it reads a message
+ * stays bounded; a bigger input is copied into a region of the library's own, one per
+ * call in flight, kept for later calls once the daemon has answered. */
+
+#define STAGING_MIN_BYTES ((size_t)1 << 20)
+#define STAGING_HEADER_SLACK 256  /* what "region" and "offset" add to the header */
+
+static int is_string(const inferd_call *call, size_t i)
+{
+    const char *dtype = json_string_value(json_object_get(
+        json_array_get(call->input_specs, i), "dtype"));
+    return dtype != NULL && strcmp(dtype, "string") == 0;
+}
+
+/* A free staging region of C of at least NEED bytes (the smallest), or NULL. */
+static inferd_region *take_spare(inferd_client *c, size_t need)
+{
+    size_t best = c->n_spare;
+    for (size_t i = 0; i < c->n_spare; i++)
+        if (c->spare[i]->size >= need && (best == c->n_spare ||
+                                          c->spare[i]->size < c->spare[best]->size))
+            best = i;
+    if (best == c->n_spare)
+        return NULL;
+    inferd_region *r = c->spare[best];
+    c->spare[best] = c->spare[--c->n_spare];
+    return r;
+}
+
+inferd_code ifd_stage(inferd_call *call, size_t header_bytes)
+{
+    inferd_client *c = call->client;
+    struct sockaddr_un addr;
+    if (call->staged != NULL || c->max_inline <= 0 || shm_path(c, &addr) != 0)
+        return INFERD_OK;  /* tcp:// has no shared memory: frames, whatever the size */
+    uint64_t total = header_bytes + STAGING_HEADER_SLACK;
+    for (size_t i = 0; i < call->n_inputs; i++)
+        if (call->inputs[i].region == NULL)
+            total += call->inputs[i].size;
+    if (total <= (uint64_t)c->max_inline)
+        return INFERD_OK;
+    /* the largest inputs first, until the rest fits (strings cannot move) */
+    uint64_t over = total - (uint64_t)c->max_inline, moved = 0;
+    size_t need = 0;
+    while (moved < over) {
+        size_t best = call->n_inputs;
+        for (size_t i = 0; i < call->n_inputs; i++) {
+            ifd_input *in = &call->inputs[i];
+            if (in->region == NULL && !in->staged && in->size > 0 && !is_string(call, i) &&
+                (best == call->n_inputs || in->size > call->inputs[best].size))
+                best = i;
+        }
+        if (best == call->n_inputs)
+            break;
+        ifd_input *in = &call->inputs[best];
+        in->staged = 1;  /* chosen; its region is set below */
+        moved += in->size;
+        need += in->size + 64;
+    }
+    if (need == 0)
+        return INFERD_OK;
+    inferd_region *r = take_spare(c, need);
+    if (r == NULL) {
+        size_t size = STAGING_MIN_BYTES;
+        while (size < need)
+            size <<= 1;
+        inferd_code rc = inferd_region_new(c, size, &r);
+        if (rc != INFERD_OK) {
+            for (size_t i = 0; i < call->n_inputs; i++)
+                call->inputs[i].staged = 0;
+            return rc;
+        }
+    }
+    size_t at = 0;
+    for (size_t i = 0; i < call->n_inputs; i++) {
+        ifd_input *in = &call->inputs[i];
+        if (!in->staged)
+            continue;
+        at += (64 - at % 64) % 64;  /* float inputs at 64-byte offsets, as the daemon likes */
+        memcpy((char *)r->data + at, in->data, in->size);
+        in->region = r;
+        in->offset = at;
+        at += in->size;
+    }
+    call->staged = r;
+    return INFERD_OK;
+}
+
+void ifd_unstage(inferd_call *call, int reusable)
+{
+    inferd_region *r = call->staged;
+    if (r == NULL)
+        return;
+    call->staged = NULL;
+    for (size_t i = 0; i < call->n_inputs; i++) {
+        ifd_input *in = &call->inputs[i];
+        if (!in->staged)
+            continue;
+        in->staged = 0;
+        in->region = NULL;
+        in->offset = 0;
+        json_t *spec = json_array_get(call->input_specs, i);  /* frames again on a retry */
+        json_object_del(spec, "region");
+        json_object_del(spec, "offset");
+    }
+    inferd_client *c = call->client;
+    if (c != NULL && reusable && c->n_spare < IFD_KEEP_STAGING)
+        c->spare[c->n_spare++] = r;
+    else
+        inferd_region_free(r);
+}

@@ -166,6 +166,21 @@ inferd_code inferd_submit(inferd_call *call)
     }
     call->state = IFD_IN_FLIGHT;
     c->flight[c->n_flight++] = call;
+    /* inputs too big to frame, into shared memory of the library's own */
+    if (call->op == INFERD_OP_INFER && c->max_inline > 0) {
+        char *header = encode_header(call, timeout_ms);
+        if (header == NULL) {
+            ifd_complete(call, INFERD_NO_MEMORY, "out of memory for the request header");
+            return call->code;
+        }
+        inferd_code rc = ifd_stage(call, strlen(INFERD_PROTOCOL_TAG) + strlen(header));
+        free(header);
+        if (rc != INFERD_OK) {
+            ifd_complete(call, rc, "cannot move the call's inputs into shared memory: %s",
+                         ifd_text_get(&c->error));
+            return call->code;
+        }
+    }
     /* the regions it names, registered (again, after a daemon restart) */
     for (size_t i = 0; i <= call->n_inputs; i++) {
         inferd_region *r = i < call->n_inputs ? call->inputs[i].region : call->into;

@@ -1,7 +1,9 @@
 /* Shared-memory tensors through libinferd against a real daemon: inputs that lie in a
- * registered region travel by reference, outputs_into has the outputs written into it;
- * the results equal the same call's with frames, bit for bit. Prints the ocr-cls scores
- * of each way as hex for the test to compare with the Python client's, then "ok".
+ * registered region travel by reference, outputs_into has the outputs written into it,
+ * inputs too big to frame go through a region of the library's own by themselves; the
+ * results equal the same call's with frames, bit for bit. Prints the ocr-cls scores of
+ * each way as hex for the test to compare with the Python client's, then "ok". The
+ * daemon's server.max_message_bytes is 512 KiB.
  *
  *   test_shm ENDPOINT */
 #include <stdint.h>
@@ -28,6 +30,8 @@ int main(int argc, char **argv)
 {
     CHECK(argc == 2);
     inferd_client *c = connect_or_die(argv[1]);
+    /* this client frames whatever the size: "framed" below is in frames */
+    CHECK_CODE(INFERD_OK, inferd_client_set(c, INFERD_OPT_MAX_INLINE_BYTES, 0), "option");
     const size_t size = 1 << 20, slot = 256 << 10;
     inferd_region *region;
     CHECK_CODE(INFERD_OK, inferd_region_new(c, size, &region), inferd_client_error(c));
@@ -57,6 +61,40 @@ int main(int argc, char **argv)
     CHECK(y->size == want->size && memcmp(at, want->data, want->size) == 0);
     CHECK(inferd_output_aligned(into, 0) == y->data);  /* no copy: aligned in place */
     hex("into ", y);
+
+    /* inputs over INFERD_OPT_MAX_INLINE_BYTES (default 32 KiB) go into a region of the
+     * library's own by themselves, with the same result */
+    inferd_client *st = connect_or_die(argv[1]);
+    inferd_call *staged = run(st, cls_call(st, "ocr-cls", heap));
+    const inferd_tensor *s0 = inferd_output(staged, 0);
+    CHECK(s0->size == want->size && memcmp(s0->data, want->data, want->size) == 0);
+    hex("staged ", s0);
+    /* past the daemon's limit: in frames refused, naming shared memory; staged it runs */
+    const size_t n = 200000;  /* 800,000 bytes: over 512 KiB, under twice it */
+    float *big = malloc(n * sizeof *big);
+    for (size_t i = 0; i < n; i++)
+        big[i] = (float)i * 0.5f;
+    int64_t bshape[2] = {1, (int64_t)n};
+    inferd_tensor bx = {"x", INFERD_FLOAT32, 2, bshape, big, n * sizeof *big, NULL, NULL};
+    inferd_call *bf = inferd_call_new(c, INFERD_OP_INFER, "id-float32");
+    CHECK_CODE(INFERD_OK, inferd_call_add_input(bf, &bx), inferd_client_error(c));
+    CHECK_CODE(INFERD_OK, inferd_submit(bf), inferd_client_error(c));
+    CHECK_CODE(INFERD_RESOURCE_EXHAUSTED, inferd_wait(bf, -1), inferd_call_message(bf));
+    CHECK_CONTAINS(inferd_call_message(bf), "through shared memory");
+    printf("refused %s\n", inferd_call_message(bf));
+    for (int round = 0; round < 3; round++) {  /* the region is kept and used again */
+        inferd_call *bs = inferd_call_new(st, INFERD_OP_INFER, "id-float32");
+        CHECK_CODE(INFERD_OK, inferd_call_add_input(bs, &bx), inferd_client_error(st));
+        run(st, bs);
+        CHECK(inferd_output(bs, 0)->size == bx.size);
+        CHECK(memcmp(inferd_output(bs, 0)->data, big, bx.size) == 0);
+        inferd_call_free(bs);
+    }
+    printf("big staged ok\n");
+    inferd_call_free(staged);
+    inferd_call_free(bf);
+    inferd_client_free(st);
+    free(big);
 
     /* a slot too small: the daemon says so; one past the end: the library does */
     inferd_call *small = cls_call(c, "ocr-cls", shared);
