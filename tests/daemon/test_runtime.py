@@ -23,7 +23,7 @@ def _fds() -> set[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("text, held, want", [
     ("", 256 * 2**20, 32 * 2**10),  # a 2 GB board's "auto": 256 MiB / (4 x 2048)
-    ("", 6 * 2**30, 768 * 2**10),  # a 24 GiB machine's "auto"
+    ("", 3 * 2**30, 384 * 2**10),  # about a 24 GiB machine's "auto" (2.9 GiB)
     ("", 64 * 2**20, 32 * 2**10),  # the floor
     ("max_connections = 16\n", 2**40, 256 * 2**20),  # the ceiling
     ("", 0, 256 * 2**20),  # max_bytes_in_flight "unlimited": nothing to derive from

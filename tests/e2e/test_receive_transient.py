@@ -22,14 +22,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from inferd.ipc import Client
-from tests.e2e.transient_kit import X, max_model
+from tests.e2e.transient_kit import X, Peak, max_model
 
 pytestmark = pytest.mark.slow
 
@@ -40,40 +39,6 @@ BOUND = 2 * BOARD + 128 * 2**20
 admits, what the socket layer may hold, 128 MiB for the rest. 640 MiB here."""
 CONNECTIONS = 100
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def own_rss(pid: int) -> int:
-    """The process's resident bytes of its own: anonymous and file pages, not the shared
-    memory it maps (``RssShmem``: the clients' regions)."""
-    fields = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile"):
-                fields[key] = int(value.split()[0]) * 1024
-    return fields["RssAnon"] + fields["RssFile"]
-
-
-class Peak:
-    """The peak of :func:`own_rss` of ``pid`` while it runs (a thread sampling every
-    2 ms), above what it was when started."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.base = own_rss(pid)
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="test-rss")
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, own_rss(self.pid))
-
-    def growth(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak - self.base
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,9 @@ what each connection got. The model is ``max`` (:func:`max_model`: ``x`` [N, M] 
 - ``raw``: COUNT DEALER sockets, as a client with only libzmq, each send the same request
   in frames; each is watched until it gets a reply or its connection is closed by the
   daemon (a socket monitor's ``EVENT_DISCONNECTED``), up to 120 s.
+
+:class:`Peak` measures what a flood makes the daemon hold (the test and
+``bench/bench_hostile.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,40 @@ from inferd.ipc.protocol import Op, Request, decode_reply, encode_request
 X = np.arange(4_915_200, dtype=np.float32).reshape(1, -1)  # 19.7 MB
 WAIT_S = 120.0
 MODEL = "max"
+
+
+def own_rss(pid: int) -> int:
+    """The process's resident bytes of its own: anonymous and file pages, not the shared
+    memory it maps (``RssShmem``: the clients' regions)."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["RssAnon"] + fields["RssFile"]
+
+
+class Peak:
+    """The peak of :func:`own_rss` of ``pid`` while it runs (a thread sampling every
+    2 ms), above what it was when started."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.base = own_rss(pid)
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="test-rss")
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, own_rss(self.pid))
+
+    def growth(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.base
 
 
 def max_model(path: Path) -> None:
