@@ -141,7 +141,11 @@ class Staging:
         if not chosen:
             return None
         need = sum(a.nbytes + ALIGN for _, a in chosen)
-        arena, start = self._take(need)
+        try:
+            arena, start = self._take(need)
+        except _Unreachable:
+            return None  # nothing serves the registration socket: frames, and whoever
+            # answers says what it takes
         moved_inputs = dict(inputs)
         at = start
         for name, array in chosen:
@@ -199,9 +203,13 @@ class Staging:
                         return arena, start
             size = max(ARENA_BYTES, 1 << (need - 1).bit_length())
             region = Region(size, name="inferd-staging")
-            try:
-                if self._registration is None:
+            if self._registration is None:
+                try:
                     self._registration = _connect(self.path)
+                except (FileNotFoundError, ConnectionRefusedError):
+                    region.close()
+                    raise _Unreachable from None
+            try:
                 self._registration.register(region)
             except InferdError as e:
                 region.close()
@@ -226,6 +234,10 @@ class Staging:
             except (InferdError, OSError):
                 pass  # the connection is gone: the daemon forgot it already
         region.close()
+
+class _Unreachable(Exception):
+    """Nothing listens on the registration socket."""
+
 
 CONNECT_WAIT_S = 10.0
 """How long a connection to the registration socket is retried while its backlog is full

@@ -361,10 +361,13 @@ inferd_code ifd_stage(inferd_call *call, size_t header_bytes)
         size_t size = STAGING_MIN_BYTES;
         while (size < need)
             size <<= 1;
-        inferd_code rc = inferd_region_new(c, size, &r);
-        if (rc != INFERD_OK) {
+        int reachable = c->shm_fd >= 0 || shm_connect(c) == INFERD_OK;
+        inferd_code rc = reachable ? inferd_region_new(c, size, &r) : INFERD_OK;
+        if (!reachable || rc != INFERD_OK) {
             for (size_t i = 0; i < call->n_inputs; i++)
                 call->inputs[i].staged = 0;
+            /* no registration socket (nothing serves the endpoint, or not an inferd):
+             * frames, and whoever answers says what it takes */
             return rc;
         }
     }
