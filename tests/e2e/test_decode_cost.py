@@ -125,13 +125,17 @@ def _int4() -> Any:
     return ml_dtypes.int4
 
 
-def test_strings_to_an_unknown_model_are_refused_undecoded(start_daemon,
-                                                           int4_repo: Path) -> None:
+def test_strings_to_an_unknown_model_are_refused_undecoded(start_daemon, int4_repo: Path,
+                                                           short_tmp: Path) -> None:
     """Item 8: 1.2 million two-byte strings (a 7.2 MB frame, 96 MB priced: within the
     default max_bytes_per_client) to a model that does not exist. Before: decoded on
     the I/O thread first (1.2 million str objects, peak RSS about +85 MiB); now refused
-    by name before anything is decoded (the frame itself is all the daemon holds)."""
-    d = start_daemon("--models", str(int4_repo))
+    by name before anything is decoded (the frame itself is all the daemon holds). The
+    strings come in frames (they cannot live in shared memory): max_message_bytes is set
+    above them (its "auto" would close the connection on reading the frame's size)."""
+    config = short_tmp / "inferd.toml"
+    config.write_text('[server]\nmax_message_bytes = "16MiB"\n')
+    d = start_daemon("--config", str(config), "--models", str(int4_repo))
     header = {"id": "strings", "op": "infer", "model": "no-such-model",
               "inputs": [{"name": "x", "dtype": "string", "shape": [1_200_000]}]}
     frame = _strings(1_200_000)
@@ -144,9 +148,10 @@ def test_strings_are_priced_as_objects_against_max_bytes_in_flight(
         start_daemon, int4_repo: Path, short_tmp: Path) -> None:
     """Item 8: 1 million two-byte strings are a 6 MB frame and 80 MB of Python objects
     once decoded (72 B each plus their text); under a 16 MiB bound the request is
-    refused before decoding. Before it was taken (6 MB < 16 MiB) and decoded."""
+    refused before decoding. Before it was taken (6 MB < 16 MiB) and decoded. In frames,
+    with max_message_bytes above them (as above)."""
     config = short_tmp / "inferd.toml"
-    config.write_text('[server]\nmax_bytes_in_flight = "16MiB"\n')
+    config.write_text('[server]\nmax_bytes_in_flight = "16MiB"\nmax_message_bytes = "16MiB"\n')
     d = start_daemon("--config", str(config), "--models", str(int4_repo))
     header = {"id": "strings", "op": "infer", "model": "no-such-model",
               "inputs": [{"name": "x", "dtype": "string", "shape": [1_000_000]}]}
