@@ -23,6 +23,7 @@
 #define IFD_BACKOFF_MAX_MS 500
 #define IFD_DEFAULT_MAX_INLINE 32768  /* the least the daemon's "auto" limit gives */
 #define IFD_KEEP_STAGING 4            /* free staging regions kept for later calls */
+#define IFD_MAX_STAGING 16            /* staging regions of a client at once (of its 64) */
 
 /* ------------------------------------------------------------------ errors */
 
@@ -166,6 +167,7 @@ struct inferd_client {
     int64_t max_inline;         /* INFERD_OPT_MAX_INLINE_BYTES; 0: always frames */
     inferd_region *spare[IFD_KEEP_STAGING];  /* staging regions free for the next call */
     size_t n_spare;
+    size_t n_staging;           /* staging regions alive: lent to calls, or spare */
     char prefix[17];
     uint64_t next_seq;
     uint64_t rng;
@@ -200,7 +202,9 @@ inferd_region *ifd_region_of(inferd_client *c, const void *data, size_t size, ui
 const void *ifd_region_bytes(void *ctx, const char *token, size_t *size);
 /* Moves CALL's largest framed inputs into a staging region of the library's own when its
  * frames (HEADER_BYTES of tag and header with them) would pass the client's
- * max_inline; the inputs are then sent by reference. */
+ * max_inline; the inputs are then sent by reference. With IFD_MAX_STAGING regions lent
+ * to calls in flight it waits for a reply first (CALL, in flight, may complete
+ * meanwhile: at its deadline). */
 inferd_code ifd_stage(inferd_call *call, size_t header_bytes);
 /* Puts CALL's staged inputs back to frames and its staging region back: kept for later
  * calls when REUSABLE (the daemon answered: it reads the region no more), else freed. */

@@ -356,19 +356,34 @@ inferd_code ifd_stage(inferd_call *call, size_t header_bytes)
     }
     if (need == 0)
         return INFERD_OK;
-    inferd_region *r = take_spare(c, need);
-    if (r == NULL) {
-        size_t size = STAGING_MIN_BYTES;
-        while (size < need)
-            size <<= 1;
-        int reachable = c->shm_fd >= 0 || shm_connect(c) == INFERD_OK;
-        inferd_code rc = reachable ? inferd_region_new(c, size, &r) : INFERD_OK;
-        if (!reachable || rc != INFERD_OK) {
+    inferd_region *r;
+    while ((r = take_spare(c, need)) == NULL) {
+        if (c->n_staging >= IFD_MAX_STAGING && c->n_spare > 0) {  /* too small: replace it */
+            inferd_region_free(c->spare[--c->n_spare]);
+            c->n_staging--;
+        }
+        if (c->n_staging < IFD_MAX_STAGING) {
+            size_t size = STAGING_MIN_BYTES;
+            while (size < need)
+                size <<= 1;
+            int reachable = c->shm_fd >= 0 || shm_connect(c) == INFERD_OK;
+            inferd_code rc = reachable ? inferd_region_new(c, size, &r) : INFERD_OK;
+            if (!reachable || rc != INFERD_OK) {
+                for (size_t i = 0; i < call->n_inputs; i++)
+                    call->inputs[i].staged = 0;
+                /* no registration socket (nothing serves the endpoint, or not an inferd):
+                 * frames, and whoever answers says what it takes */
+                return rc;
+            }
+            c->n_staging++;
+            break;
+        }
+        /* every staging region is lent to a call in flight: the next reply frees one */
+        ifd_pump(c, call->give_up_ns);
+        if (call->state != IFD_IN_FLIGHT) {  /* its own deadline came first */
             for (size_t i = 0; i < call->n_inputs; i++)
                 call->inputs[i].staged = 0;
-            /* no registration socket (nothing serves the endpoint, or not an inferd):
-             * frames, and whoever answers says what it takes */
-            return rc;
+            return INFERD_OK;
         }
     }
     size_t at = 0;
@@ -404,8 +419,11 @@ void ifd_unstage(inferd_call *call, int reusable)
         json_object_del(spec, "offset");
     }
     inferd_client *c = call->client;
-    if (c != NULL && reusable && c->n_spare < IFD_KEEP_STAGING)
+    if (c != NULL && reusable && c->n_spare < IFD_KEEP_STAGING) {
         c->spare[c->n_spare++] = r;
-    else
-        inferd_region_free(r);
+        return;
+    }
+    if (c != NULL)
+        c->n_staging--;
+    inferd_region_free(r);
 }

@@ -175,6 +175,8 @@ inferd_code inferd_submit(inferd_call *call)
         }
         inferd_code rc = ifd_stage(call, strlen(INFERD_PROTOCOL_TAG) + strlen(header));
         free(header);
+        if (call->state != IFD_IN_FLIGHT)  /* its deadline passed while it waited */
+            return call->code;
         if (rc != INFERD_OK) {
             ifd_complete(call, rc, "cannot move the call's inputs into shared memory: %s",
                          ifd_text_get(&c->error));

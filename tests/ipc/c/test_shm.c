@@ -91,6 +91,21 @@ int main(int argc, char **argv)
         inferd_call_free(bs);
     }
     printf("big staged ok\n");
+    /* more calls in flight than the library lends staging regions at once (16): a
+     * submit waits for a reply to lend one again */
+    enum { MANY = 40 };
+    inferd_call *many[MANY];
+    for (int i = 0; i < MANY; i++) {
+        many[i] = inferd_call_new(st, INFERD_OP_INFER, "id-float32");
+        CHECK_CODE(INFERD_OK, inferd_call_add_input(many[i], &bx), inferd_client_error(st));
+        CHECK_CODE(INFERD_OK, inferd_submit(many[i]), inferd_client_error(st));
+    }
+    for (int i = 0; i < MANY; i++) {
+        CHECK_CODE(INFERD_OK, inferd_wait(many[i], -1), inferd_call_message(many[i]));
+        CHECK(memcmp(inferd_output(many[i], 0)->data, big, bx.size) == 0);
+        inferd_call_free(many[i]);
+    }
+    printf("many staged ok\n");
     inferd_call_free(staged);
     inferd_call_free(bf);
     inferd_client_free(st);
