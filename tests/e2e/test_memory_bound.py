@@ -182,9 +182,16 @@ def _mapped(pid: int) -> set[str]:
             .splitlines() if ".so" in line}
 
 
+def _config(short_tmp: Path, isolation: str) -> str:
+    path = short_tmp / "isolation.toml"
+    path.write_text(f'[workers]\nisolation = "{isolation}"\n')
+    return str(path)
+
+
 def test_an_idle_daemon_holds_no_engine_until_a_model_loads_on_it(
         start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
-    d = start_daemon("--models", str(_repo(short_tmp, models_dir, graph=False)))
+    d = start_daemon("--config", _config(short_tmp, "in-process"),
+                     "--models", str(_repo(short_tmp, models_dir, graph=False)))
     with d.client(timeout=120) as c:
         backends = {b["id"]: b["status"] for b in c.backends()["backends"]}
         idle = _mapped(d.proc.pid)
@@ -202,3 +209,25 @@ def test_an_idle_daemon_holds_no_engine_until_a_model_loads_on_it(
     assert cache["engines_bytes"]["onnxruntime"] > 4 * MiB, cache
     assert row["memory_bytes"] < cache["engines_bytes"]["onnxruntime"], (row, cache)
     assert cache["used_bytes"] == row["memory_bytes"] + sum(cache["engines_bytes"].values())
+
+
+def test_with_workers_the_engine_is_in_the_worker_never_the_daemon(
+        start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
+    import psutil
+
+    d = start_daemon("--config", _config(short_tmp, "backend"),
+                     "--models", str(_repo(short_tmp, models_dir, graph=False)))
+    with d.client(timeout=120) as c:
+        row = c.load("ocr-cls")
+        c.infer("ocr-cls", {"x": np.zeros((2, 3, 48, 192), np.float32)})
+        cache = c.status()["cache"]
+    engines = ("onnxruntime_pybind11_state", "libopenvino.so", "onnx_cpp2py_export")
+    assert not [so for so in _mapped(d.proc.pid) if so.startswith(engines)]
+    (zygote,) = psutil.Process(d.proc.pid).children()
+    (worker,) = zygote.children()
+    assert any(so.startswith("onnxruntime_pybind11_state") for so in _mapped(worker.pid))
+    # the worker's import counts as the engine's, measured in the worker; no onnx import
+    # in the daemon to count
+    assert set(cache["engines_bytes"]) == {"onnxruntime"}, cache
+    assert cache["engines_bytes"]["onnxruntime"] > 4 * MiB, cache
+    assert 0 < row["memory_bytes"] < worker.memory_info().rss, row
