@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from inferd.ipc.dtypes import dtype_name, numpy_dtype
+
 INLINE_BYTES = 64 * 1024
 """Tensors smaller than this travel inside the datagram (up to :data:`INLINE_TOTAL`)."""
 INLINE_TOTAL = 1024 * 1024
@@ -73,6 +75,18 @@ class _Arena:
             except BufferError:
                 pass  # arrays still view it: the mapping goes with the last of them
         os.close(self.fd)
+
+
+def _dtype_code(a: NDArray[Any]) -> str:
+    """numpy's code of ``a``'s dtype; for ml_dtypes' types (bfloat16, int4, float8...,
+    whose code is a bare ``|V1``/``|V2``) ``wire:`` and their wire name."""
+    if a.dtype.kind == "V":
+        return "wire:" + dtype_name(a)
+    return a.dtype.str
+
+
+def _dtype(code: str) -> np.dtype[Any]:
+    return numpy_dtype(code[5:]) if code.startswith("wire:") else np.dtype(code)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -129,11 +143,11 @@ class Channel:
                 raise TypeError(f"tensor {name}: object arrays do not cross to a worker")
             nbytes = a.nbytes
             if nbytes < INLINE_BYTES and inline_at + nbytes <= INLINE_TOTAL:
-                spec = (name, a.dtype.str, a.shape, True, inline_at, nbytes)
+                spec = (name, _dtype_code(a), a.shape, True, inline_at, nbytes)
                 inline.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
                 inline_at += nbytes
             else:
-                spec = (name, a.dtype.str, a.shape, False, arena_at, nbytes)
+                spec = (name, _dtype_code(a), a.shape, False, arena_at, nbytes)
                 big.append((spec, a))
                 arena_at += -(-nbytes // ALIGN) * ALIGN
             specs.append(spec)
@@ -197,8 +211,8 @@ class Channel:
         base = _LEN.size + length
         mem = memoryview(data)
         tensors: dict[str, NDArray[Any]] = {}
-        for name, dtype_str, shape, inline, offset, nbytes in specs:
-            dtype = np.dtype(dtype_str)
+        for name, code, shape, inline, offset, nbytes in specs:
+            dtype = _dtype(code)
             count = nbytes // dtype.itemsize if dtype.itemsize else 0
             if inline:
                 a = np.frombuffer(mem, dtype, count, base + offset)

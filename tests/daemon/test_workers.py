@@ -38,6 +38,10 @@ def test_the_channel_carries_small_and_big_tensors_of_every_dtype():
         "big": rng.random((1, 3, 256, 256), dtype=np.float32),  # through the arena
         "strided": rng.random((64, 64), dtype=np.float64)[:, ::2],
     }
+    import ml_dtypes
+
+    tensors["bf16"] = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    tensors["int4"] = np.array([-8, 7, 0], dtype=ml_dtypes.int4)  # "|V1" to numpy
     assert tensors["big"].nbytes >= INLINE_BYTES
     for _ in range(2):  # the arena is reused the second time
         ours.send({"op": "x", "n": 1}, tensors)
