@@ -79,8 +79,10 @@ class _Arena:
 
 def _dtype_code(a: NDArray[Any]) -> str:
     """numpy's code of ``a``'s dtype; for ml_dtypes' types (bfloat16, int4, float8...,
-    whose code is a bare ``|V1``/``|V2``) ``wire:`` and their wire name."""
-    if a.dtype.kind == "V":
+    whose codes, ``|V1`` or ``<f1``, numpy cannot read back) ``wire:`` and their wire
+    name."""
+    if a.dtype.kind == "V" or type(a.dtype).__module__.startswith("ml_dtypes") \
+            or a.dtype.type.__module__.startswith("ml_dtypes"):
         return "wire:" + dtype_name(a)
     return a.dtype.str
 

@@ -293,8 +293,16 @@ class WorkerPool:
         w.running[me] = what
         limit = self.kill_after_s if timeout is None else timeout
         try:
-            channel.settimeout(limit)
             channel.send(header, tensors)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a worker gone: receive() below says so
+        except BaseException:  # nothing was sent (a tensor the channel cannot carry)
+            w.running.pop(me, None)
+            with w.lock:
+                w.idle.append(channel)
+            raise
+        try:
+            channel.settimeout(limit)
             reply, out, _ = channel.receive(copy=True)
         except TimeoutError:
             channel.close()

@@ -83,12 +83,22 @@ class WorkerProcess:
         return int(self._proc.memory_info().rss)
 
     def serve(self, channel: Channel) -> None:
-        """Answer ``channel``'s calls until the daemon closes it."""
+        """Answer ``channel``'s calls until the daemon closes it (closed here whatever
+        happens: a caller waiting on it is never left hanging)."""
+        try:
+            self._serve(channel)
+        finally:
+            channel.close()
+
+    def _serve(self, channel: Channel) -> None:
         while True:
             try:
                 header, tensors, fds = channel.receive()
             except Gone:
                 return
+            except Exception as e:  # noqa: BLE001  a message it cannot read: its answer
+                channel.send(encode_error(e))
+                continue
             op = header.get("op")
             try:
                 if op == "channel":

@@ -17,7 +17,7 @@ import pytest
 from inferd.daemon.workers.channel import INLINE_BYTES, Channel, Gone, pair
 from inferd.daemon.workers.pool import LoadCall, WorkerDied, WorkerModel, WorkerPool
 from inferd.daemon.workers.zygote import Zygote, describe_status
-from inferd.ipc.errors import ErrorCode
+from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.libbackends.contract import LoadOptions
 from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.loader import _onnxruntime_cpu
@@ -251,5 +251,30 @@ def test_the_activations_of_a_model_in_a_worker_are_sized_there(pool, models_dir
     model = WorkerModel(pool, vad_call(models_dir), 60.0)
     try:
         assert model.peak(shapes, values) == Activations(path).peak(shapes, values)
+    finally:
+        model.unload()
+
+
+def test_a_message_the_worker_cannot_read_is_answered_not_left_hanging(pool, models_dir):
+    model = WorkerModel(pool, vad_call(models_dir), 60.0)
+    try:
+        import pickle
+        import struct
+
+        w = model.worker
+        channel = pool._channel(w, "a test")
+        body = pickle.dumps(({"op": "run", "handle": model.handle},
+                             [("x", "<zz9", (1,), True, 0, 0)], None))  # no such dtype
+        channel.sock.sendmsg([struct.pack("<I", len(body)), body])
+        channel.settimeout(20.0)
+        reply, _, _ = channel.receive()
+        assert reply["error"][1] == "INTERNAL" and "zz9" in reply["error"][2], reply
+        channel.close()
+        # a dtype the daemon itself cannot name is refused before anything is sent
+        odd = {"input": np.zeros(2, np.dtype([("a", "<i4"), ("b", "<f4")]))}  # a record
+        with pytest.raises(InferdError) as e:
+            model.run(odd)
+        assert not isinstance(e.value, WorkerDied), e.value.message
+        model.run(VAD)  # and the worker serves on
     finally:
         model.unload()
