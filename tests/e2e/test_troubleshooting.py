@@ -102,6 +102,7 @@ PROVOKERS = {
     "cannot write the metrics textfile": "metrics_textfile",
     "metrics textfile /run/inferd/metrics.prom written again": "metrics_textfile",
     "placement decisions in": "decisions_file",
+    "RESOURCE_EXHAUSTED: this request's tensors would take": "decode_cost",
     "inferctl: UNAVAILABLE: engine onnxruntime (worker": "worker_crash",
     "ERROR inferd.daemon.workers.pool: engine onnxruntime": "worker_crash",
     "INFO inferd.daemon.workers.pool: worker onnxruntime started": "worker_crash",
@@ -706,3 +707,30 @@ def test_shm_registration(start_daemon) -> None:
         for s in conns:
             s.close()
     _check("shm_registration", "\n".join(out) + "\n" + d.log())
+
+
+@pytest.mark.slow
+def test_decode_cost(start_daemon, short_tmp: Path) -> None:
+    """A request priced by what its tensors take once decoded, before decoding (issue 31
+    item 7): int4 tensors in shared memory over the daemon's and over the client's
+    bound (tests/e2e/test_decode_cost.py has the rest)."""
+    from inferd.ipc import Region
+    from tests.e2e.test_decode_cost import _int4_in_region, _raw
+    from tests.ipc.libinferd_kit import identity_model
+
+    repo = short_tmp / "repo"
+    identity_model(repo / "id-int4" / "1" / "model.onnx", "int4")
+    produced = []
+    for bound, elements in (('max_bytes_in_flight = "32MiB"', 64 * 2**20),
+                            ("", 200 * 2**20)):  # the client's: 128 MiB by default
+        workdir = short_tmp / f"d{len(produced)}"
+        workdir.mkdir()
+        config = workdir / "inferd.toml"
+        config.write_text(f"[server]\n{bound}\n")
+        d = start_daemon("--config", str(config), "--models", str(repo), workdir=workdir)
+        with Client(d.endpoint, timeout=60) as c:
+            region = c.register(Region(elements // 2))
+            reply = _raw(d.endpoint, _int4_in_region(region.token, elements, "id-int4"))
+        assert reply["status"] == "error", reply
+        produced.append(f"{reply['error']['code']}: {reply['error']['message']}")
+    _check("decode_cost", "\n".join(produced))
