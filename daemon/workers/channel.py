@@ -3,8 +3,9 @@
 memory.
 
 A message is one datagram: a 4-byte length, a pickled header (the two ends are the same
-code, started by the daemon: nothing a client sent is unpickled), then the bytes of the
-small tensors. A tensor of :data:`INLINE_BYTES` or more is written into the sender's
+code, started by the daemon: nothing a client sent is unpickled, the daemon decoded it
+first), then the bytes of the small tensors; string tensors travel pickled in the
+header. A tensor of :data:`INLINE_BYTES` or more is written into the sender's
 *arena* instead, a memfd that each end of a channel owns for what it sends and that is
 reused from call to call: it is passed to the peer (``SCM_RIGHTS``) once, and again only
 when it has to grow. A call is strictly request -> reply on its channel, so a sender's
@@ -141,8 +142,9 @@ class Channel:
         arena_at = 0
         for name, value in tensors.items():
             a = np.asarray(value)
-            if a.dtype.hasobject:
-                raise TypeError(f"tensor {name}: object arrays do not cross to a worker")
+            if a.dtype.hasobject or a.dtype.kind in "US":  # strings: pickled with the header
+                specs.append((name, "pickle", a, True, 0, 0))
+                continue
             nbytes = a.nbytes
             if nbytes < INLINE_BYTES and inline_at + nbytes <= INLINE_TOTAL:
                 spec = (name, _dtype_code(a), a.shape, True, inline_at, nbytes)
@@ -214,6 +216,9 @@ class Channel:
         mem = memoryview(data)
         tensors: dict[str, NDArray[Any]] = {}
         for name, code, shape, inline, offset, nbytes in specs:
+            if code == "pickle":
+                tensors[name] = shape  # the array itself
+                continue
             dtype = _dtype(code)
             count = nbytes // dtype.itemsize if dtype.itemsize else 0
             if inline:

@@ -42,6 +42,8 @@ def test_the_channel_carries_small_and_big_tensors_of_every_dtype():
 
     tensors["bf16"] = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16)
     tensors["int4"] = np.array([-8, 7, 0], dtype=ml_dtypes.int4)  # "|V1" to numpy
+    tensors["f8"] = np.array([1, 2], np.float32).astype(ml_dtypes.float8_e5m2)  # "<f1"
+    tensors["text"] = np.array(["a", "", "ünï"], dtype=object)
     assert tensors["big"].nbytes >= INLINE_BYTES
     for _ in range(2):  # the arena is reused the second time
         ours.send({"op": "x", "n": 1}, tensors)
