@@ -47,6 +47,11 @@ from inferd.libbackends.contract import BatchSizes, LoadedModel, LoadOptions, Te
 
 log = logging.getLogger(__name__)
 
+ENGINE_TIME = threading.local()
+"""``ENGINE_TIME.seconds``: the engine's own time of the calling thread's last run in a
+worker (the hop not counted): whether a model's runs are short enough for the I/O thread
+is decided on it (daemon/worker.py)."""
+
 STATUS_WAIT_S = 2.0
 """How long a failed call waits for the zygote's word on how its worker ended."""
 
@@ -513,8 +518,10 @@ class WorkerModel(LoadedModel):
 
     def run(self, inputs: dict[str, NDArray[Any]],
             outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
-        _, out = self.pool.call(self._live(), {"op": "run", "handle": self.handle,
-                                               "outputs": outputs}, self.call.model, inputs)
+        reply, out = self.pool.call(self._live(), {"op": "run", "handle": self.handle,
+                                                   "outputs": outputs}, self.call.model,
+                                    inputs)
+        ENGINE_TIME.seconds = reply["took"]
         return out
 
     def unload(self) -> None:

@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -109,9 +110,11 @@ class WorkerProcess:
                     channel.send({"ok": True})
                 elif op == "run":
                     model = self.models[header["handle"]]
+                    t0 = time.perf_counter()
                     outputs = model.run(tensors, header.get("outputs"))
+                    took = time.perf_counter() - t0
                     del tensors
-                    channel.send({"ok": True}, outputs)
+                    channel.send({"ok": True, "took": took}, outputs)
                 elif op == "load":
                     channel.send(self._load(header))
                 elif op == "unload":
