@@ -316,7 +316,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
                                  "default: eight per core)"),
     },
     "workers": {
-        "isolation": Setting("in-process", _isolation, "one of \"in-process\", \"backend\", "
+        "isolation": Setting("backend", _isolation, "one of \"in-process\", \"backend\", "
                              "\"model\""),
         "kill_after_s": Setting(120.0, _seconds, "a positive number of seconds"),
         "load_kill_after_s": Setting(600.0, _seconds, "a positive number of seconds"),
