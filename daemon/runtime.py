@@ -43,7 +43,8 @@ from inferd.libbackends.trust import StrictModes
 
 log = logging.getLogger(__name__)
 
-RESTART_SECTIONS = ("server", "backends", "customops", "processors", "metrics", "security")
+RESTART_SECTIONS = ("server", "backends", "customops", "processors", "metrics", "security",
+                    "workers")
 """Config sections a reload does not apply (reported as needs_restart)."""
 STOP_MARGIN_S = 5.0
 """How long past the grace period :meth:`Runtime.serve` waits for the models to stop."""
@@ -353,7 +354,8 @@ class Runtime:
                    if getattr(getattr(self.config, section), key) != value]
         for name in restart:
             log.warning("reload: %s changed; it takes effect at the next restart", name)
-        # [server], [backends], [processors], [security]... stay as they were until a
+        # [server], [backends], [processors], [security], [workers] (the pool and its
+        # zygote are made at start)... stay as they were until a
         # restart (RESTART_SECTIONS).
         for section in RESTART_SECTIONS:
             setattr(config, section, getattr(self.config, section))

@@ -397,3 +397,16 @@ def test_model_toml_chooses_its_isolation(start_daemon, short_tmp, models_dir):
     assert worker_pids(log, "vad version 1@onnxruntime")  # a worker of its own
     assert not worker_pids(log, "onnxruntime")  # ocr-cls runs in the daemon
     assert rows["ocr-cls"]["state"] == "ready"
+
+
+def test_workers_settings_wait_for_a_restart(start_daemon, repo, short_tmp):
+    d = daemon_with_workers(start_daemon, repo, short_tmp)
+    conf = short_tmp / "inferd.toml"
+    conf.write_text(conf.read_text().replace('isolation = "backend"',
+                                             'isolation = "in-process"'))
+    with d.client() as c:
+        result = c.call("reload")
+        c.infer("vad", VAD_OK)
+    assert "workers.isolation" in result["needs_restart"], result
+    assert worker_pids(d.log(), "onnxruntime")  # still in a worker
+    assert "reload: workers.isolation changed; it takes effect at the next restart" in d.log()
