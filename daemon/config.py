@@ -328,6 +328,9 @@ SCHEMA: dict[str, dict[str, Setting]] = {
         "refuse_client_s": Setting(60.0, _seconds, "a positive number of seconds"),
         "set_aside_after": Setting(3, _int_upto(10**6), "a positive integer"),
     },
+    "streams": {
+        "max_per_client": Setting(16, _int_upto(10**6), "a positive integer"),
+    },
     "logging": {
         "level": Setting("info", _level, "one of debug, info, warning, error, critical"),
         "modules": Setting({}, _module_levels, "a table of logger name = level, e.g. "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inferd.daemon.streams import StreamModel
 from inferd.daemon.activations import Activations
 from inferd.daemon.budget import AdmittedModel, MemoryBudget, estimate_cost, format_bytes
 from inferd.daemon.catalog import Catalog, Settings
@@ -49,6 +50,8 @@ class Loaded:
     """The model's graph, to estimate each run's working memory (None: not ONNX)."""
     meter: MemoryMeter
     """Measures the process the model's engine runs in (a worker's, or the daemon's)."""
+    streams: StreamModel | None = None
+    """Its model.toml [stream] table bound to the model (None: it has none)."""
 
 
 class ModelLoader:
@@ -171,6 +174,10 @@ class ModelLoader:
                                              config, load_on, repo.root)
         try:
             warm_up(entry.label, model, source.path, spec.settings, config.cache.warmup_dim)
+            # a [stream] table that does not fit the model fails its load
+            streams = (StreamModel.prepare(entry.label, spec.settings.stream, model.inputs,
+                                           model.outputs, source.path.parent)
+                       if spec.settings.stream is not None else None)
             rss = METER.rss() - before - engines[0]
             # Read after the load is measured: parsing the file leaves freed heap behind
             # (trimmed here), and what stays (a skeleton without weights, 0.2-2 MiB) is
@@ -193,7 +200,7 @@ class ModelLoader:
             raise
         meter = METER.for_engine(lambda: model.engine)
         return Loaded(AdmittedModel(model, entry, self.budget), placement, settings,
-                      pipeline, figures, graph, meter)
+                      pipeline, figures, graph, meter, streams)
 
 
     def _in_worker(self, entry: ModelEntry, choice: Choice, options: LoadOptions,

@@ -239,7 +239,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         rt = self.runtime
         models = rt.models.describe() + rt.graphs.describe()
-        families = {
+        families: dict[str, Any] = {
             "queue": GaugeMetricFamily("inferd_model_queue_depth", "Requests waiting in "
                                        "the model's queue", labels=["model", "version"]),
             "in_flight": GaugeMetricFamily("inferd_model_in_flight", "Requests queued or "
@@ -252,6 +252,15 @@ class _StateCollector(Collector):
                                          labels=["model", "version"]),
             "state": GaugeMetricFamily("inferd_model_state", "1 for the model's current "
                                        "state", labels=["model", "version", "state"]),
+            "streams": GaugeMetricFamily("inferd_streams", "Stateful streams open on the "
+                                         "model (docs/streams.md)",
+                                         labels=["model", "version"]),
+            "streams_expired": CounterMetricFamily("inferd_streams_expired", "Streams freed "
+                                                   "after idle_timeout_s",
+                                                   labels=["model", "version"]),
+            "streams_lost": CounterMetricFamily("inferd_streams_lost", "Streams whose state "
+                                                "was lost (a failed chunk, an unload)",
+                                                labels=["model", "version"]),
             "batch": GaugeMetricFamily("inferd_model_batch_limit", "Rows a batch of the "
                                        "loaded model may hold now (adaptive batching's "
                                        "choice, at most max_batch)",
@@ -267,6 +276,9 @@ class _StateCollector(Collector):
             families["memory"].add_metric(labels, m.get("memory_bytes") or 0)
             families["working"].add_metric(labels, m.get("memory_working_bytes") or 0)
             families["state"].add_metric(labels + [m["state"]], 1)
+            families["streams"].add_metric(labels, m.get("streams") or 0)
+            families["streams_expired"].add_metric(labels, m.get("streams_expired") or 0)
+            families["streams_lost"].add_metric(labels, m.get("streams_lost") or 0)
             batching = m.get("batching") or {}
             if "limit" in batching:  # loaded
                 families["batch"].add_metric(labels, batching["limit"])

@@ -13,6 +13,7 @@ from typing import Any
 
 from inferd.daemon.memory import ModelMemory
 from inferd.daemon.placement import ModelPlacement
+from inferd.daemon.streams import StreamModel, StreamTable
 from inferd.daemon.worker import WorkItem, Workers, WorkQueue
 from inferd.ipc.errors import ErrorCode
 from inferd.libbackends.contract import LoadedModel
@@ -61,6 +62,7 @@ class ModelEntry:
         self.failed_at = 0.0
         self.failed_scan: Any = None  # the model's ModelSpec when the load failed
         self.memory = ModelMemory(self.label)  # measured; counted by daemon/budget.py
+        self.streams = StreamTable(name)  # its clients' streams (daemon/streams.py)
         self.load_future: Future[ModelEntry] | None = None
         self.loads = 0
         self.served = 0
@@ -98,11 +100,13 @@ class ModelEntry:
             self.loads += 1
 
     def ready(self, model: LoadedModel, workers: Workers, placement: ModelPlacement,
-              keep_alive: float) -> None:
-        """LOADING -> READY with the loaded model and its (not yet started) workers."""
+              keep_alive: float, streams: StreamModel | None = None) -> None:
+        """LOADING -> READY with the loaded model and its (not yet started) workers
+        (``streams``: its [stream] table bound to it, or None)."""
         with self.lock:
             self._become(State.READY, State.LOADING)
             self.model, self.workers, self.placement = model, workers, placement
+            self.streams.bound = streams
             self.keep_alive = keep_alive
             self.touch(request=False)
 
@@ -122,19 +126,24 @@ class ModelEntry:
         with self.lock:
             self._become(State.UNLOADED, State.FAILED)
 
-    def drain(self) -> tuple[Workers, LoadedModel]:
+    def drain(self, reason: str = "model unloaded") -> tuple[Workers, LoadedModel]:
         """READY -> DRAINING: returns the workers to stop and the model to unload.
-        Requests that arrive meanwhile wait in the queue."""
+        Requests that arrive meanwhile wait in the queue; chunks that its streams hold
+        are answered with their loss (``reason``)."""
         with self.lock:
             self._become(State.DRAINING, State.READY)
+            self.streams.closing = reason
             assert self.workers is not None and self.model is not None
             return self.workers, self.model
 
-    def unloaded(self) -> None:
-        """DRAINING -> UNLOADED: the model and its workers are gone."""
+    def unloaded(self, reason: str = "model unloaded") -> None:
+        """DRAINING -> UNLOADED: the model and its workers are gone, and with them the
+        state of its open streams (each answered ``reason`` at its next request)."""
         with self.lock:
             self._become(State.UNLOADED, State.DRAINING)
             self.model = self.workers = self.placement = None
+            self.streams.bound = None
+            self.streams.lose_all(reason)
 
     # ----------------------------------------------------------------- requests
 
@@ -145,6 +154,13 @@ class ModelEntry:
             self.touch(keep_alive)
             # Last: the put wakes a worker, which then waits for this thread's GIL.
             self.queue.put(item)
+
+    def hold(self, keep_alive: float | None) -> None:
+        """Count a request in flight that its stream holds until an earlier chunk of the
+        stream is answered (then it is queued: daemon/streams.py)."""
+        with self.lock:
+            self.in_flight += 1
+            self.touch(keep_alive)
 
     def begin_io_run(self, workers: Workers, keep_alive: float | None) -> bool:
         """Count a request in flight that the calling thread runs itself on
@@ -233,4 +249,7 @@ class ModelEntry:
             "batching": self.workers.batching() if self.workers else None,
             "io_thread_runs": self.workers.io_thread_runs if self.workers else 0,
             "plan": m.describe().get("plan") if m else None,
+            # open streams; those freed for idleness, and lost, since the daemon started
+            "streams": self.streams.open(), "streams_bytes": self.streams.nbytes(),
+            "streams_expired": self.streams.expired, "streams_lost": self.streams.lost_count,
         }

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from inferd.daemon.config import Setting
+from inferd.daemon.streams import StreamSpec, parse_stream
 from inferd.daemon.units import (
     boolean, non_negative, parse_affinity, parse_duration, positive_int, string_list,
 )
@@ -107,6 +108,10 @@ SCHEMA: dict[str, Setting] = {
     "stage_queue_size": Setting(8, positive_int, "a positive integer"),
     "pre": Setting([], _steps, "a list of step tables ([[pre]] with op = processor)"),
     "post": Setting([], _steps, "a list of step tables ([[post]] with op = processor)"),
+    # stateful streams (docs/streams.md)
+    "stream": Setting(None, parse_stream, "a [stream] table: state = { input = { from = "
+                      "output, axis = n, init = \"zeros\" } }, constant, context, chunk, "
+                      "max_streams, idle_timeout_s"),
 }
 """key -> (default, check, what is expected). A default of None means "not set": the
 daemon's configuration decides (see each key's expected text)."""
@@ -135,6 +140,8 @@ class ModelSettings:
     stage_queue_size: int = 8
     pre: list[dict[str, Any]] = field(default_factory=list)
     post: list[dict[str, Any]] = field(default_factory=list)
+    stream: StreamSpec | None = None
+    """The ``[stream]`` table: the state the daemon carries between a stream's chunks."""
     backend_tables: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Tables named after backends (``[openvino]`` ...), unchecked, by name."""
 

@@ -34,6 +34,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -48,6 +49,7 @@ from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.units import request_keep_alive
+from inferd.daemon.streams import Admission, no_stream_table, stream_loss
 from inferd.daemon.worker import WorkItem, Workers
 from inferd.daemon.workers.pool import WorkerPool
 from inferd.daemon.workers.quarantine import Quarantine
@@ -203,12 +205,43 @@ class ModelManager:
         keep_alive = request_keep_alive(request.params)
         self.quarantine.check(request.model, getattr(ticket, "uid", None))
         entry = self.entry(request.model, request.version)
-        workers = entry.workers
-        if (io_thread and workers is not None and workers.may_run_on_io_thread(ticket.tensor_bytes)
-                and not self._stopping.is_set() and entry.begin_io_run(workers, keep_alive)):
-            workers.run_on_io_thread(WorkItem(request, ticket))
-            return
-        self._enqueue(entry, WorkItem(request, ticket), keep_alive)
+        item = WorkItem(request, ticket)
+        if request.stream is not None and not self._stream_turn(entry, item, keep_alive):
+            return  # held behind an earlier chunk of its stream, or answered
+        try:
+            workers = entry.workers
+            if (io_thread and workers is not None
+                    and workers.may_run_on_io_thread(ticket.tensor_bytes)
+                    and not self._stopping.is_set()
+                    and entry.begin_io_run(workers, keep_alive)):
+                workers.run_on_io_thread(item)
+                return
+            self._enqueue(entry, item, keep_alive)
+        except BaseException:
+            if item.chunk is not None:  # refused before it ran: its stream is as it was
+                entry.streams.release(item)
+            raise
+
+    def _stream_turn(self, entry: ModelEntry, item: WorkItem,
+                     keep_alive: float | None) -> bool:
+        """Admit a request that names a stream (daemon/streams.py): True if it goes on
+        to the model now; False if its stream holds it (an earlier chunk is in flight)
+        or it was answered here (an end without a chunk).
+
+        Raises:
+            InferdError: the model has no [stream] table (INVALID_ARGUMENT), the stream
+                is not started or was lost (FAILED_PRECONDITION), a limit on open
+                streams (RESOURCE_EXHAUSTED).
+        """
+        spec = self.catalog.spec(entry.name).settings.stream
+        if spec is None:
+            raise no_stream_table(entry.name)
+        verdict = entry.streams.admit(item, spec, self.config.streams.max_per_client,
+                                      partial(entry.hold, keep_alive))
+        if isinstance(verdict, Reply):
+            self._sink.send(item.ticket, verdict)
+            return False
+        return verdict is Admission.RUN
 
     def _enqueue(self, entry: ModelEntry, item: WorkItem, keep_alive: float | None) -> None:
         if self._stopping.is_set():
@@ -245,6 +278,8 @@ class ModelManager:
         dropped = 0
         for entry in self.entries():
             items = entry.queue.drop(peer)
+            held = entry.streams.drop_peer(peer)  # its streams go with it
+            items += held
             if not items:
                 continue
             entry.dropped(items)
@@ -297,10 +332,11 @@ class ModelManager:
                           observe=self._observer.for_model(entry.name)
                           if self._observer is not None else None,
                           io_run_max_s=self.config.models.io_run_max_us / 1e6,
-                          quarantine=self.quarantine)
+                          quarantine=self.quarantine, streams=entry.streams)
         entry.memory.loaded(loaded.figures, loaded.graph, loaded.placement.backend,
                             loaded.meter)
-        entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive)
+        entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive,
+                    loaded.streams)
         workers.start()
         if self._observer is not None:
             self._observer.loaded(entry.name, time.monotonic() - started, True)
@@ -440,7 +476,8 @@ class ModelManager:
                 return False
             if only_if_idle and not self.budget.evictable(entry):
                 return False
-            workers, model = entry.drain()
+            lost = stream_loss(reason)
+            workers, model = entry.drain(lost)
         # never waits on a stuck stage (issue 20): past stuck_after_s inside one call,
         # the workers are given up (what they held answered UNAVAILABLE naming it)
         began = time.monotonic()
@@ -457,7 +494,7 @@ class ModelManager:
             self.left_running.append(workers)
         leftovers: list[WorkItem] = []
         with entry.lock:
-            entry.unloaded()
+            entry.unloaded(lost)
             if not entry.queue.empty():  # given-up workers withdrew their STOP
                 if (self.catalog.servable(entry.name, entry.version)
                         and not self._stopping.is_set()):
@@ -489,7 +526,8 @@ class ModelManager:
         done = []
         for e in self.entries():
             with e.lock:
-                if e.state is not State.READY or e.in_flight or now < e.keep_until:
+                if (e.state is not State.READY or e.in_flight or now < e.keep_until
+                        or e.streams.open()):  # open streams: freed when idle first
                     continue
                 idle = now - e.used_at
                 if idle < e.keep_alive:
@@ -499,9 +537,20 @@ class ModelManager:
                 done.append(e.label)
         return done
 
+    def expire_streams(self) -> int:
+        """Free the streams idle past their model's ``idle_timeout_s``; how many."""
+        now = time.monotonic()
+        freed = 0
+        for e in self.entries():
+            bound = e.streams.bound
+            if bound is not None and e.streams.open():
+                freed += len(e.streams.expire(now, bound.spec.idle_timeout_s))
+        return freed
+
     def _idle_loop(self) -> None:
         while not self._stopping.wait(self.config.cache.idle_check_s):
             try:
+                self.expire_streams()
                 self.unload_idle()
             except Exception:  # the idle check must outlive one bad unload
                 log.exception("idle check failed")

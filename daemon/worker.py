@@ -43,12 +43,13 @@ from inferd.daemon.batching import BatchSizer
 from inferd.daemon.fairqueue import FairQueue, QueueClosed
 from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
+from inferd.daemon.streams import Chunk, StreamTable
 from inferd.daemon.workers.pool import ENGINE_TIME, WorkerDied
 from inferd.daemon.workers.quarantine import Quarantine
 from inferd.daemon.processors import run_steps
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
 from inferd.ipc.protocol import Reply, Request
-from inferd.ipc.replies import AnyTicket, ReplySink
+from inferd.ipc.replies import OK, AnyTicket, ReplySink
 from inferd.libbackends.contract import LoadedModel, check_inputs, check_outputs
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ IO_RUN_MAX_BYTES = 64 * 2**10
 class WorkItem:
     request: Request
     ticket: AnyTicket
+    chunk: Chunk | None = None
+    """Its part in a stream (daemon/streams.py), if the request names one."""
 
 
 WorkQueue: TypeAlias = FairQueue
@@ -102,14 +105,19 @@ class Workers:
         io_run_max_s: a request may run on the I/O thread once the model's last
             :data:`IO_RUN_AFTER` runs each took less than this (0: never; see
             :meth:`may_run_on_io_thread`).
+        quarantine: who is charged a worker's death (daemon/workers/quarantine.py).
+        streams: the model's stream table (its entry's): a chunk of a stream runs on
+            the state kept there (daemon/streams.py).
     """
 
     def __init__(self, name: str, model: LoadedModel, work: WorkQueue, sink: ReplySink,
                  instances: int = 1, on_done: Callable[[bool], None] | None = None,
                  spec: PipelineSpec | None = None, backend: str | None = None,
                  observe: Callable[[list[Any], float, float], None] | None = None,
-                 io_run_max_s: float = 0.0, quarantine: Quarantine | None = None) -> None:
+                 io_run_max_s: float = 0.0, quarantine: Quarantine | None = None,
+                 streams: StreamTable | None = None) -> None:
         self.name = name
+        self._streams = streams
         self.model = model
         self.spec = spec or PipelineSpec()
         self._work = work
@@ -268,6 +276,18 @@ class Workers:
             return
         if self._on_done:
             self._on_done(reply.ok)
+        if item.chunk is not None and self._streams is not None:
+            # its stream settles (lost unless the client got this run's outputs) and
+            # its next chunk takes its turn
+            ok = reply.ok and item.ticket.code == OK
+            if not ok and item.chunk.ran and item.chunk.reason is None:
+                item.chunk.reason = (f"chunk {item.chunk.number} was answered "
+                                     f"{item.ticket.code} while it ran")
+            for nxt, answer in self._streams.finished(item, ok):
+                if answer is None:
+                    self._work.put(nxt)  # counted in flight when it was held
+                else:
+                    self._finish(nxt, answer)
 
     def _fail(self, item: WorkItem, e: Exception) -> None:
         rid = item.request.id
@@ -350,10 +370,13 @@ class Workers:
     # ----------------------------------------------------------------- inference
 
     def _check(self, job: Job) -> bool:
-        """Refuse a job the model cannot take (answered alone); True if it may run."""
+        """Refuse a job the model cannot take (answered alone); True if it may run. A
+        stream's chunk gets its state, context and constants here."""
         if self._expired(job.item):
             return False
         try:
+            if job.item.chunk is not None and self._streams is not None:
+                job.values = self._streams.bind(job.item, job.values)
             check_inputs(self.name, self.model.inputs, job.values)
             if not self.spec.post:
                 check_outputs(self.name, self.model.outputs, job.item.request.outputs)
@@ -370,6 +393,9 @@ class Workers:
         ready = [j for j in batch if self._check(j)]
         groups: dict[tuple[Any, ...], list[Job]] = {}
         for job in ready:
+            if job.item.chunk is not None:  # its state: never stacked along axis 0
+                self._run_single(job, limit)
+                continue
             groups.setdefault(_signature(job.values), []).append(job)
         for jobs in groups.values():
             chunk: list[Job] = []
@@ -445,10 +471,18 @@ class Workers:
 
     def _run_single(self, job: Job, limit: int) -> None:
         wanted = None if self.spec.post else job.item.request.outputs
+        chunk = job.item.chunk
+        if chunk is not None and self._streams is not None:
+            wanted = self._streams.wanted(wanted)
+            chunk.ran = True  # from here the stream's state is this run's
         began = time.monotonic()
         try:
             job.outputs = self._timed_run([job], job.values, wanted)
+            if chunk is not None and self._streams is not None:
+                job.outputs = self._streams.commit(job.item, job.values, job.outputs)
         except Exception as e:
+            if chunk is not None:
+                chunk.reason = _lost_reason(e, chunk.number)
             self._fail(job.item, e)
             return
         self._hand_on(job)
@@ -474,6 +508,14 @@ class Workers:
                                  f"{sorted(outputs)}")
             outputs = {w: outputs[w] for w in wanted}
         return {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in outputs.items()}
+
+
+def _lost_reason(e: Exception, number: int) -> str:
+    """Why a stream's state is unknown after chunk ``number``'s run raised ``e``."""
+    if isinstance(e, WorkerDied):
+        return f"worker died while running chunk {number}"
+    message = e.message if isinstance(e, InferdError) else str(e)
+    return f"chunk {number} failed: {message[:200]}"
 
 
 def _rows(job: Any) -> int:

@@ -21,9 +21,10 @@ from numpy.typing import NDArray
 
 from inferd.ipc import defs
 from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError, RequestError
-from inferd.ipc.protocol import Op, Reply, Request, decode_reply, encode_request
+from inferd.ipc.protocol import Op, Reply, Request, StreamRef, decode_reply, encode_request
 from inferd.ipc.shm import Region, Registration, shm_path
 from inferd.ipc.staging import INLINE_BYTES, Lease, Staging, frame_bytes
+from inferd.ipc.stream import Stream
 from inferd.ipc.transport import ipc_path, recv_frames, send_frames, tuned
 
 DEFAULT_ENDPOINT = defs.SOCKET
@@ -354,14 +355,16 @@ class Client(_Base):
     def infer(self, model: str, inputs: dict[str, NDArray[Any]],
               outputs: list[str] | None = None, *, version: int | None = None,
               timeout: float | None = None,
-              outputs_into: Region | tuple[Region, int, int] | None = None
-              ) -> dict[str, NDArray[Any]]:
+              outputs_into: Region | tuple[Region, int, int] | None = None,
+              stream: StreamRef | None = None) -> dict[str, NDArray[Any]]:
         """Run ``model`` on ``inputs``; returns the output tensors by name.
 
         Inputs made with ``region.ndarray(...)`` of a registered region travel by
         reference. ``outputs_into`` (a registered region: its free tail; or ``(region,
         offset, size)``) has the daemon write the numeric outputs there: they come back
-        as views of the region, valid until the region is written again.
+        as views of the region, valid until the region is written again. ``stream``
+        names one of this connection's streams (the wire's ``stream`` field; see
+        :meth:`stream`, which keeps it for you).
 
         Raises:
             RequestError: with ``.code`` the wire code and the daemon's message.
@@ -381,6 +384,7 @@ class Client(_Base):
         attempt = 0
         while True:
             req = self._make(Op.INFER, model, inputs, timeout, outputs, version, params)
+            req.stream = stream
             reply = self._wait(req.id, self._send(req))
             pause = self._retry_pause(reply, attempt, give_up)
             if pause is None:
@@ -391,6 +395,16 @@ class Client(_Base):
         if reply.error is not None:
             raise RequestError(reply.error.message, reply.error.code)
         return reply.outputs
+
+    def stream(self, model: str, *, id: str | None = None, version: int | None = None,
+               outputs: list[str] | None = None, timeout: float | None = None,
+               **constants: Any) -> Stream:
+        """A stateful stream of ``model`` on this connection (docs/streams.md):
+        ``with client.stream("vad", sr=16000) as s: out = s.infer({"input": chunk})``.
+        ``constants`` are the model's constant stream inputs, sent with the start (a
+        Python int becomes int64, a float float64: pass numpy values for others)."""
+        return Stream(self, model, constants, id=id, version=version, outputs=outputs,
+                      timeout=timeout)
 
     def ping(self) -> dict[str, Any]:
         return self.call(Op.PING)

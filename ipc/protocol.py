@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -119,6 +120,48 @@ def string_bytes(count: int, frame_bytes: int) -> int:
     return count * STRING_OBJECT_BYTES + STRING_CHAR_BYTES * (frame_bytes - 4 * count)
 
 
+STREAM_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+"""What a stream id may be (docs/protocol.md, "Streams")."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRef:
+    """The ``stream`` field of an infer: which of the client's streams the request
+    belongs to, and whether it starts (or restarts) or ends it (docs/streams.md)."""
+
+    id: str
+    start: bool = False
+    end: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id}
+        if self.start:
+            out["start"] = True
+        if self.end:
+            out["end"] = True
+        return out
+
+
+def _stream(value: Any) -> StreamRef:
+    """The ``stream`` of a request header, every field checked."""
+    if type(value) is not dict:
+        raise ProtocolError(f"'stream' must be an object with 'id' and optionally 'start' "
+                            f"and 'end', got {_short(value)}")
+    unknown = sorted(k for k in value if k not in ("id", "start", "end"))
+    if unknown:
+        raise ProtocolError(f"'stream' has unknown keys {_short(unknown)}; it takes 'id', "
+                            f"'start' and 'end'")
+    sid = value.get("id")
+    if type(sid) is not str or not STREAM_ID.fullmatch(sid):
+        raise ProtocolError(f"'stream': 'id' must be a string of 1 to 64 characters from "
+                            f"A-Z a-z 0-9 . _ -, got {_short(sid)}")
+    start, end = value.get("start", False), value.get("end", False)
+    if type(start) is not bool or type(end) is not bool:
+        raise ProtocolError(f"'stream': 'start' and 'end' must be true or false, got "
+                            f"{_short(start)} and {_short(end)}")
+    return StreamRef(sid, start, end)
+
+
 @dataclass(slots=True)
 class Request:
     """One decoded request.
@@ -139,6 +182,8 @@ class Request:
     """Where the daemon writes the outputs (a shared-memory slot), if the client said."""
     cost: Cost = field(default_factory=Cost)
     """What its tensors cost (set by :func:`decode_request`)."""
+    stream: StreamRef | None = None
+    """The client's stream the request belongs to (an infer), if it names one."""
     pending: dict[str, Any] | None = None
     """Inputs not decoded yet, in order: arrays, and the packed and string tensors still
     to decode (:meth:`decode` turns them into :attr:`inputs`); None once decoded."""
@@ -485,7 +530,7 @@ def _dumps(obj: Any) -> bytes:
 
 
 _REQUEST_KEYS = {"id", "op", "model", "version", "inputs", "outputs", "timeout_ms",
-                 "outputs_into"}
+                 "outputs_into", "stream"}
 
 
 def encode_request(request: Request, locate: Locator | None = None) -> list[Frame]:
@@ -503,6 +548,8 @@ def encode_request(request: Request, locate: Locator | None = None) -> list[Fram
         header["outputs"] = list(request.outputs)
     if request.timeout_ms is not None:
         header["timeout_ms"] = request.timeout_ms
+    if request.stream is not None:
+        header["stream"] = request.stream.to_json()
     header.update(request.params)
     return [TAG, _dumps(header), *frames]
 
@@ -581,6 +628,11 @@ def decode_request(frames: Sequence[Frame], regions: Resolver | None = None,
                                      regions)
         into = head.get("outputs_into")
         slot = _slot(into, regions) if into is not None else None
+        stream = head.get("stream")
+        if stream is not None:
+            if op is not Op.INFER:
+                raise ProtocolError(f"'stream' belongs to an infer, not to op {op}")
+            stream = _stream(stream)
     except ProtocolError as e:
         e.request_id = rid
         raise
@@ -588,7 +640,8 @@ def decode_request(frames: Sequence[Frame], regions: Resolver | None = None,
         k: v for k, v in head.items() if k not in _REQUEST_KEYS}
     request = Request(id=rid, op=op, model=model, version=version,
                       outputs=outputs, timeout_ms=int(timeout) if timeout else None,
-                      params=params, outputs_into=slot, cost=cost, pending=planned)
+                      params=params, outputs_into=slot, cost=cost, stream=stream,
+                      pending=planned)
     if not defer or not any(type(v) is partial for v in planned.values()):
         request.decode()  # (deferred: nothing left that takes time)
     return request

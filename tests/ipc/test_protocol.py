@@ -118,3 +118,37 @@ def test_a_tensor_at_an_offset_past_its_regions_end_is_refused_even_of_zero_byte
                                             r"\(64 bytes\)") as e:
         decode_request(request(65), resolve)
     assert e.value.code is ErrorCode.INVALID_ARGUMENT and e.value.request_id == "r"
+
+
+def test_a_stream_field_round_trips_and_is_checked():
+    from inferd.ipc.protocol import StreamRef
+
+    req = Request(id="r1", op=Op.INFER, model="vad",
+                  inputs={"input": np.zeros((1, 512), np.float32)},
+                  stream=StreamRef("mic-0.left_1", start=True))
+    frames = encode_request(req)
+    assert json.loads(bytes(frames[1]))["stream"] == {"id": "mic-0.left_1", "start": True}
+    back = decode_request(_bytes(frames))
+    assert back.stream == StreamRef("mic-0.left_1", True, False) and "stream" not in back.params
+    assert decode_request(_bytes(encode_request(Request(id="r2", op=Op.INFER, model="vad")))
+                          ).stream is None
+
+    def refused(stream, op="infer"):
+        header = json.dumps({"id": "r3", "op": op, "model": "vad", "stream": stream})
+        with pytest.raises(ProtocolError) as e:
+            decode_request([TAG, header.encode()])
+        assert e.value.code is ErrorCode.INVALID_ARGUMENT and e.value.request_id == "r3"
+        return e.value.message
+
+    assert refused("s1") == ("'stream' must be an object with 'id' and optionally 'start' "
+                             "and 'end', got 's1'")
+    assert refused({"id": "a/b"}) == ("'stream': 'id' must be a string of 1 to 64 "
+                                      "characters from A-Z a-z 0-9 . _ -, got 'a/b'")
+    assert refused({"id": "x" * 65}).startswith("'stream': 'id' must be")
+    assert refused({"id": ""}).startswith("'stream': 'id' must be")
+    assert refused({"id": 7}).startswith("'stream': 'id' must be")
+    assert refused({"id": "s", "start": 1}) == ("'stream': 'start' and 'end' must be true "
+                                                "or false, got 1 and False")
+    assert refused({"id": "s", "stop": True}) == ("'stream' has unknown keys ['stop']; it "
+                                                  "takes 'id', 'start' and 'end'")
+    assert refused({"id": "s"}, op="models") == "'stream' belongs to an infer, not to op models"

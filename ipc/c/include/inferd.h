@@ -38,7 +38,7 @@ extern "C" {
 #define INFERD_DEFAULT_ENDPOINT "ipc:///run/inferd/inferd.sock"
 #define INFERD_SOCKET_ENV "INFERD_SOCKET"
 
-/* Why a function failed. 1-9 are the wire's codes (docs/protocol.md, "Error codes"),
+/* Why a function failed. 1-10 are the wire's codes (docs/protocol.md, "Error codes"),
  * from the daemon's reply or, for DEADLINE_EXCEEDED and UNAVAILABLE, also the client's
  * own timeout or a lost connection; 100 and up are this library's. */
 typedef enum inferd_code {
@@ -52,6 +52,8 @@ typedef enum inferd_code {
     INFERD_UNSUPPORTED = 7,
     INFERD_CANCELLED = 8,
     INFERD_INTERNAL = 9,
+    INFERD_FAILED_PRECONDITION = 10, /* a stream the daemon does not hold (never started, or
+                                        its state lost): start it again (since 0.2) */
     INFERD_PROTOCOL_ERROR = 100, /* a reply that breaks the protocol */
     INFERD_NO_MEMORY = 101,
     INFERD_SYSTEM_ERROR = 102,   /* libzmq or the system failed; errno's text is in the message */

@@ -30,6 +30,7 @@ static const struct {
     {INFERD_UNSUPPORTED, "UNSUPPORTED"},
     {INFERD_CANCELLED, "CANCELLED"},
     {INFERD_INTERNAL, "INTERNAL"},
+    {INFERD_FAILED_PRECONDITION, "FAILED_PRECONDITION"},
     {INFERD_PROTOCOL_ERROR, "PROTOCOL_ERROR"},
     {INFERD_NO_MEMORY, "NO_MEMORY"},
     {INFERD_SYSTEM_ERROR, "SYSTEM_ERROR"},
@@ -46,9 +47,10 @@ const char *inferd_code_name(inferd_code code)
 
 inferd_code ifd_code_from_name(const char *name)
 {
-    /* only the wire's codes, 1-9: a reply naming another is INTERNAL (as in Python) */
+    /* only the wire's codes, 1-10: a reply naming another is INTERNAL (as in Python) */
     for (size_t i = 0; i < sizeof CODES / sizeof CODES[0]; i++)
-        if (CODES[i].code >= INFERD_INVALID_ARGUMENT && CODES[i].code <= INFERD_INTERNAL &&
+        if (CODES[i].code >= INFERD_INVALID_ARGUMENT &&
+            CODES[i].code <= INFERD_FAILED_PRECONDITION &&
             strcmp(CODES[i].name, name) == 0)
             return CODES[i].code;
     return INFERD_OK;

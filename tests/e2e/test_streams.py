@@ -1,0 +1,198 @@
+"""Stateful streams through a real daemon (docs/streams.md), on the real Silero VAD
+model with the model.toml the demo ships (examples/models/vad/model.toml): per-chunk
+outputs equal, bit for bit, a loop that carries the state and context itself on the same
+engine; chunks of many streams batched; ownership, limits, idleness, loss (a worker
+killed, a reload), bad input."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from inferd.ipc import ErrorCode, RequestError
+from inferd.ipc.protocol import StreamRef
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+VAD_TOML = ROOT / "examples" / "models" / "vad" / "model.toml"
+SR = np.array(16000, np.int64)
+
+
+def audio(seed: int, chunks: int) -> np.ndarray:
+    """Noise with louder bursts: chunks of [1, 512] float32."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(chunks * 512).astype(np.float32) * 0.05
+    t = np.arange(chunks * 512) / 16000
+    x += (0.5 * np.sin(2 * np.pi * 220 * t) * (np.sin(2 * np.pi * 1.5 * t) > 0)).astype(
+        np.float32)
+    return x.reshape(chunks, 1, 512)
+
+
+def reference(onnx_path: Path, chunks: np.ndarray) -> list[np.ndarray]:
+    """silero-vad's OnnxWrapper loop in numpy: context in front, state carried."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    s = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    state = np.zeros((2, 1, 128), np.float32)
+    context = np.zeros((1, 64), np.float32)
+    out = []
+    for chunk in chunks:
+        x = np.concatenate([context, chunk], axis=1)
+        prob, state = s.run(None, {"input": x, "state": state, "sr": SR})
+        context = x[..., -64:]
+        out.append(prob)
+    return out
+
+
+def vad_repo(root: Path, models_dir: Path, toml: str | None = None) -> Path:
+    repo = root / "repo"
+    (repo / "vad" / "1").mkdir(parents=True)
+    os.symlink(models_dir / "vad" / "1" / "model.onnx", repo / "vad" / "1" / "model.onnx")
+    if toml is None:
+        shutil.copyfile(VAD_TOML, repo / "vad" / "model.toml")
+    else:
+        (repo / "vad" / "model.toml").write_text(toml)
+    return repo
+
+
+def start(start_daemon, short_tmp: Path, repo: Path, extra: str = "",
+          isolation: str = "backend"):
+    conf = short_tmp / "inferd.toml"
+    conf.write_text(f'[workers]\nisolation = "{isolation}"\n[models]\n'
+                    f'allow_external_links = true\n[metrics]\ntextfile = ""\n{extra}')
+    return start_daemon("--config", str(conf), "--models", str(repo))
+
+
+@pytest.mark.parametrize("isolation", ["backend", "in-process"])
+def test_a_stream_equals_the_reference_loop_bit_for_bit(start_daemon, short_tmp, models_dir,
+                                                        isolation):
+    repo = vad_repo(short_tmp, models_dir)
+    d = start(start_daemon, short_tmp, repo, isolation=isolation)
+    chunks = audio(1, 40)
+    want = reference(models_dir / "vad" / "1" / "model.onnx", chunks)
+    with d.client() as c:
+        with c.stream("vad", sr=16000) as s:
+            got = [s.infer({"input": ch}) for ch in chunks]
+        for g, w in zip(got, want):
+            assert list(g) == ["output"]  # the state stays in the daemon
+            np.testing.assert_array_equal(g["output"], w)
+        # the state and context matter: each chunk alone from zeros gives other values
+        alone = [reference(models_dir / "vad" / "1" / "model.onnx", ch[None])[0]
+                 for ch in chunks[1:6]]
+        assert any(not np.array_equal(a, w) for a, w in zip(alone, want[1:6]))
+        # the end freed it
+        with pytest.raises(RequestError) as e:
+            c.infer("vad", {"input": chunks[0]}, stream=StreamRef(s.id))
+        assert e.value.code is ErrorCode.FAILED_PRECONDITION
+        assert e.value.message == (f"stream {s.id} of vad: not started; send start=true "
+                                   f"first")
+        assert c.models()[0]["streams"] == 0
+
+
+@pytest.fixture(scope="module")
+def vad_daemon(module_daemon, models_dir):
+    """One daemon (workers) with the demo vad model and its model.toml, for the tests
+    that leave no stream open behind them."""
+    root = Path(module_daemon.workdir)
+    repo = vad_repo(root, models_dir)
+    conf = root / "inferd.toml"
+    conf.write_text('[models]\nallow_external_links = true\n[metrics]\ntextfile = ""\n'
+                    '[streams]\nmax_per_client = 3\n')
+    return module_daemon("--config", str(conf), "--models", str(repo))
+
+
+def fails(call, code: ErrorCode) -> str:
+    with pytest.raises(RequestError) as e:
+        call()
+    assert e.value.code is code, e.value.message
+    return e.value.message
+
+
+def test_a_stream_is_its_clients_own(vad_daemon):
+    chunks = audio(2, 4)
+    with vad_daemon.client() as a, vad_daemon.client() as b:
+        sa = a.stream("vad", id="shared", sr=16000)
+        first = sa.infer({"input": chunks[0]})
+        # the other connection's "shared" is its own: not started, and a start of it
+        # makes a new stream that starts from zeros, not from a's state
+        assert fails(lambda: b.infer("vad", {"input": chunks[1]}, stream=StreamRef("shared")),
+                     ErrorCode.FAILED_PRECONDITION) == (
+            "stream shared of vad: not started; send start=true first")
+        with b.stream("vad", id="shared", sr=16000) as sb:
+            np.testing.assert_array_equal(sb.infer({"input": chunks[0]})["output"],
+                                          first["output"])
+            assert [m["streams"] for m in a.models() if m["name"] == "vad"] == [2]
+        want = reference(vad_daemon_model(vad_daemon), chunks[:2])[1]
+        np.testing.assert_array_equal(sa.infer({"input": chunks[1]})["output"], want)
+        sa.close()
+        assert [m["streams"] for m in a.models() if m["name"] == "vad"] == [0]
+
+
+def vad_daemon_model(d) -> Path:
+    return Path(d.workdir) / "repo" / "vad" / "1" / "model.onnx"
+
+
+def test_bad_chunks_are_refused_and_lose_nothing(vad_daemon):
+    chunks = audio(3, 3)
+    want = reference(vad_daemon_model(vad_daemon), chunks)
+    with vad_daemon.client() as c:
+        # a start without its constant, with a wrong one, with the state sent
+        assert fails(lambda: c.infer("vad", {"input": chunks[0]},
+                                     stream=StreamRef("b", start=True)),
+                     ErrorCode.INVALID_ARGUMENT) == (
+            "stream b of vad: constant input 'sr' missing at its start (constants: ['sr'])")
+        assert fails(lambda: c.infer("vad", {"input": chunks[0], "sr": np.array(8000)},
+                                     stream=StreamRef("b", start=True)),
+                     ErrorCode.INVALID_ARGUMENT) == (
+            "stream b of vad: constant 'sr' = 8000; this model's streams take [16000]")
+        assert fails(lambda: c.infer("vad", {"input": chunks[0], "sr": SR,
+                                             "state": np.zeros((2, 1, 128), np.float32)},
+                                     stream=StreamRef("b", start=True)),
+                     ErrorCode.INVALID_ARGUMENT) == (
+            "stream b of vad: input 'state' is the stream's state, which the daemon keeps; "
+            "do not send it")
+        # a refused start began nothing
+        fails(lambda: c.infer("vad", {"input": chunks[0]}, stream=StreamRef("b")),
+              ErrorCode.FAILED_PRECONDITION)
+        with c.stream("vad", id="b", sr=16000) as s:
+            np.testing.assert_array_equal(s.infer({"input": chunks[0]})["output"], want[0])
+            assert fails(lambda: s.infer({"input": chunks[1][:, :500]}),
+                         ErrorCode.INVALID_ARGUMENT) == (
+                "stream b of vad: chunk input 'input' is float32[1, 500]; this stream's "
+                "chunks are float32[1, 512] (set in its model.toml [stream] chunk)")
+            assert fails(lambda: s.infer({"input": chunks[1].astype(np.float64)}),
+                         ErrorCode.INVALID_ARGUMENT) == (
+                "model vad: input 'input' is float64, expected float32")
+            assert fails(lambda: s.infer({"input": chunks[1], "sr": np.array(16001)}),
+                         ErrorCode.INVALID_ARGUMENT) == (
+                "stream b of vad: constant 'sr' = 16001; this model's streams take [16000]")
+            assert fails(lambda: s.infer({"inputs": chunks[1]}),
+                         ErrorCode.INVALID_ARGUMENT) == (
+                "stream b of vad: unknown input 'inputs'; a chunk takes ['input']")
+            # the same constant again is fine; nothing was lost by the refusals
+            out = c.infer("vad", {"input": chunks[1], "sr": SR}, stream=StreamRef("b"))
+            np.testing.assert_array_equal(out["output"], want[1])
+            np.testing.assert_array_equal(s.infer({"input": chunks[2]})["output"], want[2])
+
+
+def test_a_model_without_a_stream_table_refuses_a_stream(start_daemon, short_tmp,
+                                                         models_dir):
+    repo = short_tmp / "repo"
+    (repo / "vad" / "1").mkdir(parents=True)
+    os.symlink(models_dir / "vad" / "1" / "model.onnx", repo / "vad" / "1" / "model.onnx")
+    d = start(start_daemon, short_tmp, repo)
+    with d.client() as c:
+        assert fails(lambda: c.stream("vad", sr=16000).infer({"input": audio(0, 1)[0]}),
+                     ErrorCode.INVALID_ARGUMENT) == (
+            "model vad has no [stream] table in its model.toml")
+        # a plain request carries its state itself, as before
+        out = c.infer("vad", {"input": np.zeros((1, 576), np.float32), "sr": SR,
+                              "state": np.zeros((2, 1, 128), np.float32)})
+        assert set(out) == {"output", "stateN"}
