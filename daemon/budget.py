@@ -121,8 +121,8 @@ class MemoryBudget:
         state = entry.state
         if state is State.LOADING:
             return self._reserved.get((entry.name, entry.version), 0)
-        if state in (State.READY, State.DRAINING):
-            return entry.memory.total() or 0
+        if state in (State.READY, State.DRAINING):  # and its streams' state
+            return (entry.memory.total() or 0) + entry.streams.nbytes()
         return 0
 
     def used(self) -> int:

@@ -366,8 +366,11 @@ class StreamTable:
         return sum(1 for k in self._streams if k[0] == peer and k[1] == uid)
 
     def nbytes(self) -> int:
-        """Bytes the open streams hold (state and context)."""
-        return sum(s.nbytes() for s in self._streams.values())
+        """Bytes the open streams hold (state and context): counted in the cache budget
+        as the model's (daemon/budget.py)."""
+        with self.lock:
+            streams = list(self._streams.values())
+        return sum(s.nbytes() for s in streams)
 
     # ----------------------------------------------------------------- admission
 
@@ -454,23 +457,25 @@ class StreamTable:
     def _finished(self, item: Any, ok: bool) -> list[tuple[Any, Reply | None]]:
         chunk: Chunk = item.chunk
         stream = chunk.stream
+        mine = self._streams.get(stream.key) is stream
         if chunk.ran and not (ok and chunk.committed):
             stream.lost = chunk.reason or f"chunk {chunk.number} failed"
-            stream.state, stream.context = {}, {}
             self.lost_count += 1
             log.info("%s: state lost (%s)", stream.name, stream.lost,
                      extra={"MODEL": self.model})
-        elif not chunk.ran and chunk.ref.start and not stream.started:
+        elif not chunk.ran and chunk.ref.start and not stream.started and mine:
             # a start refused before it ran: the stream never began
             self._streams.pop(stream.key, None)
-        if ok and chunk.ref.end and self._streams.get(stream.key) is stream:
+        if mine and stream.lost is not None:
+            self._forget(stream, stream.lost)  # its next request is told why
+        elif mine and ok and chunk.ref.end:
             self._free(stream)
         stream.busy = False
         stream.used_at = time.monotonic()
         out: list[tuple[Any, Reply | None]] = []
         if self.closing is not None and stream.held:  # the model is going: nothing runs
             if self._streams.get(stream.key) is stream:
-                self._forget(stream, stream.lost or self.closing)
+                self._forget(stream, self.closing)
             reason = self._lost.get(stream.key, (self.closing, 0.0))[0]
             while stream.held:
                 nxt = stream.held.popleft()
@@ -480,10 +485,14 @@ class StreamTable:
         while stream.held:
             nxt = stream.held.popleft()
             if self._streams.get(stream.key) is not stream:
-                # ended or never begun: the held request finds what a new one would
-                out.append((nxt, self._orphan(nxt)))
-                if self._streams.get(stream.key) is not None:
-                    break  # a held start made a new stream: it holds the rest
+                # ended, lost or never begun: the held request finds what a new one
+                # would; a start makes a new stream, which holds the rest
+                answer = self._orphan(nxt)
+                out.append((nxt, answer))
+                if answer is None:
+                    nxt.chunk.stream.held.extend(stream.held)
+                    stream.held.clear()
+                    break
                 continue
             try:
                 taken = self._take(stream, nxt)
@@ -530,10 +539,10 @@ class StreamTable:
         self._streams.pop(stream.key, None)
         stream.state, stream.context = {}, {}
 
-    def _forget(self, stream: Stream, reason: str) -> None:
-        """A lost stream leaves the table; its key remembers why."""
+    def _forget(self, stream: Stream, reason: str, now: float | None = None) -> None:
+        """A lost stream leaves the table; its key remembers why (since ``now``)."""
         self._free(stream)
-        self._lost[stream.key] = (reason, time.monotonic())
+        self._lost[stream.key] = (reason, time.monotonic() if now is None else now)
         while len(self._lost) > LOST_KEPT:
             del self._lost[next(iter(self._lost))]
 
@@ -573,11 +582,13 @@ class StreamTable:
             if stream.busy or now - stream.used_at < idle_timeout_s:
                 continue
             idle = now - stream.used_at
-            self._forget(stream, f"idle for {idle:.0f} s")
-            self.expired += 1
+            if stream.lost is None:
+                self.expired += 1
+                log.info("%s freed: idle for %.1f s (idle_timeout_s = %g in its model.toml "
+                         "[stream])", stream.name, idle, idle_timeout_s,
+                         extra={"MODEL": self.model})
+            self._forget(stream, stream.lost or f"idle for {idle_timeout_s:g} s", now)
             gone.append(stream.name)
-            log.info("%s freed: idle for %.1f s (idle_timeout_s %g)", stream.name, idle,
-                     idle_timeout_s, extra={"MODEL": self.model})
         horizon = now - max(idle_timeout_s, 60.0)
         for key, (_, when) in list(self._lost.items()):
             if when < horizon:

@@ -135,6 +135,38 @@ def test_a_stream_is_its_clients_own(vad_daemon):
         assert [m["streams"] for m in a.models() if m["name"] == "vad"] == [0]
 
 
+def test_chunks_sent_at_once_run_in_order_and_limits_per_client(vad_daemon):
+    chunks = audio(4, 24)
+    want = reference(vad_daemon_model(vad_daemon), chunks)
+    with vad_daemon.client() as c:
+        # every chunk sent before the first is answered: each waits for the one before
+        pending = [c.submit("infer", "vad", {"input": ch, **({"sr": SR} if i == 0 else {})},
+                            stream={"id": "fast", "start": i == 0, "end": i == len(chunks) - 1})
+                   for i, ch in enumerate(chunks)]
+        for p, w in zip(pending, want):
+            np.testing.assert_array_equal(p.result()["output"], w)
+        assert row(c, "vad")["streams"] == 0  # the last one ended it
+        # a plain request to a model with a [stream] table carries its state as before
+        out = c.infer("vad", {"input": np.concatenate([np.zeros((1, 64), np.float32),
+                                                       chunks[0]], axis=1),
+                              "state": np.zeros((2, 1, 128), np.float32), "sr": SR})
+        np.testing.assert_array_equal(out["output"], want[0])
+        # [streams] max_per_client = 3 (the model's own max_streams is 64)
+        open3 = [c.stream("vad", id=f"m{i}", sr=16000) for i in range(3)]
+        for s in open3:
+            s.infer({"input": chunks[0]})
+        assert fails(lambda: c.stream("vad", id="m3", sr=16000).infer({"input": chunks[0]}),
+                     ErrorCode.RESOURCE_EXHAUSTED) == (
+            "model vad: this client has 3 streams open, the limit per client ([streams] "
+            "max_per_client = 3 in inferd.toml)")
+        with vad_daemon.client() as other:  # another client has its own
+            with other.stream("vad", id="m3", sr=16000) as s:
+                s.infer({"input": chunks[0]})
+        for s in open3:
+            s.close()
+        assert row(c, "vad")["streams"] == 0
+
+
 def vad_daemon_model(d) -> Path:
     return Path(d.workdir) / "repo" / "vad" / "1" / "model.onnx"
 
@@ -196,3 +228,173 @@ def test_a_model_without_a_stream_table_refuses_a_stream(start_daemon, short_tmp
         out = c.infer("vad", {"input": np.zeros((1, 576), np.float32), "sr": SR,
                               "state": np.zeros((2, 1, 128), np.float32)})
         assert set(out) == {"output", "stateN"}
+
+
+# ----------------------------------------------------------------- a toy stream model
+
+SLOW_OP = '''
+import os
+import time
+from pathlib import Path
+
+
+class CstSlow:
+    """Identity; a first element of 9 marks a file and sleeps (a run to kill)."""
+
+    op_type = "cstSlow"
+
+    def shape_infer(self, node, in_shapes, in_dtypes):
+        return [in_shapes[0]], [in_dtypes[0]]
+
+    def compute(self, node, inputs):
+        x = inputs[0]
+        if x.size and float(x.reshape(-1)[0]) == 9.0:
+            Path(os.environ["SLOW_MARK"]).touch()
+            time.sleep(60)
+        return [x.copy()]
+'''
+
+TOY_TOML = '''[stream]
+state = {{ state = {{ from = "stateN", axis = 0 }} }}
+max_streams = 2
+idle_timeout_s = {idle}
+'''
+
+
+def toy_model(repo: Path, name: str, idle: float = 60) -> None:
+    """x [N, 4], state [N, 4] -> y = stateN = state + slow(x): a running sum."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from tests.libbackends.customops import kit
+
+    nodes = [helper.make_node("cstSlow", ["x"], ["s"], name="slow", domain=kit.DOMAIN),
+             helper.make_node("Add", ["state", "s"], ["stateN"]),
+             helper.make_node("Identity", ["stateN"], ["y"])]
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes, "toy", [helper.make_tensor_value_info("x", f, ["N", 4]),
+                       helper.make_tensor_value_info("state", f, ["N", 4])],
+        [helper.make_tensor_value_info("y", f, ["N", 4]),
+         helper.make_tensor_value_info("stateN", f, ["N", 4])])
+    model = helper.make_model(graph, opset_imports=kit.OPSETS)
+    model.ir_version = 8
+    (repo / name / "1").mkdir(parents=True)
+    onnx.save(model, repo / name / "1" / "model.onnx")
+    (repo / name / "customops").mkdir()
+    (repo / name / "customops" / "slow.py").write_text(SLOW_OP)
+    (repo / name / "model.toml").write_text(TOY_TOML.format(idle=idle))
+
+
+def worker_pid(log: str, model: str) -> int:
+    import re
+
+    pids = re.findall(rf"worker {model} version 1@onnxruntime started: pid (\d+)", log)
+    assert pids, log[-3000:]
+    return int(pids[-1])
+
+
+@pytest.fixture
+def toy_daemon(start_daemon, short_tmp):
+    repo = short_tmp / "repo"
+    repo.mkdir()
+    toy_model(repo, "toy")
+    toy_model(repo, "toy-idle", idle=0.3)
+    conf = short_tmp / "inferd.toml"
+    conf.write_text('[workers]\nisolation = "backend"\nrestart_backoff_s = 0.1\n'
+                    '[cache]\nidle_check_s = 0.1\n[metrics]\ntextfile = ""\n')
+    mark = short_tmp / "running"
+    d = start_daemon("--config", str(conf), "--models", str(repo),
+                     env={"SLOW_MARK": str(mark)})
+    d.mark = mark
+    return d
+
+
+def row(c, name: str) -> dict:
+    return next(m for m in c.models() if m["name"] == name)
+
+
+def ones(v: float) -> np.ndarray:
+    return np.full((1, 4), v, np.float32)
+
+
+def test_a_worker_killed_mid_chunk_loses_the_stream_and_between_chunks_nothing(toy_daemon):
+    import signal
+    import threading
+
+    from tests.e2e.test_cache_reload import poll
+
+    d = toy_daemon
+    with d.client(timeout=60) as c:
+        s = c.stream("toy", id="k")
+        np.testing.assert_array_equal(s.infer({"x": ones(1)})["y"], ones(1))
+        # killed between two chunks: the state is the daemon's, nothing is lost
+        os.kill(worker_pid(d.log(), "toy"), signal.SIGKILL)
+        poll(lambda: "died of SIGKILL" in d.log(), 10)
+        np.testing.assert_array_equal(s.infer({"x": ones(2)})["y"], ones(3))
+        # killed while the stream's third chunk runs: that chunk is UNAVAILABLE, the
+        # next one is told the state is lost, a start makes it whole again
+        pid = worker_pid(d.log(), "toy")
+        killer = threading.Thread(target=lambda: (poll(d.mark.exists, 30),
+                                                  os.kill(pid, signal.SIGKILL)))
+        killer.start()
+        assert "died of SIGKILL while running" in fails(lambda: s.infer({"x": ones(9)}),
+                                                        ErrorCode.UNAVAILABLE)
+        killer.join()
+        assert fails(lambda: s.infer({"x": ones(1)}), ErrorCode.FAILED_PRECONDITION) == (
+            "stream k of toy: state lost (worker died while running chunk 3); start the "
+            "stream again")
+        # told again until started
+        assert "state lost (worker died while running chunk 3)" in fails(
+            lambda: c.infer("toy", {"x": ones(1)}, stream=StreamRef("k")),
+            ErrorCode.FAILED_PRECONDITION)
+        s.reset()
+        np.testing.assert_array_equal(s.infer({"x": ones(5)})["y"], ones(5))
+        np.testing.assert_array_equal(s.infer({"x": ones(1)})["y"], ones(6))
+        assert row(c, "toy")["streams_lost"] == 1
+        s.close()
+
+
+def test_limits_idleness_and_a_reload(toy_daemon):
+    from tests.e2e.test_cache_reload import poll
+
+    d = toy_daemon
+    with d.client() as c, d.client() as other:
+        a, b = c.stream("toy", id="a"), other.stream("toy", id="b")
+        a.infer({"x": ones(1)})
+        b.infer({"x": ones(1)})
+        assert fails(lambda: c.stream("toy", id="c").infer({"x": ones(1)}),
+                     ErrorCode.RESOURCE_EXHAUSTED) == (
+            "model toy: 2 streams are open, its limit (max_streams = 2 in its model.toml "
+            "[stream])")
+        assert row(c, "toy")["streams"] == 2
+        assert row(c, "toy")["streams_bytes"] == 2 * 16
+        b.close()
+        with c.stream("toy", id="c") as s3:  # room again
+            s3.infer({"x": ones(1)})
+        # an idle stream is freed (idle_timeout_s = 0.3), logged once, counted
+        i = c.stream("toy-idle", id="i")
+        i.infer({"x": ones(1)})
+        poll(lambda: row(c, "toy-idle")["streams"] == 0, 10)
+        assert fails(lambda: i.infer({"x": ones(1)}), ErrorCode.FAILED_PRECONDITION) == (
+            "stream i of toy-idle: state lost (idle for 0.3 s); start the stream again")
+        assert d.log().count("stream i of toy-idle freed: idle for") == 1
+        samples = c.call("metrics")["samples"]
+        got = {(n, lab.get("model")): v for n, lab, v in samples
+               if n.startswith("inferd_streams")}
+        assert got[("inferd_streams_expired_total", "toy-idle")] == 1
+        assert got[("inferd_streams", "toy")] == 1
+        # a reload that replaces the model's files loses its open streams
+        model = Path(d.workdir) / "repo" / "toy" / "1" / "model.onnx"
+        import onnx
+
+        m = onnx.load(model)
+        m.doc_string = "changed"
+        onnx.save(m, model)
+        c.call("reload")
+        poll(lambda: row(c, "toy")["streams"] == 0, 10)
+        assert fails(lambda: a.infer({"x": ones(1)}), ErrorCode.FAILED_PRECONDITION) == (
+            "stream a of toy: state lost (model reloaded: its files changed on disk); "
+            "start the stream again")
+        a.reset()
+        np.testing.assert_array_equal(a.infer({"x": ones(4)})["y"], ones(4))

@@ -1,0 +1,218 @@
+"""The [stream] table and the stream table of a cache entry (daemon/streams.py), without
+a daemon: what model.toml may say, how a table binds to a model, and a stream's turns,
+loss, ending and idleness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inferd.daemon.model_settings import check_settings
+from inferd.daemon.streams import (
+    Admission, StreamModel, StreamTable, parse_stream, stream_loss,
+)
+from inferd.daemon.worker import WorkItem
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+from inferd.ipc.protocol import Op, Reply, Request, StreamRef
+from inferd.ipc.replies import LocalTicket
+from inferd.libbackends.contract import TensorSpec
+
+VAD = {"state": {"state": {"from": "stateN", "axis": 1}}, "constant": {"sr": [16000]},
+       "context": {"input": {"axis": 1, "size": 64}}, "chunk": {"input": [1, 512]}}
+INPUTS = (TensorSpec("input", "float32", (None, None)),
+          TensorSpec("state", "float32", (2, None, 128)), TensorSpec("sr", "int64", ()))
+OUTPUTS = (TensorSpec("output", "float32", (None, 1)),
+           TensorSpec("stateN", "float32", (None, None, None)))
+
+
+def test_a_vad_table_parses_and_binds(tmp_path: Path) -> None:
+    spec = parse_stream(VAD)
+    assert spec.max_streams == 64 and spec.idle_timeout_s == 60.0
+    bound = StreamModel.prepare("vad version 1", spec, INPUTS, OUTPUTS, tmp_path)
+    assert bound.init["state"].shape == (2, 1, 128) and bound.state_bytes() == 1024
+    assert bound.chunk_inputs == ["input"]
+
+
+@pytest.mark.parametrize("table, why", [
+    ({}, "state must be a table"),
+    ({**VAD, "states": {}}, "unknown keys ['states']"),
+    ({**VAD, "state": {"state": {"from": "stateN", "axis": -1}}},
+     "state.state.axis must be an integer >= 0, got -1"),
+    ({**VAD, "state": {"state": {"from": "stateN", "init": "../x.npy"}}},
+     "state.state.init must be \"zeros\" or the name of a .npy file"),
+    ({**VAD, "constant": "sr"}, "constant must be a list of input names"),
+    ({**VAD, "context": {"input": {"axis": 1}}}, "context.input must be { axis = n, size = n }"),
+    ({**VAD, "context": {"sr": {"axis": 0, "size": 1}}},
+     "context.sr: a state or constant input has no context"),
+    ({**VAD, "idle_timeout_s": 0}, "idle_timeout_s must be a positive number, got 0"),
+    ({**VAD, "max_streams": 0}, "max_streams must be an integer >= 1, got 0"),
+])
+def test_a_wrong_table_names_the_key(table, why) -> None:
+    with pytest.raises(ModelError) as e:
+        check_settings("vad", {"stream": table}, "vad/model.toml")
+    assert e.value.code is ErrorCode.INTERNAL
+    assert e.value.message.startswith("model vad: vad/model.toml: stream = ")
+    assert why in e.value.message
+
+
+@pytest.mark.parametrize("table, why", [
+    ({"state": {"h": {"from": "stateN", "axis": 1}}},
+     "state.h names 'h', which is not an input of the model; its inputs: "
+     "['input', 'state', 'sr']"),
+    ({"state": {"state": {"from": "hN", "axis": 1}}},
+     "state.state.from names 'hN', which is not an output of the model; its outputs: "
+     "['output', 'stateN']"),
+    ({"state": {"state": {"from": "stateN", "axis": 3}}},
+     "state.state.axis = 3, but input 'state' has rank 3"),
+    ({"state": {"state": {"from": "stateN", "axis": 0}}},
+     "state.state: the model leaves axis 1 of 'state' free ([2, None, 128]), so zeros "
+     "have no shape; give init = \"file.npy\""),
+    ({"state": {"state": {"from": "stateN", "axis": 1, "init": "s.npy"}}}, "cannot read"),
+])
+def test_a_table_that_does_not_fit_the_model_fails_its_load(tmp_path, table, why) -> None:
+    with pytest.raises(ModelError) as e:
+        StreamModel.prepare("vad version 1", parse_stream(table), INPUTS, OUTPUTS, tmp_path)
+    assert e.value.message.startswith("model vad version 1: model.toml [stream]: ")
+    assert why in e.value.message
+
+
+def test_an_initial_state_from_a_file(tmp_path) -> None:
+    np.save(tmp_path / "s.npy", np.full((2, 1, 128), 0.5, np.float32))
+    spec = parse_stream({"state": {"state": {"from": "stateN", "axis": 1, "init": "s.npy"}}})
+    bound = StreamModel.prepare("vad version 1", spec, INPUTS, OUTPUTS, tmp_path)
+    assert float(bound.init["state"][0, 0, 0]) == 0.5
+
+
+def test_loss_reasons() -> None:
+    assert stream_loss("evicted to make room for ocr-det version 1 within ...") == "evicted"
+    assert stream_loss("unload requested") == "model unloaded"
+    assert stream_loss("its files changed on disk") == ("model reloaded: its files "
+                                                        "changed on disk")
+
+
+# ----------------------------------------------------------------- the table's turns
+
+def item(sid: str, start: bool = False, end: bool = False, peer: bytes = b"p",
+         x: float | None = 1.0) -> WorkItem:
+    inputs = {} if x is None else {"input": np.full((1, 512), x, np.float32)}
+    if start:
+        inputs["sr"] = np.array(16000, np.int64)
+    req = Request(id=f"{sid}-{x}", op=Op.INFER, model="vad", inputs=inputs,
+                  stream=StreamRef(sid, start, end))
+    return WorkItem(req, LocalTicket(req.id, lambda r: None, peer=peer))
+
+
+@pytest.fixture
+def table(tmp_path) -> StreamTable:
+    t = StreamTable("vad")
+    t.bound = StreamModel.prepare("vad version 1", parse_stream(VAD), INPUTS, OUTPUTS,
+                                  tmp_path)
+    return t
+
+
+def run(t: StreamTable, it: WorkItem, ok: bool = True, reason: str | None = None) -> list:
+    """What the workers do with a chunk: bind, run (a fake: stateN = state + 1), commit,
+    answer; returns what finished hands on."""
+    values = t.bind(it, it.request.inputs)
+    it.chunk.ran = True
+    if ok:
+        t.commit(it, values, {"output": np.zeros((1, 1), np.float32),
+                              "stateN": values["state"] + 1})
+    else:
+        it.chunk.reason = reason
+    return t.finished(it, ok)
+
+
+def admit(t: StreamTable, it: WorkItem, spec=parse_stream(VAD), per_client: int = 16):
+    held = []
+    verdict = t.admit(it, spec, per_client, lambda: held.append(it))
+    return verdict
+
+
+def test_a_stream_takes_turns_and_carries_its_state(table) -> None:
+    a = item("s", start=True, x=1.0)
+    assert admit(table, a) is Admission.RUN
+    b, c = item("s", x=2.0), item("s", x=3.0)
+    assert admit(table, b) is Admission.HELD and admit(table, c) is Admission.HELD
+    assert run(table, a) == [(b, None)]  # b's turn: queued
+    values = table.bind(b, b.request.inputs)
+    assert float(values["state"][0, 0, 0]) == 1.0  # a's stateN
+    assert values["input"].shape == (1, 576)
+    np.testing.assert_array_equal(values["input"][:, :64], np.full((1, 64), 1.0))  # context
+    np.testing.assert_array_equal(values["sr"], np.array(16000))  # kept from the start
+    assert run(table, b) == [(c, None)]
+    assert run(table, c) == []
+    assert table.open() == 1 and table.nbytes() == 1024 + 256
+
+
+def test_a_failed_chunk_loses_the_stream_and_its_held_chunks_are_told(table) -> None:
+    a, b, c = item("s", start=True), item("s", x=2.0), item("s", start=True, x=3.0)
+    admit(table, a)
+    run(table, a)
+    x = item("s", x=4.0)
+    assert admit(table, x) is Admission.RUN
+    assert admit(table, b) is Admission.HELD and admit(table, c) is Admission.HELD
+    handed = run(table, x, ok=False, reason="worker died while running chunk 2")
+    # b is told why; c (a start) begins the stream again and runs
+    assert handed[0][0] is b and handed[0][1].error.code is ErrorCode.FAILED_PRECONDITION
+    assert handed[0][1].error.message == ("stream s of vad: state lost (worker died while "
+                                          "running chunk 2); start the stream again")
+    assert handed[1] == (c, None)
+    assert float(table.bind(c, c.request.inputs)["state"].max()) == 0.0  # from zeros
+    run(table, c)
+    assert table.open() == 1 and table.lost_count == 1
+
+
+def test_a_refused_chunk_loses_nothing_and_a_refused_start_begins_nothing(table) -> None:
+    a = item("s", start=True)
+    admit(table, a)
+    del a.request.inputs["sr"]
+    with pytest.raises(InferdError) as e:
+        table.bind(a, a.request.inputs)
+    assert e.value.code is ErrorCode.INVALID_ARGUMENT
+    assert table.finished(a, False) == [] and table.open() == 0
+    with pytest.raises(InferdError) as e:
+        admit(table, item("s"))
+    assert e.value.message == "stream s of vad: not started; send start=true first"
+
+
+def test_end_frees_ids_are_per_client_and_limits(table) -> None:
+    admit(table, a := item("s", start=True))
+    run(table, a)
+    with pytest.raises(InferdError) as e:  # another client's "s" is not this one
+        admit(table, item("s", peer=b"q"))
+    assert e.value.code is ErrorCode.FAILED_PRECONDITION
+    end = item("s", end=True, x=None)
+    reply = admit(table, end)
+    assert isinstance(reply, Reply) and reply.ok and not reply.outputs
+    assert table.open() == 0
+    spec = parse_stream({**VAD, "max_streams": 2})
+    for sid in ("a", "b"):
+        admit(table, it := item(sid, start=True), spec)
+        run(table, it)
+    with pytest.raises(InferdError) as e:
+        admit(table, item("c", start=True), spec)
+    assert e.value.code is ErrorCode.RESOURCE_EXHAUSTED
+    with pytest.raises(InferdError) as e:
+        admit(table, item("c", start=True, peer=b"q"), parse_stream(VAD), per_client=0)
+    assert "limit per client" in e.value.message
+
+
+def test_idleness_and_unload_lose_streams_with_their_reason(table) -> None:
+    admit(table, a := item("a", start=True))
+    run(table, a)
+    assert table.expire(a.chunk.stream.used_at + 59, 60) == []
+    assert table.expire(a.chunk.stream.used_at + 61, 60) == ["stream a of vad"]
+    with pytest.raises(InferdError) as e:
+        admit(table, item("a"))
+    assert e.value.message == ("stream a of vad: state lost (idle for 60 s); start the "
+                               "stream again")
+    admit(table, b := item("b", start=True))
+    run(table, b)
+    assert table.lose_all("model reloaded: its files changed on disk") == 1
+    with pytest.raises(InferdError) as e:
+        admit(table, item("b"))
+    assert "state lost (model reloaded: its files changed on disk)" in e.value.message
+    assert table.expired == 1 and table.open() == 0
