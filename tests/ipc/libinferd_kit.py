@@ -29,6 +29,8 @@ ONNX_TYPES = {"bool": 9, "int8": 3, "uint8": 2, "int16": 5, "uint16": 4, "int32"
               "float64": 11, "string": 8, "bfloat16": 16, "float8_e4m3fn": 17,
               "float8_e4m3fnuz": 18, "float8_e5m2": 19, "float8_e5m2fnuz": 20, "uint4": 21,
               "int4": 22, "float4_e2m1fn": 23, "float8_e8m0fnu": 24, "uint2": 25, "int2": 26}
+VAD_TOML = ROOT / "examples" / "models" / "vad" / "model.toml"
+"""The demo vad's model.toml as this tree has it (models/ may be older)."""
 SLOW_MS = 400
 """How long a request to the `slow` model takes (its `sleep` pre step)."""
 
@@ -86,11 +88,12 @@ def make_repository(repo: Path, models_dir: Path) -> Path:
     """REPO with id-<dtype> for every wire dtype (strings too: onnxruntime's Identity
     takes them), `slow` (ocr-cls behind a sleep
     step of SLOW_MS), `labels` (ocr-cls whose post step names its classes as strings,
-    some not ASCII) and ocr-cls, vad."""
+    some not ASCII) and ocr-cls, vad (with this tree's model.toml: its [stream])."""
     for dtype in WIRE_DTYPES:
         identity_model(repo / f"id-{dtype}" / "1" / "model.onnx", dtype)
     for name in ("ocr-cls", "vad"):
         link_tree(models_dir / name / "1", repo / name / "1")
+    (repo / "vad" / "model.toml").write_bytes(VAD_TOML.read_bytes())
     link_tree(models_dir / "ocr-cls" / "1", repo / "slow" / "1")
     (repo / "slow" / "model.toml").write_text(f'[[pre]]\nop = "sleep"\nms = {SLOW_MS}\n')
     link_tree(models_dir / "ocr-cls" / "1", repo / "labels" / "1")

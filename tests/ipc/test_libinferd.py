@@ -170,6 +170,37 @@ def test_every_op_errors_and_deadlines(programs, daemon, kind):
     assert "DEADLINE_EXCEEDED" not in lines["deadline"] and lines["deadline"]
 
 
+def vad_audio(n_chunks: int) -> np.ndarray:
+    """N_CHUNKS chunks of 512 samples at 16 kHz: bursts of a modulated tone in noise,
+    on which Silero's probabilities vary (0.01 to 0.44)."""
+    rng = np.random.default_rng(11)
+    t = np.arange(n_chunks * 512) / 16000
+    envelope = (np.sin(2 * np.pi * 0.7 * t) > 0.3).astype(np.float32)
+    voice = 0.3 * np.sin(2 * np.pi * 180 * t) * (1 + 0.5 * np.sin(2 * np.pi * 5 * t))
+    return (envelope * voice + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stream_equals_the_python_clients_stream(programs, daemon, kind, short_tmp):
+    """inferd_stream_open / _infer / _close: each chunk's probability equals the Python
+    client's stream's bit for bit; the refusals, a loss and a reset (test_stream.c)."""
+    audio = vad_audio(40)
+    (short_tmp / "audio.f32").write_bytes(audio.tobytes())
+    out = run(programs, kind, "test_stream", daemon.endpoint, str(short_tmp / "audio.f32"),
+              str(short_tmp / "probs.f32")).stdout
+    assert out.rstrip().endswith("ok"), out
+    got = np.fromfile(short_tmp / "probs.f32", np.float32)
+    with Client(daemon.endpoint) as c, c.stream("vad", sr=16000) as s:
+        ref = np.array([s.infer({"input": chunk[None]})["output"].item()
+                        for chunk in audio.reshape(-1, 512)], np.float32)
+    assert got.tobytes() == ref.tobytes()
+    assert float(ref.max() - ref.min()) > 0.2, ref  # the state carried: they vary
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert "input" in lines["short chunk"] and "never-started" in lines["not held"]
+    assert "state lost (model unloaded)" in lines["lost"], lines["lost"]
+    assert "stream" in lines["no [stream]"]
+
+
 @pytest.fixture
 def limited(models_dir: Path, short_tmp: Path, start_daemon) -> Daemon:
     """A daemon of its own: two requests in flight per client at most."""
@@ -231,6 +262,11 @@ def test_the_cxx_header(programs, daemon, kind):
         labels = c.infer("labels", {"x": x}, outputs=["topk_labels"])["topk_labels"]
     assert [np.float32(v) for v in got["scores"].split()] == list(ref[0])  # bit for bit
     assert got["labels"] == " ".join(f"[{s}]" for s in labels.reshape(-1))
+    v = (np.arange(512, dtype=np.int64) * 7919 % 200).astype(np.float32)
+    chunk = (np.float32(0.3) * v / np.float32(200) - np.float32(0.15)).reshape(1, 512)
+    with Client(daemon.endpoint) as c, c.stream("vad", sr=16000) as s:
+        first = s.infer({"input": chunk})["output"].item()
+    assert np.float32(got["stream"]) == np.float32(first)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define INFERD_VERSION_MAJOR 0
-#define INFERD_VERSION_MINOR 1
+#define INFERD_VERSION_MINOR 2
 #define INFERD_VERSION_PATCH 0
 
 /* The first frame of every message: the protocol's name and major version. */
@@ -107,7 +107,7 @@ size_t inferd_dtype_size(inferd_dtype dtype);
  * and invalid dtypes. */
 inferd_code inferd_frame_size(inferd_dtype dtype, uint64_t elements, uint64_t *bytes);
 
-/* The library's version, "0.1.0". */
+/* The library's version, "0.2.0". */
 const char *inferd_version(void);
 
 /* ----------------------------------------------------------------- tensors */
@@ -283,6 +283,13 @@ const void *inferd_output_aligned(inferd_call *call, size_t index);
 inferd_code inferd_output_string(const inferd_call *call, size_t index, uint64_t elem,
                                  const char **data, size_t *len);
 
+/* Names the stream CALL belongs to (docs/streams.md; the header's "stream" field): ID is
+ * 1 to 64 characters of [A-Za-z0-9._-]; START begins the stream (or begins it again: its
+ * state back to the model's initial value) and then carries its constant inputs; END frees
+ * it once this call has run (an END call may carry no inputs). Nonzero is true. Most
+ * programs use inferd_stream_open instead, which keeps these flags right. (since 0.2) */
+inferd_code inferd_call_set_stream(inferd_call *call, const char *id, int start, int end);
+
 /* ----------------------------------------------------------------- shared memory */
 
 /* A shared-memory region (docs/protocol.md, "Shared memory"): a memfd sealed against
@@ -324,6 +331,54 @@ inferd_code inferd_control(inferd_client *client, inferd_op op, const char *mode
                            inferd_call **call);
 /* ping: *READY is the daemon's readiness. */
 inferd_code inferd_ping(inferd_client *client, int *ready);
+
+/* ----------------------------------------------------------------- streams (since 0.2) */
+
+/* A stream (docs/streams.md): a model whose state the daemon carries from one call to the
+ * next (Silero VAD's LSTM state and its last 64 samples of audio), so that each call sends
+ * only the next chunk. A stream belongs to its client: no other client can name it; its
+ * calls run in the order they are made, one at a time. */
+typedef struct inferd_stream inferd_stream;
+
+/* The longest stream id, in characters of [A-Za-z0-9._-]. */
+#define INFERD_STREAM_ID_MAX 64
+
+/* A stream of MODEL on CLIENT, named ID (NULL: a name the library makes, unique for the
+ * client: "<client prefix>-s<n>"). CONSTANTS are the inputs that stay the same for the
+ * whole stream (Silero VAD's "sr"): copied now (an input's release function, if it has
+ * one, runs before this returns) and sent with the stream's first call and with the first
+ * call after inferd_stream_reset. Nothing is sent here: the model, the id and the
+ * constants are checked by the daemon at the first inferd_stream_infer. *STREAM is NULL on
+ * failure, with the reason in inferd_client_error. */
+inferd_code inferd_stream_open(inferd_client *client, const char *model, const char *id,
+                               const inferd_tensor *constants, size_t n_constants,
+                               inferd_stream **stream);
+/* The stream's id, as sent. */
+const char *inferd_stream_id(const inferd_stream *stream);
+/* Runs the stream's next chunk: N_INPUTS inputs (Silero VAD's "input" [1, 512]; the
+ * state and the context are the daemon's), as inferd_infer runs a call (the same
+ * ownership of inputs, the same retry of RESOURCE_EXHAUSTED with
+ * INFERD_OPT_RETRY_EXHAUSTED). The stream's first call, and the first after
+ * inferd_stream_reset, starts it. *CALL is the completed call: its outputs are the
+ * model's other than its state; free it. Returns the call's code:
+ * INFERD_FAILED_PRECONDITION when the daemon no longer holds the stream's state (its
+ * worker restarted, its model was unloaded or reloaded, it was idle too long; the message
+ * says which): this chunk was not run, and the next call starts the stream again from
+ * the model's initial state (as the Python client's Stream does: the loss is reported
+ * once, never hidden). A call that fails otherwise (INVALID_ARGUMENT for a chunk of the
+ * wrong shape) leaves the stream as it was. */
+inferd_code inferd_stream_infer(inferd_stream *stream, const inferd_tensor *inputs,
+                                size_t n_inputs, inferd_call **call);
+/* The next inferd_stream_infer starts the stream again, with its constants: its state
+ * back to the model's initial value (to begin a new utterance; the Python client's
+ * Stream.reset). Sends nothing. */
+void inferd_stream_reset(inferd_stream *stream);
+/* Frees the stream in the daemon (a call with END and no inputs, waited; sent only while
+ * the stream is started: its last start succeeded and no loss was reported since) and
+ * then the handle, whatever the answer. INFERD_OK also when the daemon had lost the
+ * stream already; otherwise the call's code, with its message in
+ * inferd_client_error. After inferd_client_free only the handle is freed. */
+inferd_code inferd_stream_close(inferd_stream *stream);
 
 /* ----------------------------------------------------------------- models */
 

@@ -221,6 +221,11 @@ public:
         check(inferd_call_set_param(get(), key.c_str(), json.c_str()), "param " + key);
         return *this;
     }
+    // The header's "stream" field (inferd_call_set_stream; libinferd 0.2).
+    Call &stream(const std::string &id, bool start, bool end = false) {
+        check(inferd_call_set_stream(get(), id.c_str(), start, end), "stream " + id);
+        return *this;
+    }
 
     void submit() { check(inferd_submit(get()), "submit"); }
     // Waits up to TIMEOUT_MS (< 0: the call's deadline): true when it completed
@@ -313,6 +318,70 @@ public:
 
 private:
     Handle<inferd_client, inferd_client_free> client_;
+};
+
+namespace detail {
+inline void close_stream(inferd_stream *s) {
+    if (s != nullptr)
+        inferd_stream_close(s);
+}
+}  // namespace detail
+
+// A stream of a model (inferd.h, "streams"; libinferd 0.2): the daemon keeps the model's
+// state between its calls. Owns its inferd_stream, closed (in the daemon too) when it
+// goes; close() says whether that worked.
+//
+//   std::int64_t rate = 16000;
+//   inferd::Stream vad(client, "vad", {{"sr", INFERD_INT64, 0, nullptr, &rate, 8}});
+//   float p = vad.infer("input", chunk, {1, 512}).output("output").at<float>(0);
+class Stream {
+public:
+    // CONSTANTS: the inputs that stay for the whole stream (copied now). ID nullptr: a
+    // name the library makes. Throws Error.
+    Stream(Client &client, const std::string &model,
+           std::initializer_list<inferd_tensor> constants = {}, const char *id = nullptr)
+        : client_(client.get()) {
+        inferd_code rc = inferd_stream_open(client_, model.c_str(), id, constants.begin(),
+                                            constants.size(), stream_.out());
+        if (rc != INFERD_OK)
+            throw Error(rc, inferd_client_error(client_));
+    }
+    std::string_view id() const { return inferd_stream_id(stream_.get()); }
+    // The next chunk (inputs borrowed until it returns): the completed call. Throws Error;
+    // INFERD_FAILED_PRECONDITION when the daemon lost the state (the next call starts it again).
+    Call infer(std::initializer_list<inferd_tensor> inputs) {
+        inferd_call *raw = nullptr;
+        inferd_code rc = inferd_stream_infer(stream_.get(), inputs.begin(), inputs.size(), &raw);
+        if (raw == nullptr)
+            throw Error(rc, inferd_client_error(client_));
+        Call call(raw);
+        if (rc != INFERD_OK)
+            throw Error(rc, inferd_call_message(raw));
+        return call;
+    }
+    template <class T>
+    Call infer(const std::string &name, const std::vector<T> &values,
+               std::initializer_list<std::int64_t> shape) {
+        return infer({inferd_tensor{name.c_str(), dtype_of<T>::dtype, shape.size(), shape.begin(),
+                                    values.data(), values.size() * sizeof(T), nullptr,
+                                    nullptr}});
+    }
+    // The next call starts the stream again (its state back to the model's initial value).
+    void reset() noexcept { inferd_stream_reset(stream_.get()); }
+    // Frees it in the daemon now; throws Error when that failed (it is gone here anyway).
+    void close() {
+        inferd_stream *s = std::exchange(*stream_.out(), nullptr);
+        if (s == nullptr)
+            return;
+        inferd_code rc = inferd_stream_close(s);
+        if (rc != INFERD_OK)
+            throw Error(rc, inferd_client_error(client_));
+    }
+    inferd_stream *get() const noexcept { return stream_.get(); }
+
+private:
+    inferd_client *client_;
+    Handle<inferd_stream, detail::close_stream> stream_;
 };
 
 }  // namespace inferd

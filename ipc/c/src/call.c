@@ -206,7 +206,7 @@ inferd_code inferd_call_set_timeout(inferd_call *call, int64_t timeout_ms)
 inferd_code inferd_call_set_param(inferd_call *call, const char *key, const char *json_value)
 {
     static const char *const RESERVED[] = {"id", "op", "model", "version", "inputs",
-                                           "outputs", "timeout_ms"};
+                                           "outputs", "timeout_ms", "stream"};
     if (call == NULL || key == NULL || json_value == NULL || call->state != IFD_BUILDING)
         return INFERD_INVALID_ARGUMENT;
     for (size_t i = 0; i < sizeof RESERVED / sizeof RESERVED[0]; i++)
@@ -221,5 +221,43 @@ inferd_code inferd_call_set_param(inferd_call *call, const char *key, const char
     if (json_object_set_new(call->params, key, value) != 0)
         return ifd_fail(call->client, INFERD_INVALID_ARGUMENT, "param key '%s' is not UTF-8",
                         key);
+    return INFERD_OK;
+}
+
+int ifd_stream_id_valid(const char *id)
+{
+    size_t n = id ? strlen(id) : 0;
+    if (n == 0 || n > INFERD_STREAM_ID_MAX)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        char ch = id[i];
+        if (!((ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') ||
+              ch == '.' || ch == '_' || ch == '-'))
+            return 0;
+    }
+    return 1;
+}
+
+inferd_code inferd_call_set_stream(inferd_call *call, const char *id, int start, int end)
+{
+    if (call == NULL || id == NULL || call->state != IFD_BUILDING)
+        return INFERD_INVALID_ARGUMENT;
+    if (call->op != INFERD_OP_INFER)
+        return ifd_fail(call->client, INFERD_INVALID_ARGUMENT, "only an infer call belongs to "
+                        "a stream");
+    if (!ifd_stream_id_valid(id))
+        return ifd_fail(call->client, INFERD_INVALID_ARGUMENT, "a stream id is 1 to %d "
+                        "characters of [A-Za-z0-9._-], not '%.80s'", INFERD_STREAM_ID_MAX, id);
+    /* false flags left out, as the Python client does */
+    json_t *stream = json_pack("{ss}", "id", id);
+    int bad = stream == NULL;
+    if (!bad && start)
+        bad = json_object_set_new(stream, "start", json_true()) != 0;
+    if (!bad && end)
+        bad = json_object_set_new(stream, "end", json_true()) != 0;
+    if (bad || json_object_set_new(call->params, "stream", stream) != 0) {
+        json_decref(bad ? stream : NULL);
+        return ifd_fail(call->client, INFERD_NO_MEMORY, "out of memory");
+    }
     return INFERD_OK;
 }

@@ -230,6 +230,8 @@ void inferd_client_free(inferd_client *c)
         call->in_done_list = 0;
         call->next_done = NULL;
     }
+    for (inferd_stream *s = c->streams; s; s = s->next)
+        s->client = NULL;  /* the streams stay the caller's, to close */
     ifd_regions_free(c);
     if (c->own_ctx && c->ctx)
         zmq_ctx_term(c->ctx);

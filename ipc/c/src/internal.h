@@ -178,6 +178,9 @@ struct inferd_client {
                                    it is freed first) */
     int shm_fd;                 /* the registration socket, -1 while closed */
     inferd_region *regions;     /* every region of the client */
+    inferd_stream *streams;     /* every stream not closed yet (they lose their client when
+                                   it is freed first) */
+    uint64_t next_stream;       /* streams named by the library so far */
     unsigned unreadable;        /* replies dropped because their id could not be read */
     ifd_text last_unreadable;
     ifd_text error;
@@ -190,6 +193,18 @@ struct inferd_region {
     size_t size;
     char token[72];             /* the daemon's name for it, "" while not registered */
     inferd_region *next;
+};
+
+/* A stream (stream.c): its name, model and constants; whether the daemon holds it. */
+struct inferd_stream {
+    inferd_client *client;      /* NULL once the client was freed */
+    inferd_stream *prev, *next; /* every stream of the client */
+    char *model;
+    char id[INFERD_STREAM_ID_MAX + 1];
+    size_t n_constants;
+    inferd_tensor *constants;   /* copies: name, shape and data owned (one block each) */
+    int started;                /* a start succeeded, and no reset or loss since: the next
+                                   call continues the stream */
 };
 
 /* ------------------------------------------------------------------ shared memory (shm.c) */
@@ -236,6 +251,14 @@ void ifd_call_rearm(inferd_call *call);
 void ifd_pump(inferd_client *c, int64_t deadline_ns);
 /* The backoff before retry ATTEMPT (0-based), in ms, with jitter. */
 int64_t ifd_backoff_ms(inferd_client *c, int attempt);
+/* Submits CALL and waits for it; with the client's retry_exhausted, sends it again after
+ * RESOURCE_EXHAUSTED with a backoff until its deadline (infer only). Returns its code. */
+inferd_code ifd_run(inferd_call *call);
+/* Adds N inputs to CALL; on failure frees CALL (releasing the inputs it took), runs the
+ * release functions of those it did not take, and returns the code. */
+inferd_code ifd_add_inputs(inferd_call *call, const inferd_tensor *inputs, size_t n);
+/* 1 when ID is a valid stream id: 1 to INFERD_STREAM_ID_MAX characters of [A-Za-z0-9._-]. */
+int ifd_stream_id_valid(const char *id);
 /* Sets the client's error message and returns CODE. */
 inferd_code ifd_fail(inferd_client *c, inferd_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -100,9 +100,7 @@ inferd_code inferd_output_string(const inferd_call *call, size_t index, uint64_t
 
 /* ------------------------------------------------------------------ waited calls */
 
-/* Submits CALL and waits for it; with the client's retry_exhausted, sends it again
- * after RESOURCE_EXHAUSTED with a backoff until its deadline (infer only). */
-static inferd_code run(inferd_call *call)
+inferd_code ifd_run(inferd_call *call)
 {
     inferd_client *c = call->client;
     int64_t timeout_ms = call->timeout_ms > 0 ? call->timeout_ms : c->timeout_ms;
@@ -137,18 +135,26 @@ inferd_code inferd_infer(inferd_client *c, const char *model, const inferd_tenso
     inferd_call *call = inferd_call_new(c, INFERD_OP_INFER, model);
     if (call == NULL)
         return ifd_fail(c, INFERD_NO_MEMORY, "out of memory for a call");
-    for (size_t i = 0; i < n_inputs; i++) {
+    inferd_code rc = ifd_add_inputs(call, inputs, n_inputs);
+    if (rc != INFERD_OK)
+        return rc;
+    *out = call;
+    return ifd_run(call);
+}
+
+inferd_code ifd_add_inputs(inferd_call *call, const inferd_tensor *inputs, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
         inferd_code rc = inferd_call_add_input(call, &inputs[i]);
         if (rc != INFERD_OK) {
             inferd_call_free(call);  /* releases the inputs taken so far */
-            for (size_t k = i; k < n_inputs; k++)  /* and those it did not take */
+            for (size_t k = i; k < n; k++)  /* and those it did not take */
                 if (inputs[k].release)
                     inputs[k].release((void *)inputs[k].data, inputs[k].hint);
             return rc;
         }
     }
-    *out = call;
-    return run(call);
+    return INFERD_OK;
 }
 
 inferd_code inferd_control(inferd_client *c, inferd_op op, const char *model, inferd_call **out)
@@ -162,7 +168,7 @@ inferd_code inferd_control(inferd_client *c, inferd_op op, const char *model, in
     if (call == NULL)
         return ifd_fail(c, INFERD_INVALID_ARGUMENT, "no such op %d, or out of memory", (int)op);
     *out = call;
-    return run(call);
+    return ifd_run(call);
 }
 
 /* Runs a control call and parses its result; on failure the call's message becomes
@@ -172,7 +178,7 @@ static inferd_code run_parsed(inferd_client *c, inferd_call *call, json_t **resu
     *result = NULL;
     if (call == NULL)
         return ifd_fail(c, INFERD_NO_MEMORY, "out of memory for a call");
-    inferd_code rc = run(call);
+    inferd_code rc = ifd_run(call);
     if (rc != INFERD_OK) {
         ifd_fail(c, rc, "%s", inferd_call_message(call));
         inferd_call_free(call);

@@ -82,6 +82,36 @@ int main(int argc, char **argv) {
         CHECK(in_shm.output(0).copy<float>() == copy);
         CHECK(in_shm.output(0).bytes().data() == static_cast<unsigned char *>(region.data()) +
                                                      (1 << 19));
+        // a stream (libinferd 0.2): the state stays in the daemon, a restart resets it
+        std::int64_t rate = 16000;
+        std::vector<float> chunk(512);
+        for (std::size_t i = 0; i < chunk.size(); i++)
+            chunk[i] = 0.3f * static_cast<float>((i * 7919) % 200) / 200.0f - 0.15f;
+        {
+            inferd::Stream vad(client, "vad", {{"sr", INFERD_INT64, 0, nullptr, &rate, 8,
+                                                nullptr, nullptr}});
+            CHECK(!vad.id().empty());
+            float first = vad.infer("input", chunk, {1, 512}).output("output").at<float>(0);
+            vad.infer("input", chunk, {1, 512});
+            vad.reset();
+            inferd::Call again = vad.infer("input", chunk, {1, 512});
+            CHECK(again.outputs() == 1 && again.output("output").at<float>(0) == first);
+            std::printf("stream %.9g\n", first);
+            threw = false;
+            try {
+                vad.infer("input", chunk, {1, 500});
+            } catch (const inferd::Error &e) {
+                threw = e.code() == INFERD_INVALID_ARGUMENT;
+            }
+            CHECK(threw);
+            vad.close();
+            vad.close();  // once is enough
+        }  // a stream left open is closed by its destructor
+        {
+            inferd::Stream open(client, "vad", {{"sr", INFERD_INT64, 0, nullptr, &rate, 8,
+                                                 nullptr, nullptr}}, "cxx-left-open");
+            open.infer("input", chunk, {1, 512});
+        }
         std::string status = client.control(INFERD_OP_STATUS);
         CHECK(status.find("\"ready\":true") != std::string::npos);
         threw = false;

@@ -40,7 +40,7 @@ static void check_vocabulary(void)
     CHECK(strcmp(inferd_dtype_name(INFERD_FLOAT4_E2M1FN), "float4_e2m1fn") == 0);
     CHECK(inferd_frame_size(INFERD_FLOAT64, 3, &bytes) == INFERD_OK && bytes == 24);
     CHECK(inferd_frame_size(INFERD_STRING, 3, &bytes) == INFERD_INVALID_ARGUMENT);
-    CHECK(strcmp(inferd_version(), "0.1.0") == 0);
+    CHECK(strcmp(inferd_version(), "0.2.0") == 0);
     uint64_t n;
     int64_t shape[3] = {2, 0, 5};
     CHECK(inferd_shape_elements(shape, 3, &n) == INFERD_OK && n == 0);
