@@ -24,6 +24,8 @@ from inferd.ipc import defs
 from inferd.ipc.client import Client, default_endpoint
 from inferd.ipc.dtypes import ML_DTYPES, dtype_name, numpy_dtype
 from inferd.ipc.errors import ProtocolError, RequestError
+from inferd.ipc.inferctl_stream import add_parser as add_stream_parser
+from inferd.ipc.inferctl_stream import StreamInput, run_stream
 from inferd.ipc.top import run_top
 
 
@@ -104,6 +106,8 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
                         f"\n  outputs: {_tensors(m['outputs'])}"
                         f"\n  threads: {', '.join(m.get('threads', [])) or '-'}")
                 out += f"\n  batching: {_batching(m.get('batching'))}"
+                if _has_streams(m):
+                    out += f"\n  streams: {_streams(m)}"
             if m.get("kind") == "graph" and m.get("threads"):
                 out += (f"\n\n{m['name']} (graph, {m['executor']} executor)"
                         f"\n  inputs:  {', '.join(m['graph_inputs'])}"
@@ -123,6 +127,22 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
                         f"cpus {_cores(p['affinity'])}, backend {p['backend'] or '-'}"
                         + (f" ({p['error']})" if p.get("error") else ""))
     return out
+
+
+def _has_streams(m: dict[str, Any]) -> bool:
+    """A model with a [stream] table, or streams counted (docs/streams.md)."""
+    return bool(m.get("stream") or m.get("streams") or m.get("streams_expired")
+                or m.get("streams_lost"))
+
+
+def _streams(m: dict[str, Any]) -> str:
+    spec = m.get("stream") or {}
+    line = (f"{m.get('streams', 0)} open ({_size(m.get('streams_bytes', 0))} of state); "
+            f"since the start {m.get('streams_expired', 0)} freed idle, "
+            f"{m.get('streams_lost', 0)} lost")
+    if spec.get("max_streams") is not None:
+        line += f"; max_streams {spec['max_streams']}, idle_timeout_s {spec['idle_timeout_s']:g}"
+    return line
 
 
 def _batching(b: dict[str, Any] | None) -> str:
@@ -354,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("-o", "--out-dir", default=None, help="write each output as NAME.npy")
     i.add_argument("--output", action="append", dest="output_names", default=None,
                    help="only this output (repeatable)")
+    add_stream_parser(sub)
     return p
 
 
@@ -384,11 +405,14 @@ def _main(argv: list[str] | None) -> int:
     if args.cmd == "wait":
         return _wait(args)
     inputs = _inputs(args) if args.cmd == "infer" else {}
+    source = StreamInput(args) if args.cmd == "stream" else None
     try:
         with Client(args.socket, timeout=args.request_timeout) as c:
             if args.cmd == "infer":
                 _infer(c, args, inputs)
                 return 0
+            if source is not None:
+                return run_stream(c, args, source)
             if args.cmd == "top":
                 return run_top(c, once=args.once, interval=args.interval,
                                as_json=args.json)
