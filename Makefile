@@ -11,11 +11,13 @@ SOCKET ?= ipc://$(RUNDIR)/inferd/inferd.sock
 # pkg-config: libinferd, its C++ header and the C client example; fonts: the OCR tests
 # render their images; pocl + OpenCL headers and loader: the OpenCL custom op example and
 # its tests; Mesa's Vulkan drivers, lavapipe among them, and the loader: the ncnn
-# backend's Vulkan tests). Installed by `make setup` when run as root.
+# backend's Vulkan tests; espeak-ng and sox: the VAD stream test speaks its WAV).
+# Installed by `make setup` when run as root.
 SYSTEM_PACKAGES := python3-venv gcc g++ libc6-dev libzmq3-dev libjansson-dev pkg-config \
 	fonts-dejavu-core \
 	pocl-opencl-icd ocl-icd-libopencl1 opencl-headers ocl-icd-opencl-dev \
-	mesa-vulkan-drivers vulkan-tools libvulkan1
+	mesa-vulkan-drivers vulkan-tools libvulkan1 \
+	espeak-ng sox
 
 .PHONY: setup system-packages run test test-fast soak bench clean examples deb deb-test lint libinferd \
         venv-rknn test-rknn lint-duplicates deb-test-systemd deb-test-arm64 wheels apt-repo \
