@@ -14,8 +14,9 @@ absolute schedule (a late chunk is sent at once, never skipped), for ``SECONDS``
 3. **stream**: the same through the daemon's streams (``client.stream("vad",
    sr=16000)``): the client sends the 512 new samples and gets one probability.
 
-Printed for each way: CPU per chunk of the daemon (its process, the zygote and the
-workers: psutil, user + system), of the clients, and in all; p50 / p99 latency of a
+Printed for each way: CPU per chunk of the daemon (its process, and the zygote and
+workers under it: psutil, user + system), of the clients (each its own
+``time.process_time``), and in all; p50 / p99 latency of a
 chunk (the client's round trip, or the loop's run); then the ratios the issue targets
 (the stream's total CPU <= 2x the in-process loops' and below the before figure; its
 p99 <= 5 ms) and the bytes on the wire per chunk each way (frames as encoded by
@@ -135,19 +136,21 @@ def streamed(endpoint: str, seed: int, chunks: int, results: Any, barrier: Any) 
         results.put((time.process_time() - cpu, times))
 
 
-def daemon_cpu(pid: int) -> float:
-    """CPU seconds of the daemon process and every process under it (zygote, workers)."""
+def daemon_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of the daemon process, and of every process under it (the zygote
+    and the workers, where the engines run)."""
     import psutil
 
-    total = 0.0
     root = psutil.Process(pid)
-    for p in [root, *root.children(recursive=True)]:
+    own = root.cpu_times()
+    below = 0.0
+    for p in root.children(recursive=True):
         try:
             t = p.cpu_times()
-            total += t.user + t.system
+            below += t.user + t.system
         except psutil.NoSuchProcess:
             pass
-    return total
+    return own.user + own.system, below
 
 
 def run_way(target: Any, args: tuple[Any, ...], daemon: DaemonProcess | None,
@@ -169,18 +172,20 @@ def run_way(target: Any, args: tuple[Any, ...], daemon: DaemonProcess | None,
                 p.kill()
             raise SystemExit(f"a {target.__name__} client failed before the start")
         time.sleep(0.01)
-    d0 = daemon_cpu(daemon.proc.pid) if daemon else 0.0
+    m0, w0 = daemon_cpu(daemon.proc.pid) if daemon else (0.0, 0.0)
     barrier.wait()
     t0 = time.perf_counter()
     got = [results.get(timeout=SECONDS * 4 + 60) for _ in procs]
     wall = time.perf_counter() - t0
-    d1 = daemon_cpu(daemon.proc.pid) if daemon else 0.0
+    m1, w1 = daemon_cpu(daemon.proc.pid) if daemon else (0.0, 0.0)
     for p in procs:
         p.join()
     n = STREAMS * chunks
     latencies = [t for _, times in got for t in times]
     client = sum(cpu for cpu, _ in got)
-    return {"daemon": (d1 - d0) / n, "clients": client / n, "total": (d1 - d0 + client) / n,
+    d = m1 - m0 + w1 - w0
+    return {"daemon": d / n, "main": (m1 - m0) / n, "workers": (w1 - w0) / n,
+            "clients": client / n, "total": (d + client) / n,
             "p50": pct(latencies, 0.5), "p99": pct(latencies, 0.99), "wall": wall,
             "late": sum(t > PERIOD for t in latencies)}
 
@@ -215,7 +220,8 @@ def repo() -> Path:
 
 
 def show(name: str, f: dict[str, Any]) -> None:
-    daemon = f"daemon {f['daemon'] * 1e6:6.1f} µs, " if name != "in-process" else " " * 18
+    daemon = (f"daemon {f['daemon'] * 1e6:6.1f} µs (its process {f['main'] * 1e6:5.1f}, "
+              f"workers {f['workers'] * 1e6:5.1f}), " if name != "in-process" else " " * 53)
     print(f"   {name:10s} CPU per chunk: {daemon}clients {f['clients'] * 1e6:6.1f} µs, "
           f"total {f['total'] * 1e6:6.1f} µs;  latency p50 {f['p50'] * 1e3:5.2f} ms, "
           f"p99 {f['p99'] * 1e3:5.2f} ms ({f['late']} chunks over 32 ms)")
