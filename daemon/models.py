@@ -332,7 +332,8 @@ class ModelManager:
                           observe=self._observer.for_model(entry.name)
                           if self._observer is not None else None,
                           io_run_max_s=self.config.models.io_run_max_us / 1e6,
-                          quarantine=self.quarantine, streams=entry.streams)
+                          quarantine=self.quarantine, streams=entry.streams,
+                          stream_model=loaded.streams)
         entry.memory.loaded(loaded.figures, loaded.graph, loaded.placement.backend,
                             loaded.meter)
         entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive,

@@ -741,6 +741,80 @@ class StreamTable:
                 "expired": self.expired, "lost": self.lost_count}
 
 
+# --------------------------------------------------------------------------- batching
+
+def batchable(bound: StreamModel, inputs: Any) -> bool:
+    """Whether chunks of different streams can run as one batch: every chunk input's
+    first dimension and every state input's batch axis are free in the model."""
+    def free(shape: tuple[Any, ...], axis: int) -> bool:
+        return len(shape) > axis and not (isinstance(shape[axis], int) and shape[axis] >= 0)
+    by_name = {t.name: t for t in inputs}
+    return (all(free(by_name[n].shape, 0) for n in bound.chunk_inputs)
+            and all(free(by_name[s.input].shape, s.axis) for s in bound.spec.states))
+
+
+def signature(bound: StreamModel, values: dict[str, NDArray[Any]]) -> tuple[Any, ...]:
+    """What chunks must share to run in one batch: every tensor's dtype and shape but
+    its batch axis, and the constants' values."""
+    axes = {s.input: s.axis for s in bound.spec.states}
+    out: list[Any] = []
+    for name in sorted(values):
+        v = values[name]
+        if name in bound.allowed:
+            out.append((name, v.dtype, v.shape, v.tobytes()))
+        else:
+            axis = axes.get(name, 0)
+            out.append((name, v.dtype, v.shape[:axis] + v.shape[axis + 1:]))
+    return tuple(out)
+
+
+def rows(bound: StreamModel, values: dict[str, NDArray[Any]]) -> int:
+    """The batch rows of one chunk's inputs (its first chunk input's first dimension)."""
+    for name in bound.chunk_inputs:
+        v = values.get(name)
+        if v is not None and v.ndim:
+            return int(v.shape[0])
+    return 1
+
+
+def merge(bound: StreamModel, parts: list[dict[str, NDArray[Any]]]) -> dict[str, NDArray[Any]]:
+    """One batch's inputs from chunks of different streams (each bound: context in
+    front, its own state): chunk inputs stacked on axis 0, states on their batch axis,
+    constants (equal: :func:`signature`) once."""
+    axes = {s.input: s.axis for s in bound.spec.states}
+    merged = {}
+    for name, first in parts[0].items():
+        if name in bound.allowed:
+            merged[name] = first
+        else:
+            merged[name] = np.concatenate([p[name] for p in parts], axis=axes.get(name, 0))
+    return merged
+
+
+def split(bound: StreamModel, outputs: dict[str, Any], counts: list[int]
+          ) -> list[dict[str, Any]]:
+    """Each chunk's outputs of a merged run: state outputs cut along their batch axis,
+    the others along axis 0.
+
+    Raises:
+        ModelError: an output that does not keep the batch on its axis.
+    """
+    axes = {s.output: s.axis for s in bound.spec.states}
+    total = sum(counts)
+    for name, v in outputs.items():
+        axis = axes.get(name, 0)
+        if v.ndim <= axis or v.shape[axis] != total:
+            raise ModelError(f"model {bound.label}: output {name!r} is {list(v.shape)}, "
+                             f"not {total} rows on axis {axis}")
+    out: list[dict[str, Any]] = []
+    start = 0
+    for n in counts:
+        out.append({k: v[(slice(None),) * axes.get(k, 0) + (slice(start, start + n),)]
+                    for k, v in outputs.items()})
+        start += n
+    return out
+
+
 def stream_loss(reason: str) -> str:
     """What a stream's next request is told when its model is unloaded for
     ``reason`` (the cache's words: daemon/models.py, daemon/reload.py)."""

@@ -43,7 +43,8 @@ from inferd.daemon.batching import BatchSizer
 from inferd.daemon.fairqueue import FairQueue, QueueClosed
 from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
-from inferd.daemon.streams import Chunk, StreamTable
+from inferd.daemon import streams as stream_batch
+from inferd.daemon.streams import Chunk, StreamModel, StreamTable
 from inferd.daemon.workers.pool import ENGINE_TIME, WorkerDied
 from inferd.daemon.workers.quarantine import Quarantine
 from inferd.daemon.processors import run_steps
@@ -108,6 +109,9 @@ class Workers:
         quarantine: who is charged a worker's death (daemon/workers/quarantine.py).
         streams: the model's stream table (its entry's): a chunk of a stream runs on
             the state kept there (daemon/streams.py).
+        stream_model: the model's [stream] table bound to it (None: it has none): chunks
+            of different streams may then share a batch (states stacked along their
+            batch axis) even where the model's own inputs could not.
     """
 
     def __init__(self, name: str, model: LoadedModel, work: WorkQueue, sink: ReplySink,
@@ -115,9 +119,11 @@ class Workers:
                  spec: PipelineSpec | None = None, backend: str | None = None,
                  observe: Callable[[list[Any], float, float], None] | None = None,
                  io_run_max_s: float = 0.0, quarantine: Quarantine | None = None,
-                 streams: StreamTable | None = None) -> None:
+                 streams: StreamTable | None = None,
+                 stream_model: StreamModel | None = None) -> None:
         self.name = name
         self._streams = streams
+        self._stream_model = stream_model
         self.model = model
         self.spec = spec or PipelineSpec()
         self._work = work
@@ -127,7 +133,10 @@ class Workers:
         self._quarantine = quarantine
         self._left = {"pre": 1, "infer": instances, "post": 1}  # threads not yet ended
         self._left_lock = threading.Lock()
-        self.max_batch = self.spec.max_batch if _batchable(model) else 1
+        self._plain_batches = _batchable(model)  # requests without a stream
+        self.max_batch = self.spec.max_batch if self._plain_batches or (
+            stream_model is not None and stream_batch.batchable(stream_model, model.inputs)
+        ) else 1
         if self.spec.max_batch > 1 and self.max_batch == 1:
             log.warning("model %s: max_batch = %d ignored: its inputs have a fixed first "
                         "dimension", name, self.spec.max_batch, extra={"MODEL": name})
@@ -392,21 +401,33 @@ class Workers:
             return
         ready = [j for j in batch if self._check(j)]
         groups: dict[tuple[Any, ...], list[Job]] = {}
+        bound = self._stream_model
         for job in ready:
-            if job.item.chunk is not None:  # its state: never stacked along axis 0
+            if job.item.chunk is not None and bound is not None:
+                # chunks of different streams (one each: their turns) with equal
+                # constants, states stacked along their own axes
+                groups.setdefault(("stream", stream_batch.signature(bound, job.values)),
+                                  []).append(job)
+            elif self._plain_batches:
+                groups.setdefault(_signature(job.values), []).append(job)
+            else:
                 self._run_single(job, limit)
-                continue
-            groups.setdefault(_signature(job.values), []).append(job)
-        for jobs in groups.values():
-            chunk: list[Job] = []
+        for key, jobs in groups.items():
+            run = self._run_chunks if key[0] == "stream" else self._run_group
+            part: list[Job] = []
             rows = 0
             for job in jobs:
-                if chunk and rows + _rows(job) > limit:
-                    self._run_group(chunk, limit)
-                    chunk, rows = [], 0
-                chunk.append(job)
-                rows += _rows(job)
-            self._run_group(chunk, limit)
+                if part and rows + self._job_rows(job) > limit:
+                    run(part, limit)
+                    part, rows = [], 0
+                part.append(job)
+                rows += self._job_rows(job)
+            run(part, limit)
+
+    def _job_rows(self, job: Job) -> int:
+        if job.item.chunk is not None and self._stream_model is not None:
+            return stream_batch.rows(self._stream_model, job.values)
+        return _rows(job)
 
     def _timed_run(self, jobs: list[Job], inputs: dict[str, Any],
                    wanted: list[str] | None) -> dict[str, Any]:
@@ -468,6 +489,41 @@ class Workers:
             self._hand_on(job)
         # what the batch cost this thread, merging and replies included
         self.sizer.observe(total, limit, time.monotonic() - began, self._waiting)
+
+    def _run_chunks(self, jobs: list[Job], limit: int) -> None:
+        """Chunks of different streams as one run: their bound inputs merged (states
+        stacked along their batch axes), the outputs split back, each stream's state
+        kept from its own rows. A failed batch runs its chunks one by one (the states
+        are still those before the batch: only a run that answers commits one)."""
+        bound, streams = self._stream_model, self._streams
+        assert bound is not None and streams is not None
+        if len(jobs) == 1:
+            self._run_single(jobs[0], limit)
+            return
+        began = time.monotonic()
+        counts = [stream_batch.rows(bound, j.values) for j in jobs]
+        try:
+            merged = stream_batch.merge(bound, [j.values for j in jobs])
+            outputs = self._timed_run(jobs, merged, None)
+            parts = stream_batch.split(bound, outputs, counts)
+        except Exception as e:
+            log.info("model %s: batch of %d stream chunks failed (%s); running them one "
+                     "by one", self.name, len(jobs), e, extra={"MODEL": self.name})
+            for job in jobs:
+                self._run_single(job, limit)
+            return
+        self.batches += 1
+        self.batched_requests += len(jobs)
+        for job, out in zip(jobs, parts):
+            assert job.item.chunk is not None
+            job.item.chunk.ran = True
+            try:
+                job.outputs = streams.commit(job.item, job.values, out)
+            except Exception as e:
+                self._fail(job.item, e)
+                continue
+            self._hand_on(job)
+        self.sizer.observe(sum(counts), limit, time.monotonic() - began, self._waiting)
 
     def _run_single(self, job: Job, limit: int) -> None:
         wanted = None if self.spec.post else job.item.request.outputs

@@ -216,3 +216,31 @@ def test_idleness_and_unload_lose_streams_with_their_reason(table) -> None:
         admit(table, item("b"))
     assert "state lost (model reloaded: its files changed on disk)" in e.value.message
     assert table.expired == 1 and table.open() == 0
+
+
+def test_chunks_of_streams_merge_and_split_on_their_axes(table) -> None:
+    from inferd.daemon import streams
+
+    bound = table.bound
+    parts = []
+    for i in range(3):
+        admit(table, it := item(f"s{i}", start=True, x=float(i)))
+        parts.append(table.bind(it, it.request.inputs))
+    assert len({streams.signature(bound, p) for p in parts}) == 1
+    merged = streams.merge(bound, parts)
+    assert merged["input"].shape == (3, 576) and merged["state"].shape == (2, 3, 128)
+    assert merged["sr"].shape == ()
+    out = {"output": np.arange(3, dtype=np.float32)[:, None],
+           "stateN": np.arange(3, dtype=np.float32)[None, :, None] * np.ones((2, 3, 128))}
+    each = streams.split(bound, out, [1, 1, 1])
+    assert [float(e["output"][0, 0]) for e in each] == [0, 1, 2]
+    assert [float(e["stateN"][1, 0, 5]) for e in each] == [0, 1, 2]
+    assert each[1]["stateN"].shape == (2, 1, 128)
+    with pytest.raises(ModelError) as e:
+        streams.split(bound, {"output": out["output"], "stateN": out["stateN"][:, :2]},
+                      [1, 1, 1])
+    assert e.value.message == ("model vad version 1: output 'stateN' is [2, 2, 128], not 3 "
+                               "rows on axis 1")
+    # another constant never shares a batch
+    other = dict(parts[0], sr=np.array(8000, np.int64))
+    assert streams.signature(bound, other) != streams.signature(bound, parts[0])
