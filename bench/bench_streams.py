@@ -17,7 +17,8 @@ absolute schedule (a late chunk is sent at once, never skipped), for ``SECONDS``
 Printed for each way: CPU per chunk of the daemon (its process, and the zygote and
 workers under it: psutil, user + system), of the clients (each its own
 ``time.process_time``), and in all; p50 / p99 latency of a
-chunk (the client's round trip, or the loop's run); then the ratios the issue targets
+chunk (the client's round trip, or the loop's run; the p99 also past the first 2 s,
+while the adaptive batcher is still measuring); then the ratios the issue targets
 (the stream's total CPU <= 2x the in-process loops' and below the before figure; its
 p99 <= 5 ms) and the bytes on the wire per chunk each way (frames as encoded by
 ipc/protocol.py, headers included). The load average is printed beside them: on this
@@ -52,6 +53,9 @@ SECONDS = 10.0
 CHUNK = 512
 CONTEXT = 64
 PERIOD = CHUNK / 16000  # 32 ms
+SETTLE_S = 2.0
+"""The p99 is printed also without the first seconds of each stream, while the daemon's
+adaptive batcher measures what batches cost (the slow chunks cluster there)."""
 SR = np.array(16000, np.int64)
 
 
@@ -182,11 +186,13 @@ def run_way(target: Any, args: tuple[Any, ...], daemon: DaemonProcess | None,
         p.join()
     n = STREAMS * chunks
     latencies = [t for _, times in got for t in times]
+    settled = [t for _, times in got for t in times[int(SETTLE_S / PERIOD):]]
     client = sum(cpu for cpu, _ in got)
     d = m1 - m0 + w1 - w0
     return {"daemon": d / n, "main": (m1 - m0) / n, "workers": (w1 - w0) / n,
             "clients": client / n, "total": (d + client) / n,
-            "p50": pct(latencies, 0.5), "p99": pct(latencies, 0.99), "wall": wall,
+            "p50": pct(latencies, 0.5), "p99": pct(latencies, 0.99),
+            "p99_settled": pct(settled, 0.99), "wall": wall,
             "late": sum(t > PERIOD for t in latencies)}
 
 
@@ -224,7 +230,8 @@ def show(name: str, f: dict[str, Any]) -> None:
               f"workers {f['workers'] * 1e6:5.1f}), " if name != "in-process" else " " * 53)
     print(f"   {name:10s} CPU per chunk: {daemon}clients {f['clients'] * 1e6:6.1f} µs, "
           f"total {f['total'] * 1e6:6.1f} µs;  latency p50 {f['p50'] * 1e3:5.2f} ms, "
-          f"p99 {f['p99'] * 1e3:5.2f} ms ({f['late']} chunks over 32 ms)")
+          f"p99 {f['p99'] * 1e3:5.2f} ms, past the first {SETTLE_S:g} s "
+          f"{f['p99_settled'] * 1e3:5.2f} ms ({f['late']} chunks over 32 ms)")
 
 
 def main() -> None:
@@ -251,7 +258,8 @@ def main() -> None:
     print(f"   stream total CPU / in-process: {verdict(s['total'] / i['total'], 2.0, False)}")
     print(f"   stream total CPU / before:     {verdict(s['total'] / b['total'], 1.0, False)}")
     print(f"   stream p99 latency: {s['p99'] * 1e3:.2f} ms (target <= 5 ms) "
-          f"{'MET' if s['p99'] <= 0.005 else 'MISSED'}; before p99 {b['p99'] * 1e3:.2f} ms")
+          f"{'MET' if s['p99'] <= 0.005 else 'MISSED'}; past the first {SETTLE_S:g} s "
+          f"{s['p99_settled'] * 1e3:.2f} ms; before p99 {b['p99'] * 1e3:.2f} ms")
     print("\n3. bytes on the wire per chunk (request + reply, frames as encoded)")
     for name, (req, rep) in wire_bytes().items():
         print(f"   {name:7s} {req:5d} B in + {rep:5d} B out = {req + rep:5d} B")
