@@ -236,8 +236,9 @@ class ModelManager:
         spec = self.catalog.spec(entry.name).settings.stream
         if spec is None:
             raise no_stream_table(entry.name)
-        verdict = entry.streams.admit(item, spec, self.config.streams.max_per_client,
-                                      partial(entry.hold, keep_alive))
+        with entry.lock:  # the entry's lock first, then its table's (as everywhere)
+            verdict = entry.streams.admit(item, spec, self.config.streams.max_per_client,
+                                          partial(entry.hold, keep_alive))
         if isinstance(verdict, Reply):
             self._sink.send(item.ticket, verdict)
             return False

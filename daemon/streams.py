@@ -341,7 +341,9 @@ def no_stream_table(model: str) -> InferdError:
 class StreamTable:
     """The streams of one model version (owned by its cache entry). The table's methods
     take its lock, except :meth:`bind` and :meth:`commit`, which only the chunk that
-    holds a stream (its turn) calls.
+    holds a stream (its turn) calls. Where both are held, the entry's lock is taken
+    first (:meth:`admit` is called under it; the entry's transitions call
+    :meth:`lose_all` under it).
 
     Args:
         model: the model's name, for messages.

@@ -115,6 +115,10 @@ PROVOKERS = {
     "RESOURCE_EXHAUSTED: uid 1000 has 12 shared-memory": "shm_registration",
     "INVALID_ARGUMENT: a shared-memory message nests": "shm_registration",
     "closed the shared-memory registration connection": "shm_registration",
+    "FAILED_PRECONDITION: stream mic0 of vad": "streams",
+    "INFO inferd.daemon.streams:": "streams",
+    "RESOURCE_EXHAUSTED: model vad: ": "streams",
+    "INVALID_ARGUMENT: stream mic0 of vad": "streams",
 }
 
 
@@ -734,3 +738,79 @@ def test_decode_cost(start_daemon, short_tmp: Path) -> None:
         assert reply["status"] == "error", reply
         produced.append(f"{reply['error']['code']}: {reply['error']['message']}")
     _check("decode_cost", "\n".join(produced))
+
+
+@pytest.mark.slow
+def test_streams(start_daemon, short_tmp: Path, models_dir: Path) -> None:
+    """A stream not started, lost (a worker killed mid-chunk, idleness, a reload), past
+    its limits, and a chunk of the wrong length (issue 32; tests/e2e/test_streams.py has
+    the rest)."""
+    from inferd.ipc.protocol import StreamRef
+    from tests.e2e.test_cache_reload import poll
+    from tests.e2e.test_streams import VAD_TOML, toy_model, worker_pid
+
+    out: list[str] = []
+
+    def note(call) -> None:
+        with pytest.raises(RequestError) as e:
+            call()
+        out.append(f"{e.value.code}: {e.value.message}")
+
+    # 1. The real vad: small limits, a short idle timeout.
+    repo = short_tmp / "repo"
+    (repo / "vad" / "1").mkdir(parents=True)
+    _model(repo, models_dir, "vad", "vad")
+    (repo / "vad" / "model.toml").write_text(
+        VAD_TOML.read_text().replace("max_streams = 64", "max_streams = 3")
+        .replace("idle_timeout_s = 60", "idle_timeout_s = 0.5"))
+    config = short_tmp / "inferd.toml"
+    config.write_text("[streams]\nmax_per_client = 2\n[cache]\nidle_check_s = 0.1\n")
+    d = start_daemon("--config", str(config), "--models", str(repo),
+                     workdir=_dir(short_tmp / "d1"))
+    chunk = np.zeros((1, 512), np.float32)
+    with d.client() as c, d.client() as other:
+        note(lambda: c.infer("vad", {"input": chunk}, stream=StreamRef("mic0")))
+        s = c.stream("vad", id="mic0", sr=16000)
+        s.infer({"input": chunk})
+        note(lambda: s.infer({"input": chunk[:, :500]}))
+        c.stream("vad", id="mic1", sr=16000).infer({"input": chunk})
+        note(lambda: c.stream("vad", id="mic2", sr=16000).infer({"input": chunk}))
+        other.stream("vad", id="mic0", sr=16000).infer({"input": chunk})
+        note(lambda: other.stream("vad", id="mic3", sr=16000).infer({"input": chunk}))
+        poll(lambda: "freed: idle for" in d.log(), 10)
+        note(lambda: s.infer({"input": chunk}))
+    out.append(d.log())
+    # 2. A model of the same name whose chunk runs until its worker is killed; a reload
+    # that replaces its file.
+    repo2 = short_tmp / "repo2"
+    repo2.mkdir()
+    toy_model(repo2, "vad")
+    mark = short_tmp / "running"
+    config.write_text('[workers]\nisolation = "backend"\n')
+    d2 = start_daemon("--config", str(config), "--models", str(repo2),
+                      workdir=_dir(short_tmp / "d2"), env={"SLOW_MARK": str(mark)})
+    with d2.client(timeout=60) as c:
+        s = c.stream("vad", id="mic0")
+        for _ in range(2):
+            s.infer({"x": np.ones((1, 4), np.float32)})
+        pid = worker_pid(d2.log(), "vad")
+        killer = threading.Thread(target=lambda: (poll(mark.exists, 30),
+                                                  os.kill(pid, signal.SIGKILL)))
+        killer.start()
+        with pytest.raises(RequestError):
+            s.infer({"x": np.full((1, 4), 9, np.float32)})
+        killer.join()
+        note(lambda: s.infer({"x": np.ones((1, 4), np.float32)}))
+        streams = [c.stream("vad", id=f"mic{i}") for i in range(2)]
+        for st in streams:
+            st.infer({"x": np.ones((1, 4), np.float32)})
+        import onnx
+
+        toy = repo2 / "vad" / "1" / "model.onnx"
+        m = onnx.load(toy)
+        m.doc_string = "changed"
+        onnx.save(m, toy)
+        c.call(Op.RELOAD)
+        note(lambda: streams[0].infer({"x": np.ones((1, 4), np.float32)}))
+    out.append(d2.log())
+    _check("streams", "\n".join(out))
