@@ -14,6 +14,11 @@ absolute schedule (a late chunk is sent at once, never skipped), for ``SECONDS``
 3. **stream**: the same through the daemon's streams (``client.stream("vad",
    sr=16000)``): the client sends the 512 new samples and gets one probability.
 
+The daemon's two ways run twice: with every stream's chunks due at the same moment (all
+clients start at one barrier: a burst of 16 chunks every 32 ms, the worst case for
+latency and the best for batching) and *staggered*, each stream's schedule shifted by
+1/16 of the period (microphones opened at different moments).
+
 Printed for each way: CPU per chunk of the daemon (its process, and the zygote and
 workers under it: psutil, user + system), of the clients (each its own
 ``time.process_time``), and in all; p50 / p99 latency of a
@@ -24,7 +29,7 @@ p99 <= 5 ms) and the bytes on the wire per chunk each way (frames as encoded by
 ipc/protocol.py, headers included). The load average is printed beside them: on this
 shared 2-core machine the figures move with it.
 
-Run: ``.venv/bin/python bench/bench_streams.py`` (about 35 s).
+Run: ``.venv/bin/python bench/bench_streams.py`` (about 60 s).
 """
 
 from __future__ import annotations
@@ -69,10 +74,17 @@ def audio(seed: int, chunks: int) -> np.ndarray:
         .reshape(chunks, 1, CHUNK)
 
 
-def paced(chunks: np.ndarray, step: Any) -> list[float]:
+STAGGERED = False
+"""Whether the streams' chunks are spread evenly over the period (microphones started at
+different moments) instead of all due at once (every stream started at the barrier: a
+burst of STREAMS chunks every period, the worst case for latency). Set by run_way before
+it forks the clients."""
+
+
+def paced(chunks: np.ndarray, step: Any, seed: int) -> list[float]:
     """``step(chunk)`` for each chunk at real time; the seconds each took."""
     times = []
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() + (seed * PERIOD / STREAMS if STAGGERED else 0.0)
     for k, x in enumerate(chunks):
         wait = t0 + k * PERIOD - time.perf_counter()
         if wait > 0:
@@ -103,7 +115,7 @@ def in_process(seed: int, chunks: int, results: Any, barrier: Any) -> None:
     step(data[0])
     barrier.wait()
     cpu = time.process_time()
-    times = paced(data, step)
+    times = paced(data, step, seed)
     results.put((time.process_time() - cpu, times))
 
 
@@ -123,7 +135,7 @@ def before(endpoint: str, seed: int, chunks: int, results: Any, barrier: Any) ->
         step(data[0])
         barrier.wait()
         cpu = time.process_time()
-        times = paced(data, step)
+        times = paced(data, step, seed)
         results.put((time.process_time() - cpu, times))
 
 
@@ -136,7 +148,7 @@ def streamed(endpoint: str, seed: int, chunks: int, results: Any, barrier: Any) 
         step(data[0])
         barrier.wait()
         cpu = time.process_time()
-        times = paced(data, step)
+        times = paced(data, step, seed)
         results.put((time.process_time() - cpu, times))
 
 
@@ -158,9 +170,11 @@ def daemon_cpu(pid: int) -> tuple[float, float]:
 
 
 def run_way(target: Any, args: tuple[Any, ...], daemon: DaemonProcess | None,
-            chunks: int) -> dict[str, Any]:
+            chunks: int, staggered: bool = False) -> dict[str, Any]:
     """STREAMS processes of ``target(*args, seed, chunks, results, barrier)``; the
     figures of the measured window (after every process warmed up)."""
+    global STAGGERED
+    STAGGERED = staggered  # the forked clients read it
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(STREAMS + 1)
     results = ctx.Queue()
@@ -228,7 +242,7 @@ def repo() -> Path:
 def show(name: str, f: dict[str, Any]) -> None:
     daemon = (f"daemon {f['daemon'] * 1e6:6.1f} µs (its process {f['main'] * 1e6:5.1f}, "
               f"workers {f['workers'] * 1e6:5.1f}), " if name != "in-process" else " " * 53)
-    print(f"   {name:10s} CPU per chunk: {daemon}clients {f['clients'] * 1e6:6.1f} µs, "
+    print(f"   {name:17s} CPU per chunk: {daemon}clients {f['clients'] * 1e6:6.1f} µs, "
           f"total {f['total'] * 1e6:6.1f} µs;  latency p50 {f['p50'] * 1e3:5.2f} ms, "
           f"p99 {f['p99'] * 1e3:5.2f} ms, past the first {SETTLE_S:g} s "
           f"{f['p99_settled'] * 1e3:5.2f} ms ({f['late']} chunks over 32 ms)")
@@ -247,6 +261,8 @@ def main() -> None:
     try:
         figures["before"] = run_way(before, (d.endpoint,), d, chunks)
         figures["stream"] = run_way(streamed, (d.endpoint,), d, chunks)
+        figures["before, staggered"] = run_way(before, (d.endpoint,), d, chunks, True)
+        figures["stream, staggered"] = run_way(streamed, (d.endpoint,), d, chunks, True)
     finally:
         d.stop()
         shutil.rmtree(path, ignore_errors=True)
@@ -259,7 +275,13 @@ def main() -> None:
     print(f"   stream total CPU / before:     {verdict(s['total'] / b['total'], 1.0, False)}")
     print(f"   stream p99 latency: {s['p99'] * 1e3:.2f} ms (target <= 5 ms) "
           f"{'MET' if s['p99'] <= 0.005 else 'MISSED'}; past the first {SETTLE_S:g} s "
-          f"{s['p99_settled'] * 1e3:.2f} ms; before p99 {b['p99'] * 1e3:.2f} ms")
+          f"{s['p99_settled'] * 1e3:.2f} ms; before p99 {b['p99'] * 1e3:.2f} ms "
+          "(all streams' chunks due at once)")
+    ss, bs = figures["stream, staggered"], figures["before, staggered"]
+    print(f"   staggered (each stream's chunks due at its own moment): stream total CPU / "
+          f"in-process {verdict(ss['total'] / i['total'], 2.0, False)}, / before "
+          f"{verdict(ss['total'] / bs['total'], 1.0, False)}; p99 {ss['p99'] * 1e3:.2f} ms "
+          f"{'MET' if ss['p99'] <= 0.005 else 'MISSED'} (before {bs['p99'] * 1e3:.2f} ms)")
     print("\n3. bytes on the wire per chunk (request + reply, frames as encoded)")
     for name, (req, rep) in wire_bytes().items():
         print(f"   {name:7s} {req:5d} B in + {rep:5d} B out = {req + rep:5d} B")
