@@ -49,7 +49,7 @@ from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.units import request_keep_alive
-from inferd.daemon.streams import Admission, no_stream_table, stream_loss
+from inferd.daemon.streams import Admission, lost_error, no_stream_table, stream_loss
 from inferd.daemon.worker import WorkItem, Workers
 from inferd.daemon.workers.pool import WorkerPool
 from inferd.daemon.workers.quarantine import Quarantine
@@ -512,7 +512,12 @@ class ModelManager:
 
     def _reroute(self, retired: ModelEntry, item: WorkItem) -> None:
         """A request that reached a version just retired: hand it to the model's current
-        default version if it named none, else answer NOT_FOUND."""
+        default version if it named none, else answer NOT_FOUND. A chunk of a stream
+        is told its stream's state went with the version (and so are the chunks its
+        stream held behind it)."""
+        if item.chunk is not None:
+            self._stream_gone(retired, item)
+            return
         try:
             if item.request.version is not None:
                 raise ModelError(f"model {retired.label} was removed from the repository",
@@ -521,6 +526,19 @@ class ModelManager:
         except Exception as e:
             self._sink.send(item.ticket, Reply(item.request.id, error=failure(
                 e, f"model {retired.label}", log, model=retired.name)))
+
+    def _stream_gone(self, retired: ModelEntry, item: WorkItem) -> None:
+        todo = [item]
+        while todo:
+            it = todo.pop()
+            assert it.chunk is not None
+            reason = it.chunk.stream.lost or "model unloaded"
+            self._sink.send(it.ticket, Reply(it.request.id, error=Failure(
+                ErrorCode.FAILED_PRECONDITION,
+                lost_error(it.chunk.ref.id, retired.name, reason).message)))
+            for nxt, _ in retired.streams.finished(it, False):
+                retired.dropped([nxt])  # counted in flight when its stream held it
+                todo.append(nxt)
 
     def unload_idle(self) -> list[str]:
         """Unload every unpinned model idle longer than its keep-alive; their labels."""
