@@ -45,7 +45,7 @@ from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
 from inferd.daemon import streams as stream_batch
 from inferd.daemon.streams import Chunk, StreamModel, StreamTable
-from inferd.daemon.workers.pool import ENGINE_TIME, WorkerDied
+from inferd.daemon.workers.pool import ENGINE_TIME, OUTPUTS_INTO, WorkerDied
 from inferd.daemon.workers.quarantine import Quarantine
 from inferd.daemon.processors import run_steps
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
@@ -531,8 +531,15 @@ class Workers:
         if chunk is not None and self._streams is not None:
             wanted = self._streams.wanted(wanted)
             chunk.ran = True  # from here the stream's state is this run's
+        # outputs that go straight to the reply: a worker writes them into the client's
+        # slot itself (daemon/workers/pool.py, "Shared memory"); never a stream's, whose
+        # state outputs the daemon keeps
+        into = None if self.spec.post or chunk is not None else getattr(
+            job.item.ticket, "outputs_into", None)
         began = time.monotonic()
         try:
+            if into is not None:
+                OUTPUTS_INTO.slot = into
             job.outputs = self._timed_run([job], job.values, wanted)
             if chunk is not None and self._streams is not None:
                 job.outputs = self._streams.commit(job.item, job.values, job.outputs)
@@ -541,6 +548,9 @@ class Workers:
                 chunk.reason = _lost_reason(e, chunk.number)
             self._fail(job.item, e)
             return
+        finally:
+            if into is not None:
+                OUTPUTS_INTO.slot = None
         self._hand_on(job)
         self.sizer.observe(_rows(job), limit, time.monotonic() - began, self._waiting)
 

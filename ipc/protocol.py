@@ -262,6 +262,24 @@ class Slot:
     offset: int
     size: int
     used: int = field(default=0)
+    _base: int | None = field(default=None, repr=False)
+
+    def claim(self, array: NDArray[Any]) -> int | None:
+        """The offset of ``array`` if it already lies in this slot exactly where
+        :meth:`place` would put it next (an engine in a worker process wrote it there):
+        placed without a copy. None otherwise."""
+        if not array.nbytes or not array.flags.c_contiguous:
+            return None
+        if self._base is None:
+            self._base = int(np.frombuffer(self.buffer, np.uint8).__array_interface__[
+                "data"][0])
+        start = self.offset + self.used
+        start += -start % SHM_ALIGN
+        if int(array.__array_interface__["data"][0]) - self._base != start or \
+                start + array.nbytes > self.offset + self.size:
+            return None
+        self.used = start + array.nbytes - self.offset
+        return start
 
     def place(self, nbytes: int) -> int:
         """The next 64-aligned offset with room for ``nbytes`` (RESOURCE_EXHAUSTED if
@@ -299,9 +317,11 @@ def encode_tensors(tensors: dict[str, NDArray[Any]], locate: Locator | None = No
                 dtype not in PACKED:
             where = locate(array) if locate is not None else None
             if where is None and into is not None:
-                start = into.place(array.nbytes)
-                np.frombuffer(into.buffer, array.dtype, array.size, start).reshape(
-                    array.shape)[...] = array
+                start = into.claim(array)
+                if start is None:
+                    start = into.place(array.nbytes)
+                    np.frombuffer(into.buffer, array.dtype, array.size, start).reshape(
+                        array.shape)[...] = array
                 where = (into.token, start)
             if where is not None:
                 spec["region"], spec["offset"] = where

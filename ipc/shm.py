@@ -19,8 +19,12 @@ nothing one client sends may stop it for the others (issue 31):
   (:mod:`inferd.ipc.shmcheck` bounds a message's size and nesting before parsing it);
 - replies are sent without blocking; a connection that leaves more than
   :data:`MAX_UNREAD_REPLIES` unread is closed (and its regions forgotten);
-- each region holds one descriptor of the daemon (its mapping's copy; the passed one is
-  closed) and one mapping: regions are bounded per connection, process, user and
+- each region holds one descriptor of the daemon (the one passed, kept: its mapping is
+  made with ``mmap(2)`` itself, since Python's :class:`mmap.mmap` keeps a duplicate of
+  the descriptor it maps) and one mapping, both released with the last view of the
+  region (:class:`Shared`); a worker process the region is handed to holds one
+  descriptor and one mapping of its own, counted there (:mod:`inferd.daemon.workers.pool`):
+  regions are bounded per connection, process, user and
   daemon-wide, from the open-files limit and ``vm.max_map_count``
   (:class:`~inferd.ipc.shmcheck.RegionLimits`), and refused outright once the process's
   descriptors near the server's descriptor brake, so that client connections always
@@ -36,8 +40,10 @@ nothing one client sends may stop it for the others (issue 31):
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import mmap
@@ -49,6 +55,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,12 +93,115 @@ def shm_path(socket_path: Path) -> Path:
     return socket_path.with_name(socket_path.name + ".shm")
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_ids = itertools.count(1)
+
+
+class Shared:
+    """A registered region as the daemon holds it: its one descriptor (``fd``, the one
+    the client passed) and one shared mapping of ``size`` bytes at ``addr``, both
+    released when the last view of the mapping goes (a request still reading a region
+    that was unregistered keeps it until its reply). What a worker process needs to map
+    the region too: ``id`` names it on the worker's channel, ``fd`` is passed once.
+
+    ``released`` is set when the region is forgotten (unregistered, or its client's
+    registration connection closed); the listeners added with :meth:`listen` (the
+    worker pool, which then has its workers unmap it) are told once."""
+
+    __slots__ = ("id", "fd", "size", "addr", "released", "_listeners", "_lock",
+                 "__weakref__")
+
+    def __init__(self, fd: int, size: int, addr: int) -> None:
+        self.id = next(_ids)
+        self.fd = fd
+        self.size = size
+        self.addr = addr
+        self.released = False
+        self._listeners: list[Callable[[Shared], None]] = []
+        self._lock = threading.Lock()
+
+    def listen(self, listener: Callable[[Shared], None]) -> bool:
+        """Tell ``listener`` when the region is released; False if it is already."""
+        with self._lock:
+            if self.released:
+                return False
+            self._listeners.append(listener)
+            return True
+
+    def release(self) -> None:
+        """The region is forgotten: no new request may name it (its mapping and
+        descriptor stay while views of it are alive)."""
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+            listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            try:
+                listener(self)
+            except Exception:  # noqa: BLE001  a listener's failure is not the caller's
+                log.exception("a listener of region %d's release failed", self.id)
+
+
+def _unmap(addr: int, size: int, fd: int) -> None:
+    _libc.munmap(addr, size)
+    os.close(fd)
+
+
+def map_region(fd: int, size: int) -> tuple[NDArray[np.uint8], Shared]:
+    """Map ``size`` bytes of the memfd ``fd`` shared, read and write, keeping ``fd`` as
+    the region's one descriptor (no duplicate, unlike :class:`mmap.mmap` on this
+    Python): the bytes (every view of the region derives from them) and the
+    :class:`Shared` record. The mapping and ``fd`` are released with the last view;
+    ``fd`` is the mapping's from here on, also if this raises (it is closed then)."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno() or errno.EIO
+        os.close(fd)
+        raise OSError(err, os.strerror(err))
+    raw = (ctypes.c_ubyte * size).from_address(addr)
+    shared = Shared(fd, size, addr)
+    raw.inferd_shared = shared  # type: ignore[attr-defined]  # found from any view
+    weakref.finalize(raw, _unmap, addr, size, fd).atexit = False  # never under a reader
+    return np.frombuffer(raw, np.uint8), shared  # type: ignore[call-overload]
+
+
+def shared_of(array: Any) -> tuple[Shared, int] | None:
+    """(the region, the byte offset) of ``array`` if it is a C-contiguous numpy array
+    whose bytes lie in a region this daemon mapped (:func:`map_region`), found through
+    its chain of bases; None otherwise (a copy, a frame, another buffer)."""
+    if type(array) is not np.ndarray or not array.flags.c_contiguous:
+        return None
+    node: Any = array
+    for _ in range(32):
+        if type(node) is np.ndarray:
+            node = node.base
+        elif type(node) is memoryview:
+            node = node.obj
+        else:
+            break
+    shared = getattr(node, "inferd_shared", None)
+    if type(shared) is not Shared:
+        return None
+    offset = int(array.__array_interface__["data"][0]) - shared.addr
+    if offset < 0 or offset + array.nbytes > shared.size:
+        return None
+    return shared, offset
+
+
 @dataclass(eq=False)
 class _Mapped:
     token: str
-    mm: mmap.mmap
+    data: NDArray[np.uint8]
     size: int
     owner: Peer
+    shared: Shared
 
 
 class _Conn:
@@ -186,9 +296,12 @@ class Regions:
             self._thread.join(10)
             self._thread = None
         with self._lock:
+            released = [r.shared for r in self._regions.values()]
             self._regions.clear()
             self._per_process.clear()
             self._per_uid.clear()
+        for shared in released:
+            shared.release()
         for conn in self._conns.values():
             conn.sock.close()
         self._conns.clear()
@@ -212,7 +325,7 @@ class Regions:
                 # one answer for "unknown" and "another's": no probing for tokens
                 raise ProtocolError(f"unknown shared-memory region {str(token)[:40]!r} "
                                     f"(not registered by this client, or unregistered)")
-            return memoryview(region.mm)
+            return memoryview(region.data)  # type: ignore[arg-type]
         return resolve
 
     def count(self) -> int:
@@ -459,15 +572,15 @@ class Regions:
                                 f"(SCM_RIGHTS); got {len(fds)}")
         size = sealed_size(fds[0])
         self._check_budget(conn)
-        try:  # the mapping keeps a duplicate of the descriptor; the caller closes ours
-            mm = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError) as e:
-            why = os.strerror(e.errno or errno.EIO) if isinstance(e, OSError) else str(e)
-            raise InferdError(f"cannot map the region: {why}",
+        fd = fds.pop()  # the mapping's from here on: the caller closes the others
+        try:
+            data, shared = map_region(fd, size)
+        except OSError as e:
+            raise InferdError(f"cannot map the region: {os.strerror(e.errno or errno.EIO)}",
                               ErrorCode.RESOURCE_EXHAUSTED) from None
         token = "r" + secrets.token_hex(12)
         with self._lock:
-            self._regions[token] = _Mapped(token, mm, size, peer)
+            self._regions[token] = _Mapped(token, data, size, peer, shared)
             self._per_process[peer.pid, peer.uid] += 1
             self._per_uid[peer.uid] += 1
             conn.tokens.append(token)
@@ -503,6 +616,7 @@ class Regions:
         if region is not None:
             _decrement(self._per_process, (region.owner.pid, region.owner.uid))
             _decrement(self._per_uid, region.owner.uid)
+            region.shared.release()  # the workers it was handed to unmap it
 
 
 def _exhausted(message: str) -> InferdError:

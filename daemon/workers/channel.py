@@ -78,7 +78,7 @@ class _Arena:
         os.close(self.fd)
 
 
-def _dtype_code(a: NDArray[Any]) -> str:
+def dtype_code(a: NDArray[Any]) -> str:
     """numpy's code of ``a``'s dtype; for ml_dtypes' types (bfloat16, int4, float8...,
     whose codes, ``|V1`` or ``<f1``, numpy cannot read back) ``wire:`` and their wire
     name."""
@@ -88,7 +88,7 @@ def _dtype_code(a: NDArray[Any]) -> str:
     return a.dtype.str
 
 
-def _dtype(code: str) -> np.dtype[Any]:
+def dtype_of(code: str) -> np.dtype[Any]:
     return numpy_dtype(code[5:]) if code.startswith("wire:") else np.dtype(code)
 
 
@@ -121,6 +121,9 @@ class Channel:
         # received into, then copied out by its length: recvmsg(4 MiB) allocates and
         # frees 4 MiB per call (21 us against 3.6 here)
         self._buf: bytearray | None = None
+        self.arena_bytes = 0
+        """Bytes of tensors this end has copied into its arena (what did not travel
+        inline or by reference to a shared-memory region)."""
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -147,11 +150,11 @@ class Channel:
                 continue
             nbytes = a.nbytes
             if nbytes < INLINE_BYTES and inline_at + nbytes <= INLINE_TOTAL:
-                spec = (name, _dtype_code(a), a.shape, True, inline_at, nbytes)
+                spec = (name, dtype_code(a), a.shape, True, inline_at, nbytes)
                 inline.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
                 inline_at += nbytes
             else:
-                spec = (name, _dtype_code(a), a.shape, False, arena_at, nbytes)
+                spec = (name, dtype_code(a), a.shape, False, arena_at, nbytes)
                 big.append((spec, a))
                 arena_at += -(-nbytes // ALIGN) * ALIGN
             specs.append(spec)
@@ -169,6 +172,7 @@ class Channel:
             for spec, a in big:
                 dest = np.frombuffer(view, a.dtype, a.size, spec[4]).reshape(a.shape)
                 np.copyto(dest, a, casting="no")
+                self.arena_bytes += spec[5]
             del view
         body = pickle.dumps((header, specs, arena_size), protocol=pickle.HIGHEST_PROTOCOL)
         parts: list[Any] = [_LEN.pack(len(body)), body, *inline]
@@ -219,7 +223,7 @@ class Channel:
             if code == "pickle":
                 tensors[name] = shape  # the array itself
                 continue
-            dtype = _dtype(code)
+            dtype = dtype_of(code)
             count = nbytes // dtype.itemsize if dtype.itemsize else 0
             if inline:
                 a = np.frombuffer(mem, dtype, count, base + offset)

@@ -17,6 +17,20 @@ running (``engine onnxruntime (worker 4711) died of SIGABRT while running vad ve
 ``inferd_worker_restarts_total{backend,reason}`` counts it.
 A call that runs past ``[workers] kill_after_s`` has its worker killed (SIGKILL).
 
+**Shared memory.** A tensor that lies in a client's registered region
+(:mod:`inferd.ipc.shm`) goes to a worker by reference: the region's descriptor is passed
+on the channel (``SCM_RIGHTS``) the first time a call on that worker needs it, then the
+tensor is named by (region id, offset, dtype, shape) and the worker maps the region (read
+only unless outputs go there) and reads it in place. Outputs a client asked into its
+region (``outputs_into``) are written there by the worker, at the offsets the daemon's
+rule gives (:meth:`inferd.ipc.protocol.Slot.place`, checked again here and claimed
+without a copy by :meth:`~inferd.ipc.protocol.Slot.claim`). A region released by its
+client is unmapped in every worker it was handed to once no call in flight uses it
+(``forget``); a worker started again gets the descriptor again. Each region costs a
+worker one descriptor and one mapping; a worker holds at most :data:`REGION_SHARE` of
+its open-files limit in them, past which a region's tensors are copied through the
+channel's arena as before.
+
 **Again.** A model whose worker died loads again, in a new worker, on its next run; a
 worker that died is started again no sooner than ``restart_backoff_s`` after the
 previous start (doubling while deaths follow each other within a minute).
@@ -27,6 +41,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import resource
 import signal
 import socket
 import threading
@@ -36,13 +51,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from numpy.typing import NDArray
 
 from inferd.daemon.activations import Peak
-from inferd.daemon.workers.channel import Channel, Gone, pair
+from inferd.daemon.workers.channel import Channel, Gone, dtype_code, dtype_of, pair
 from inferd.daemon.workers.process import decode_error
 from inferd.daemon.workers.zygote import Zygote, describe_status
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+from inferd.ipc.protocol import Slot
+from inferd.ipc.shm import Shared, shared_of
 from inferd.libbackends.contract import BatchSizes, LoadedModel, LoadOptions, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -54,6 +72,26 @@ is decided on it (daemon/worker.py)."""
 
 STATUS_WAIT_S = 2.0
 """How long a failed call waits for the zygote's word on how its worker ended."""
+
+OUTPUTS_INTO = threading.local()
+"""``OUTPUTS_INTO.slot``: the shared-memory slot the calling thread's next run writes its
+outputs into (set by daemon/worker.py for a request with ``outputs_into`` whose outputs
+go straight to its reply; the first :meth:`WorkerModel.run` takes it)."""
+
+REGION_SHARE = 2
+"""A worker holds at most 1/REGION_SHARE of its open-files limit in regions' descriptors
+(one each); the rest is its engines' and channels'."""
+
+
+@dataclass
+class _Plan:
+    """What one call sends: the tensors through the channel, the regions' descriptors
+    passed with it, and the regions it uses (counted until the call ends)."""
+
+    tensors: dict[str, NDArray[Any]] | None
+    fds: list[int] = field(default_factory=list)
+    maps: list[tuple[int, int, bool]] = field(default_factory=list)
+    used: list[Shared] = field(default_factory=list)
 
 
 class WorkerDied(InferdError):
@@ -85,6 +123,8 @@ class Worker:
     models: int = 0
     """Models loaded in it; ``pending``: loads on their way (both under the pool's lock)."""
     pending: int = 0
+    regions: dict[int, bool] = field(default_factory=dict)
+    """Shared-memory regions mapped in it: id -> mapped writable (the pool's lock)."""
 
     @property
     def alive(self) -> bool:
@@ -124,6 +164,15 @@ class WorkerPool:
         self.restarts: collections.Counter[tuple[str, str]] = collections.Counter()
         self.zygote: Zygote | None = None
         self._closed = False
+        # shared-memory regions handed to workers (the pool's lock)
+        self.region_limit = max(16, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                                // REGION_SHARE)
+        self.by_reference = 0
+        """Bytes of tensors that went to a worker by reference to a region."""
+        self._shared: dict[int, Shared] = {}  # regions this pool listens to
+        self._uses: collections.Counter[int] = collections.Counter()  # calls in flight
+        self._forgets: dict[int, tuple[Worker, list[int]]] = {}  # id(worker) -> regions
+        self._forgetting = False
 
     def start(self) -> None:
         """Fork the zygote: call it while the daemon has one thread, once the backends
@@ -284,21 +333,50 @@ class WorkerPool:
 
     def call(self, w: Worker, header: dict[str, Any], what: str,
              tensors: dict[str, NDArray[Any]] | None = None, timeout: float | None = None,
-             key: str = "workers.kill_after_s"
+             key: str = "workers.kill_after_s", into: Slot | None = None
              ) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
         """One call on one of ``w``'s channels; the reply's tensors are the daemon's own
-        (copied out of the worker's arena).
+        (copied out of the worker's arena), or views of the shared-memory slot ``into``
+        for those the worker wrote there. Tensors in a registered region go by
+        reference (the module's "Shared memory").
 
         Raises:
             WorkerDied: the worker ended (or was killed) during the call.
             InferdError: the call's own failure, as the worker raised it.
         """
         channel = self._channel(w, what)
+        plan = self._by_reference(w, header, tensors, into) if (
+            tensors or into is not None) else _Plan(tensors)
+        try:
+            reply, out = self._exchange(w, channel, header, plan, what, timeout, key)
+        finally:
+            if plan.used:
+                self._unuse(plan.used)
+        if self.max_memory is not None and header.get("op") == "run":
+            rss = _resident(w.pid)
+            if rss > self.max_memory:  # this run made it grow: it is charged with it
+                channel.close()
+                self.kill(w, f"was killed: its resident memory {rss / 2**20:.1f} MiB passed "
+                             f"workers.max_memory ({self.max_memory / 2**20:.1f} MiB)")
+                raise self.death(w, what)
+        with w.lock:
+            w.idle.append(channel)
+        if "error" in reply:
+            raise decode_error(reply["error"])
+        placed = reply.get("placed")
+        if placed:
+            assert into is not None
+            out = self._placed(w, into, placed, reply["order"], out)
+        return reply, out
+
+    def _exchange(self, w: Worker, channel: Channel, header: dict[str, Any], plan: _Plan,
+                  what: str, timeout: float | None, key: str
+                  ) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
         me = threading.get_ident()
         w.running[me] = what
         limit = self.kill_after_s if timeout is None else timeout
         try:
-            channel.send(header, tensors)
+            channel.send(header, plan.tensors, plan.fds)
         except (BrokenPipeError, ConnectionResetError):
             pass  # a worker gone: receive() below says so
         except BaseException:  # nothing was sent (a tensor the channel cannot carry)
@@ -320,18 +398,136 @@ class WorkerPool:
             raise self.death(w, what) from None
         finally:
             w.running.pop(me, None)
-        if self.max_memory is not None and header.get("op") == "run":
-            rss = _resident(w.pid)
-            if rss > self.max_memory:  # this run made it grow: it is charged with it
-                channel.close()
-                self.kill(w, f"was killed: its resident memory {rss / 2**20:.1f} MiB passed "
-                             f"workers.max_memory ({self.max_memory / 2**20:.1f} MiB)")
-                raise self.death(w, what)
-        with w.lock:
-            w.idle.append(channel)
-        if "error" in reply:
-            raise decode_error(reply["error"])
+        if plan.maps or "unmapped" in reply:
+            with self._lock:  # mapped there now (an unmapped one is passed again)
+                unmapped = set(reply.get("unmapped", ()))
+                for rid in unmapped:
+                    w.regions.pop(rid, None)
+                for rid, _, writable in plan.maps:
+                    if rid in unmapped or rid not in self._shared:
+                        continue
+                    w.regions[rid] = w.regions.get(rid, False) or writable
         return reply, out
+
+    # ----------------------------------------------------------------- shared memory
+
+    def _by_reference(self, w: Worker, header: dict[str, Any],
+                      tensors: dict[str, NDArray[Any]] | None, into: Slot | None) -> _Plan:
+        """Which of ``tensors`` go by reference to a region (named in ``header``), and
+        the descriptors ``w`` needs for them and for the slot ``into``; the rest go
+        through the channel."""
+        tensors = tensors or {}
+        found = {}
+        for name, a in tensors.items():
+            where = shared_of(a)
+            if where is not None:
+                found[name] = where
+        slot = shared_of(np.frombuffer(into.buffer, np.uint8)) if into is not None else None
+        if not found and slot is None:
+            return _Plan(tensors)
+        wanted: dict[int, tuple[Shared, bool]] = {}
+        for shared, _ in found.values():
+            wanted[shared.id] = (shared, False)
+        if slot is not None:
+            wanted[slot[0].id] = (slot[0], True)
+        plan = _Plan(None)
+        ok: set[int] = set()
+        with self._lock:
+            for rid, (shared, writable) in wanted.items():
+                if rid not in self._shared:
+                    if not shared.listen(self._released):
+                        continue  # released: its tensors are copied (they are alive)
+                    self._shared[rid] = shared
+                if shared.released:
+                    continue
+                have = w.regions.get(rid)
+                if have is None and len(w.regions) >= self.region_limit:
+                    continue  # the worker's descriptors: copied instead
+                if have is None or (writable and not have):
+                    plan.maps.append((rid, shared.size, writable))
+                    plan.fds.append(shared.fd)
+                self._uses[rid] += 1
+                plan.used.append(shared)
+                ok.add(rid)
+        rest: dict[str, NDArray[Any]] = {}
+        refs: dict[str, tuple[int, int, str, tuple[int, ...], int]] = {}
+        for name, a in tensors.items():
+            where = found.get(name)
+            if where is not None and where[0].id in ok:
+                refs[name] = (where[0].id, where[1], dtype_code(a), a.shape, a.nbytes)
+                self.by_reference += a.nbytes
+            else:
+                rest[name] = a
+        plan.tensors = rest
+        if refs:
+            header["refs"] = refs
+            header["order"] = list(tensors)
+        if plan.maps:
+            header["maps"] = plan.maps
+        if slot is not None and slot[0].id in ok:
+            assert into is not None
+            header["into"] = (slot[0].id, into.offset + into.used, into.offset + into.size)
+        return plan
+
+    def _placed(self, w: Worker, into: Slot, placed: dict[str, Any], order: list[str],
+                out: dict[str, NDArray[Any]]) -> dict[str, NDArray[Any]]:
+        """The outputs the worker wrote into ``into``, as views of it (each checked to lie
+        in the slot), with those that came through the channel, in the model's order."""
+        end = into.offset + into.size
+        for name, (start, code, shape, nbytes) in placed.items():
+            if not (into.offset <= start and start + nbytes <= end):
+                raise InferdError(f"worker {w.pid} placed output {name!r} ({nbytes} bytes "
+                                  f"at {start}) outside the slot of {into.size} bytes at "
+                                  f"{into.offset}", ErrorCode.INTERNAL)
+            dtype = dtype_of(code)
+            count = nbytes // dtype.itemsize if dtype.itemsize else 0
+            out[name] = np.frombuffer(into.buffer, dtype, count, start).reshape(shape)
+        return {name: out[name] for name in order if name in out}
+
+    def _released(self, shared: Shared) -> None:
+        """``shared`` was released by its client: unmapped in the workers once no call
+        uses it (the last call out does it otherwise, :meth:`_unuse`)."""
+        with self._lock:
+            if self._uses[shared.id] <= 0:
+                self._forget(shared.id)
+
+    def _unuse(self, used: list[Shared]) -> None:
+        with self._lock:
+            for shared in used:
+                self._uses[shared.id] -= 1
+                if self._uses[shared.id] <= 0:
+                    del self._uses[shared.id]
+                    if shared.released:
+                        self._forget(shared.id)
+
+    def _forget(self, rid: int) -> None:
+        """Have every worker that maps region ``rid`` unmap it (the pool's lock held)."""
+        self._shared.pop(rid, None)
+        for w in self._workers.values():
+            if w.regions.pop(rid, None) is not None:
+                self._forgets.setdefault(id(w), (w, []))[1].append(rid)
+        if self._forgets and not self._forgetting and not self._closed:
+            self._forgetting = True
+            threading.Thread(target=self._forget_loop, name="inferd-worker-forget",
+                             daemon=True).start()
+
+    def _forget_loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._forgets or self._closed:
+                    self._forgets.clear()
+                    self._forgetting = False
+                    return
+                batch, self._forgets = self._forgets, {}
+            for w, rids in batch.values():
+                if not w.alive:
+                    continue
+                try:
+                    self.call(w, {"op": "forget", "regions": rids},
+                              "the release of a shared-memory region")
+                except InferdError as e:
+                    log.debug("worker %d: forgetting regions %s failed: %s", w.pid, rids,
+                              e.message)
 
     def _channel(self, w: Worker, what: str) -> Channel:
         with w.lock:
@@ -518,9 +714,12 @@ class WorkerModel(LoadedModel):
 
     def run(self, inputs: dict[str, NDArray[Any]],
             outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
+        into = getattr(OUTPUTS_INTO, "slot", None)
+        if into is not None:  # this run's, not a later one's on this thread
+            OUTPUTS_INTO.slot = None
         reply, out = self.pool.call(self._live(), {"op": "run", "handle": self.handle,
                                                    "outputs": outputs}, self.call.model,
-                                    inputs)
+                                    inputs, into=into)
         ENGINE_TIME.seconds = reply["took"]
         return out
 

@@ -9,8 +9,13 @@ threads run side by side as they did in-process. Operations:
 - ``load``: ``load_planned`` (the model's own custom ops, a partitioned plan) on the
   backend named; answers a handle, the model's tensors, ``describe()``, its batch sizes
   and what the load added to this process's resident memory.
-- ``run``: the inputs are read in place from the daemon's arena; the outputs go back
-  through this end's arena.
+- ``run``: the inputs are read in place from the daemon's arena, or from a client's
+  shared-memory region the daemon named (``refs``; its descriptor passed with the call
+  the first time, ``maps``: mapped read-only unless outputs go there, kept until
+  ``forget``); the outputs go back through this end's arena, or are written into the
+  client's region where the daemon says (``into``: the slot, placed by
+  :meth:`inferd.ipc.protocol.Slot.place`'s rule).
+- ``forget``: unmap regions their clients released.
 - ``engine``: import the backend's engine (a worker started again after a death, so
   that the next request pays only its model's load).
 - ``peak``: a run's peak of activations for the input shapes a client chose (onnx's
@@ -25,6 +30,7 @@ same kind of :class:`InferdError`.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -33,9 +39,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 
-from inferd.daemon.workers.channel import Channel, Gone
+from inferd.daemon.workers.channel import Channel, Gone, dtype_code, dtype_of
+from inferd.ipc.dtypes import PACKED, STRING, dtype_name
 from inferd.ipc.errors import BackendError, ErrorCode, InferdError, ModelError
 from inferd.ipc.libc import malloc_trim
 from inferd.libbackends.contract import LoadedModel
@@ -79,6 +87,9 @@ class WorkerProcess:
         self._proc = psutil.Process()
         self._load_lock = threading.Lock()  # one load at a time: its RSS delta is its own
         self._graphs: dict[int, Any] = {}  # handle -> Activations, made at first use
+        # clients' shared-memory regions the daemon handed over: id -> (mapping, writable)
+        self._regions: dict[int, tuple[mmap.mmap, bool]] = {}
+        self._regions_lock = threading.Lock()
 
     def rss(self) -> int:
         return int(self._proc.memory_info().rss)
@@ -101,7 +112,12 @@ class WorkerProcess:
                 channel.send(encode_error(e))
                 continue
             op = header.get("op")
+            unmapped: list[int] = []
             try:
+                if "maps" in header:
+                    self._map(header["maps"], fds)
+                if "refs" in header:
+                    tensors = self._referenced(header, tensors, unmapped)
                 if op == "channel":
                     for fd in fds:
                         sock = socket.socket(fileno=fd)
@@ -114,7 +130,13 @@ class WorkerProcess:
                     outputs = model.run(tensors, header.get("outputs"))
                     took = time.perf_counter() - t0
                     del tensors
-                    channel.send({"ok": True, "took": took}, outputs)
+                    reply: dict[str, Any] = {"ok": True, "took": took}
+                    if "into" in header:
+                        outputs = self._place(header, outputs, reply)
+                    channel.send(reply, outputs)
+                elif op == "forget":
+                    self._forget(header["regions"])
+                    channel.send({"ok": True})
                 elif op == "load":
                     channel.send(self._load(header))
                 elif op == "unload":
@@ -146,7 +168,107 @@ class WorkerProcess:
                 return
             except Exception as e:  # noqa: BLE001  every failure is the call's answer
                 tensors = {}
-                channel.send(encode_error(e))
+                error = encode_error(e)
+                if unmapped:
+                    error["unmapped"] = unmapped
+                channel.send(error)
+
+    # ----------------------------------------------------------------- shared memory
+
+    def _map(self, maps: list[tuple[int, int, bool]], fds: list[int]) -> None:
+        """Map the regions passed with this call (``fds``, in the order of ``maps``); the
+        passed descriptors are closed (a mapping keeps its own): one descriptor and one
+        mapping per region. A region it cannot map is left out (the call names it in
+        ``unmapped``)."""
+        try:
+            for (rid, size, writable), fd in zip(maps, fds):
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                try:
+                    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+                except (OSError, ValueError) as e:
+                    log.warning("worker %s: cannot map shared-memory region %d: %s",
+                                self.name, rid, e)
+                    continue
+                with self._regions_lock:
+                    old = self._regions.get(rid)
+                    if old is not None and old[1] and not writable:
+                        old, mm = (mm, writable), old[0]  # the writable one stays
+                    self._regions[rid] = (mm, writable or bool(old and old[1]))
+                if old is not None:
+                    _unmap(old[0])
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _referenced(self, header: dict[str, Any], tensors: dict[str, Any],
+                    unmapped: list[int]) -> dict[str, Any]:
+        """The call's tensors, those in regions read in place, in the daemon's order."""
+        refs = header["refs"]
+        with self._regions_lock:
+            regions = {rid: self._regions.get(rid) for rid, *_ in refs.values()}
+        for name, (rid, offset, code, shape, nbytes) in refs.items():
+            region = regions[rid]
+            if region is None:
+                unmapped.append(rid)
+                continue
+            dtype = dtype_of(code)
+            count = nbytes // dtype.itemsize if dtype.itemsize else 0
+            tensors[name] = np.frombuffer(region[0], dtype, count, offset).reshape(shape)
+        if unmapped:
+            raise InferdError(f"shared-memory regions {sorted(set(unmapped))} are not "
+                              f"mapped in worker {self.name}", ErrorCode.UNAVAILABLE)
+        return {name: tensors[name] for name in header["order"]}
+
+    def _place(self, header: dict[str, Any], outputs: dict[str, Any],
+               reply: dict[str, Any]) -> dict[str, Any]:
+        """Write the numeric outputs into the client's slot (``into``: region, first free
+        offset, end) in the order the reply lists them, each at the next 64-byte boundary
+        as :meth:`inferd.ipc.protocol.Slot.place` puts it; those written are named in
+        ``reply["placed"]``, the others (strings, packed types, what does not fit: the
+        daemon says so) go back through the channel."""
+        from inferd.ipc.protocol import SHM_ALIGN
+
+        rid, at, end = header["into"]
+        with self._regions_lock:
+            region = self._regions.get(rid)
+        wanted = header.get("outputs")
+        order = [n for n in wanted if n in outputs] if wanted else list(outputs)
+        reply["order"] = order
+        if region is None or not region[1]:
+            return outputs
+        mm = region[0]
+        placed: dict[str, Any] = {}
+        rest: dict[str, Any] = {}
+        full = False
+        for name in order:
+            a = np.asarray(outputs[name])
+            kind = dtype_name(a) if not full else STRING
+            if kind == STRING or kind in PACKED or full:
+                rest[name] = a
+                continue
+            start = at + -at % SHM_ALIGN
+            if start + a.nbytes > end:
+                full = True
+                rest[name] = a
+                continue
+            at = start + a.nbytes
+            if not a.nbytes:
+                rest[name] = a
+                continue
+            np.frombuffer(mm, a.dtype, a.size, start).reshape(a.shape)[...] = a
+            placed[name] = (start, dtype_code(a), a.shape, a.nbytes)
+        for name, a in outputs.items():
+            if name not in placed and name not in rest:
+                rest[name] = a
+        reply["placed"] = placed
+        return rest
+
+    def _forget(self, rids: list[int]) -> None:
+        with self._regions_lock:
+            gone = [self._regions.pop(rid, None) for rid in rids]
+        for region in gone:
+            if region is not None:
+                _unmap(region[0])
 
     def _graph(self, h: dict[str, Any]) -> Any:
         from inferd.daemon.activations import Activations
@@ -190,6 +312,13 @@ class WorkerProcess:
                 "describe": model.describe(), "batch_sizes": model.batch_sizes(),
                 "reported": model.memory_bytes(), "added": added, "engine": engine,
                 "pid": os.getpid()}
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # arrays of a run still view it: unmapped with the last of them
 
 
 def worker_main(sock: socket.socket, name: str, registry: Registry, customops: Any) -> int:
