@@ -7,13 +7,18 @@ Figures (each daemon arm is the same build, only ``[workers] isolation`` differs
    arm within +0.3 of the in-process one).
 2. 4.9 MB infer round trip (Identity), p50, ratio to the raw echo of the same frames
    (target <= 1.4 for the worker arm).
+2b. the same 4.9 MB in and out through shared memory (a registered region: the input
+   named by reference, the output written into the region with ``outputs_into``), p50,
+   ratio to the raw echo of the 4.9 MB frame (target <= 0.5 for the worker arm: no copy
+   between the daemon and the worker).
 3. ocr-cls batch 1 and 8, one client: requests/s of each arm and of in-process
    onnxruntime (the worker arm must not fall below the in-process one).
 4. Crash to served again: the ocr-cls worker SIGKILLed, the time until its next request
    is answered (p50 of 5; target <= 2 s).
 5. Start of a worker: the fork alone (from the daemon's log line).
 
-Run: ``.venv/bin/python bench/bench_workers.py`` (about 2 minutes).
+Run: ``.venv/bin/python bench/bench_workers.py`` (about 2 minutes;
+``BENCH_WORKERS_SHM_ONLY=1``: figures 1, 2 and 2b only, about 30 s).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from common import (  # noqa: E402
     MODELS, DaemonProcess, cpu_note, make_identity_model, median, pct, verdict,
 )
 
-from inferd.ipc import Client  # noqa: E402
+from inferd.ipc import Client, Region  # noqa: E402
 from inferd.ipc.protocol import Request, encode_request, Op  # noqa: E402
 
 
@@ -128,6 +133,22 @@ def main() -> None:
             for k in t:
                 print(f"   {k:11s} {median(t[k]) * 1e3:8.2f} ms  {median(t[k]) / e:5.2f}")
             print(f"   worker: {verdict(median(t['worker']) / e, 1.4, False)}")
+            shm = {}
+            for label, c in (("in-process", a), ("worker", b)):
+                region = c.register(Region(3 * big.nbytes))
+                shared = region.ndarray(big.shape, np.float32)
+                shared[...] = big
+                shm[label] = (lambda c=c, shared=shared, region=region: c.infer(
+                    "identity", {"x": shared}, outputs_into=region))
+            t = interleaved({"echo": echo.round_trip(frames_big), **shm}, 6, 20)
+            e = median(t["echo"])
+            print("\n2b. 4.9 MB in and out through shared memory, p50 (ratio to the raw "
+                  "echo of the frame)")
+            for k in t:
+                print(f"   {k:11s} {median(t[k]) * 1e3:8.2f} ms  {median(t[k]) / e:5.2f}")
+            print(f"   worker: {verdict(median(t['worker']) / e, 0.5, False)}")
+            if os.environ.get("BENCH_WORKERS_SHM_ONLY"):
+                return
             print("\n3. ocr-cls, one client, requests/s")
             session = cls_session()
             for label, x in (("b1", cls1), ("b8", cls8)):
