@@ -370,6 +370,10 @@ class Workers:
             self._waiting = not self._infer_q.empty()
             self._run_batch([x if isinstance(x, Job) else Job(x, x.request.inputs)
                              for x in batch], limit)
+            # not held while waiting for the next: a request's inputs may be views of a
+            # client's shared-memory region, whose mapping and descriptor go with the
+            # last of them once the client releases it
+            del batch
         with self._left_lock:  # abandoned: the last one lets the post stage end
             self._left["infer"] -= 1
             last = self._left["infer"] == 0
