@@ -21,23 +21,11 @@ from inferd.daemon.workers.pool import OUTPUTS_INTO, LoadCall, WorkerModel, Work
 from inferd.ipc.protocol import Reply, Slot, encode_reply, plan_tensors
 from inferd.ipc.shm import map_region, shared_of
 from inferd.libbackends.contract import LoadOptions
-from inferd.libbackends.customops.contract import OpRegistry
-from inferd.libbackends.loader import _onnxruntime_cpu
-from inferd.libbackends.registry import Registry
+from tests.daemon.test_workers import pool  # noqa: F401  (a fixture)
 from tests.e2e.test_cache_reload import poll
 
 SIZE = 8 * 2**20
 X = np.random.default_rng(7).random((256, 1024), dtype=np.float32)  # 1 MiB: not inline
-
-
-@pytest.fixture
-def pool():
-    registry = Registry()
-    registry.register(_onnxruntime_cpu())
-    p = WorkerPool(registry, OpRegistry(), kill_after_s=30.0, restart_backoff_s=0.05)
-    p.start()
-    yield p
-    p.close()
 
 
 @pytest.fixture
@@ -77,16 +65,20 @@ def decoded(data: np.ndarray, offset: int) -> np.ndarray:
     return planned["x"]
 
 
-def fds(pid: int, name: str | None = None) -> int:
-    """Descriptors of ``pid`` (open on memfd ``name`` if given)."""
-    n = 0
+def links(pid: int) -> list[str]:
+    """What ``pid``'s descriptors are open on."""
+    out = []
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
         except OSError:
-            continue
-        n += name is None or target == f"/memfd:{name} (deleted)"
-    return n
+            pass
+    return out
+
+
+def fds(pid: int, name: str | None = None) -> int:
+    """Descriptors of ``pid`` (open on memfd ``name`` if given)."""
+    return sum(name is None or t == f"/memfd:{name} (deleted)" for t in links(pid))
 
 
 def mappings(pid: int, name: str) -> list[str]:

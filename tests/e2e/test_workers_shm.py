@@ -19,7 +19,7 @@ import zmq
 
 from inferd.ipc import Client, ErrorCode, Region, RequestError
 from inferd.ipc.protocol import decode_reply
-from tests.daemon.test_workers_shm import fds, mappings
+from tests.daemon.test_workers_shm import fds, links, mappings
 from tests.e2e.test_cache_reload import poll
 from tests.e2e.test_workers import worker_pids
 
@@ -55,14 +55,7 @@ def steady(pid: int) -> int:
     channels' arenas: sockets, eventfds and epolls (libzmq's per connection, and one
     more channel per caller thread running at once) grow with connections and
     concurrency, not with regions."""
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        n += target.startswith("/") and "inferd-worker-arena" not in target
-    return n
+    return sum(t.startswith("/") and "inferd-worker-arena" not in t for t in links(pid))
 
 
 def worker(d) -> int:
