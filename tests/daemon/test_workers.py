@@ -128,12 +128,18 @@ def test_the_zygote_forks_workers_and_reports_how_they_end():
         z.close()
 
 
-@pytest.fixture
-def pool():
+def new_pool() -> WorkerPool:
+    """A started pool with onnxruntime registered (the ``pool`` fixture's)."""
     registry = Registry()
     registry.register(_onnxruntime_cpu())
     p = WorkerPool(registry, OpRegistry(), kill_after_s=30.0, restart_backoff_s=0.05)
     p.start()
+    return p
+
+
+@pytest.fixture
+def pool():
+    p = new_pool()
     yield p
     p.close()
 

@@ -21,11 +21,18 @@ from inferd.daemon.workers.pool import OUTPUTS_INTO, LoadCall, WorkerModel, Work
 from inferd.ipc.protocol import Reply, Slot, encode_reply, plan_tensors
 from inferd.ipc.shm import map_region, shared_of
 from inferd.libbackends.contract import LoadOptions
-from tests.daemon.test_workers import pool  # noqa: F401  (a fixture)
+from tests.daemon.test_workers import new_pool
 from tests.e2e.test_cache_reload import poll
 
 SIZE = 8 * 2**20
 X = np.random.default_rng(7).random((256, 1024), dtype=np.float32)  # 1 MiB: not inline
+
+
+@pytest.fixture
+def pool():
+    p = new_pool()
+    yield p
+    p.close()
 
 
 @pytest.fixture

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 
 from inferd.ipc import Client, ErrorCode, Region, RequestError
-from inferd.ipc.protocol import decode_reply
 from tests.daemon.test_workers_shm import fds, links, mappings
 from tests.e2e.test_cache_reload import poll
+from tests.e2e.test_error_codes import raw
 from tests.e2e.test_workers import worker_pids
 
 pytestmark = pytest.mark.slow
@@ -62,19 +61,9 @@ def worker(d) -> int:
     return worker_pids(d.log(), "onnxruntime")[-1]
 
 
-def raw(endpoint: str, header: str) -> str:
+def raw_error(endpoint: str, header: str) -> str:
     """One request sent as is from this process; its reply's error message."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVTIMEO, 20_000)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
-        sock.send_multipart([b"INFERD/1", header.encode()])
-        reply = decode_reply(sock.recv_multipart())
-    finally:
-        sock.close(0)
-        ctx.term()
+    reply = raw(endpoint, [b"INFERD/1", header.encode()])
     assert reply.error is not None
     return reply.error.message
 
@@ -95,7 +84,7 @@ def test_a_region_is_read_and_written_by_the_worker_and_released_there(daemon) -
         assert mappings(pid, "inferd-e2e") == ["rw-s"] and fds(pid, "inferd-e2e") == 1
         assert fds(d.proc.pid, "inferd-e2e") == 1  # one descriptor in the daemon
         # hostile: bounds are the daemon's, checked before anything reaches the worker
-        message = raw(d.endpoint, '{"id":"h","op":"infer","model":"neg","inputs":[{"name":'
+        message = raw_error(d.endpoint, '{"id":"h","op":"infer","model":"neg","inputs":[{"name":'
                       f'"x","dtype":"float32","shape":[256,1024],"region":"{region.token}",'
                       f'"offset":{8 * 2**20 - 64}}}]}}')
         assert "past the end of its region" in message
