@@ -23,7 +23,7 @@ from inferd.daemon.graph import Executor, graph_names, graph_path, load_graph_fi
 from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
-from inferd.ipc.errors import ErrorCode, InferdError, failure
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure
 from inferd.ipc.protocol import Request
 from inferd.ipc.replies import ReplySink
 
@@ -101,6 +101,10 @@ class GraphManager:
 
         A graph not loaded yet is loaded on the graph loader thread (parsing it may read
         model files), and the request is answered from there if the load fails."""
+        if request.stream is not None:  # a graph keeps no state between requests
+            raise ModelError(f"graph {request.model} cannot run as a stream: only a model "
+                             f"with a [stream] table in its model.toml can",
+                             ErrorCode.INVALID_ARGUMENT)
         ex = self._graphs.get(request.model or "")
         if ex is not None:
             ex.submit(request, ticket)

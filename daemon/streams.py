@@ -316,6 +316,7 @@ class Chunk:
     ran: bool = False  # its inputs went to the engine: the state is the run's now
     committed: bool = False  # the run's state outputs are the stream's
     reason: str | None = None  # why the run failed, when it did
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # its chunk's, bound
 
 
 class Admission(Enum):
@@ -669,6 +670,7 @@ class StreamTable:
                                   f"{bound.dtypes[name]}{list(want_shape)} (set {said})",
                                   ErrorCode.INVALID_ARGUMENT)
             out[name] = value
+            chunk.shapes[name] = got
         for c in bound.spec.contexts:
             fresh = out.get(c.input)
             if fresh is None:
@@ -708,9 +710,7 @@ class StreamTable:
         if chunk.ref.start:
             stream.constants = {n: np.array(inputs[n], copy=True)
                                 for n in bound.constant_names}
-            stream.chunk_shapes = {
-                n: tuple(v.shape) for n, v in item.request.inputs.items()
-                if n not in bound.state_inputs and n not in bound.constant_names}
+            stream.chunk_shapes = dict(chunk.shapes)
             stream.chunks = 0
             stream.lost = None
             stream.started = True

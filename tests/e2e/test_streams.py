@@ -266,11 +266,17 @@ def test_a_model_without_a_stream_table_refuses_a_stream(start_daemon, short_tmp
     repo = short_tmp / "repo"
     (repo / "vad" / "1").mkdir(parents=True)
     os.symlink(models_dir / "vad" / "1" / "model.onnx", repo / "vad" / "1" / "model.onnx")
+    (repo / "ocr").mkdir()
+    shutil.copyfile(models_dir / "ocr" / "graph.toml", repo / "ocr" / "graph.toml")
     d = start(start_daemon, short_tmp, repo)
     with d.client() as c:
         assert fails(lambda: c.stream("vad", sr=16000).infer({"input": audio(0, 1)[0]}),
                      ErrorCode.INVALID_ARGUMENT) == (
             "model vad has no [stream] table in its model.toml")
+        assert fails(lambda: c.stream("ocr").infer({"image": np.zeros((8, 8, 3), np.uint8)}),
+                     ErrorCode.INVALID_ARGUMENT) == (
+            "graph ocr cannot run as a stream: only a model with a [stream] table in its "
+            "model.toml can")
         # a plain request carries its state itself, as before
         out = c.infer("vad", {"input": np.zeros((1, 576), np.float32), "sr": SR,
                               "state": np.zeros((2, 1, 128), np.float32)})
