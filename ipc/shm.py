@@ -176,18 +176,20 @@ def shared_of(array: Any) -> tuple[Shared, int] | None:
     """(the region, the byte offset) of ``array`` if it is a C-contiguous numpy array
     whose bytes lie in a region this daemon mapped (:func:`map_region`), found through
     its chain of bases; None otherwise (a copy, a frame, another buffer)."""
-    if type(array) is not np.ndarray or not array.flags.c_contiguous:
+    if type(array) is not np.ndarray:
         return None
     node: Any = array
-    for _ in range(32):
+    for _ in range(32):  # on the hot path: a few type checks for a tensor in a frame
         if type(node) is np.ndarray:
             node = node.base
         elif type(node) is memoryview:
             node = node.obj
         else:
             break
+    if not isinstance(node, ctypes.Array):
+        return None
     shared = getattr(node, "inferd_shared", None)
-    if type(shared) is not Shared:
+    if type(shared) is not Shared or not array.flags.c_contiguous:
         return None
     offset = int(array.__array_interface__["data"][0]) - shared.addr
     if offset < 0 or offset + array.nbytes > shared.size:

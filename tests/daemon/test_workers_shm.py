@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +167,37 @@ def test_a_worker_started_again_gets_the_region_again_and_a_released_one_is_copi
     del x
     del data, shared
     assert fds(os.getpid(), "inferd-t2") == 0
+
+
+def test_a_region_released_during_its_run_is_forgotten_after_it(
+        pool: WorkerPool, model: WorkerModel) -> None:
+    """Released while a run reads it: that run is answered right, and the worker unmaps
+    the region once the run is out (whichever comes first)."""
+    data, shared = region("inferd-t3")
+    x = decoded(data, 0)
+    big = np.frombuffer(data, np.float32, 2 * 2**20 - 4096, 4096).reshape(-1, 1024)
+    big[...] = 1.0
+    model.run({"x": x})
+    got: dict[str, np.ndarray] = {}
+    run = threading.Thread(target=lambda: got.update(model.run({"x": big})))
+    run.start()
+    shared.release()
+    run.join(30)
+    assert float(got["y"].min()) == float(got["y"].max()) == -1.0
+    poll(lambda: not mappings(model.pid, "inferd-t3"), 10)
+    assert fds(model.pid, "inferd-t3") == 0 and not pool._uses and not pool._shared
+
+
+def test_a_worker_takes_regions_up_to_its_share_of_descriptors_then_copies(
+        pool: WorkerPool, model: WorkerModel) -> None:
+    pool.region_limit = 1
+    first, s1 = region("inferd-t4")
+    second, s2 = region("inferd-t5")
+    np.testing.assert_array_equal(model.run({"x": decoded(first, 0)})["y"], -X)
+    copied = arena_bytes(model)
+    np.testing.assert_array_equal(model.run({"x": decoded(second, 0)})["y"], -X)
+    assert arena_bytes(model) == copied + X.nbytes  # past the share: copied
+    assert fds(model.pid, "inferd-t4") == 1 and fds(model.pid, "inferd-t5") == 0
+    s1.release()
+    s2.release()
+    poll(lambda: not mappings(model.pid, "inferd-t4"), 10)
