@@ -134,6 +134,7 @@ class WorkerProcess:
                     if "into" in header:
                         outputs = self._place(header, outputs, reply)
                     channel.send(reply, outputs)
+                    del outputs  # may view a region: not kept until the next call
                 elif op == "forget":
                     self._forget(header["regions"])
                     channel.send({"ok": True})
