@@ -18,7 +18,10 @@
    ``max_bytes_per_client = "1GiB"``, so that its 256 MiB unpacked are admitted and the
    name decides), (8) 10.5 million two-byte strings (63 MB) to a model that does not
    exist under a 64 MiB ``max_bytes_in_flight`` (target: p99 within 2x alone); the
-   daemon's RSS growth (peak, sampled) and the replies' codes.
+   daemon's RSS growth (peak, sampled) and the replies' codes; for 6 and 8 also the
+   floor, the pings beside the same work done with no daemon in it (item 6's runs in an
+   onnxruntime session of their own, item 8's messages to a bare pyzmq ROUTER): on a
+   2-core machine that work alone takes most of the ratio.
 5. the receive transient (issue 31 item 9): 100 connections each sending one 19.7 MB
    request at once to a daemon with a 2 GB board's ``max_bytes_in_flight`` (256 MiB):
    the daemon's own memory growth (RSS less the clients' shared memory it maps) against
@@ -234,6 +237,68 @@ def _hostile(endpoint: str, case: str, stop: Any, codes: Any) -> None:
         ctx.term()
 
 
+def _floor(case: str, stop: Any, ready: Any, repo: str) -> None:
+    """The same hostile work as ``_hostile``'s, with no daemon in it (a process of its
+    own): item 6's runs of ``sinsum`` in an onnxruntime session of this process, on the
+    same inputs at the same pace; item 8's messages sent to a bare pyzmq ROUTER (another
+    process) that answers each with a small error. A polite client's pings to the daemon
+    beside it show what the machine's two cores give when the daemon does nothing for it."""
+    import zmq
+
+    if case == "6":
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = so.inter_op_num_threads = 1
+        session = ort.InferenceSession(f"{repo}/sinsum/1/model.onnx", so,
+                                       providers=["CPUExecutionProvider"])
+        small = {"x": np.ones(4, np.float32)}
+        ready.set()
+        while not stop.is_set():
+            for _ in range(32):
+                session.run(None, small)
+            big = np.empty(16 * 1024 * 1024, np.float32)  # fresh pages, as a new region's
+            big[...] = 1.0
+            session.run(None, {"x": big})
+            del big
+            stop.wait(0.05)
+        return
+    endpoint = f"ipc:///tmp/inferd-bh-sink-{os.getpid()}.sock"
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.ROUTER)
+    sink.bind(endpoint)
+    refusal = json.dumps({"id": "8", "error": {"code": "RESOURCE_EXHAUSTED"}}).encode()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sink.poll(100):
+                frames = sink.recv_multipart(copy=False)
+                sink.send_multipart([frames[0].bytes, TAG, refusal])
+
+    import threading
+    server = threading.Thread(target=serve)
+    server.start()
+    header = {"id": "8", "op": "infer", "model": "no-such-model", "inputs": [
+        {"name": "x", "dtype": "string", "shape": [10_500_000]}]}
+    frames = [TAG, json.dumps(header).encode(), (np.uint32(2).tobytes() + b"ab") * 10_500_000]
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    ready.set()
+    while not stop.is_set():
+        s.send_multipart(frames)
+        while not s.poll(100) and not stop.is_set():
+            pass
+        if stop.is_set():
+            break
+        s.recv_multipart()
+        stop.wait(0.05)
+    server.join()
+    s.close()
+    sink.close()
+    ctx.term()
+
+
 def _ping_p99(endpoint: str, seconds: float, proc: Any) -> tuple[float, int, int, float]:
     """(p99 of a polite client's pings over ``seconds``, how many, the daemon's peak
     RSS growth meanwhile, sampled every 10 ms on a thread of its own, the slowest
@@ -336,6 +401,19 @@ def decode_cost(only: set[str] | None = None) -> None:
                           f"{verdict(ratio, 2.0, higher_is_better=False)}; daemon RSS "
                           f"+{peak / 2**20:.0f} MiB (peak, sampled); its replies {got}",
                           flush=True)
+                    if case in ("6", "8"):
+                        stop, ready = mp.Event(), mp.Event()
+                        p = mp.Process(target=_floor, args=(case, stop, ready, str(repo)))
+                        p.start()
+                        ready.wait(60)
+                        time.sleep(1.0)
+                        floor, n, _, worst = _ping_p99(d.endpoint, DECODE_WINDOW_S, proc)
+                        stop.set()
+                        p.join(120)
+                        print(f"    its floor, the same work with no daemon in it: ping p99 "
+                              f"{floor * 1e3:.2f} ms ({n} pings) = {floor / alone:.1f}x alone; "
+                              f"the daemon's part: beside it / its floor = "
+                              f"{beside / floor:.2f}", flush=True)
             finally:
                 d.stop()
     finally:
