@@ -68,6 +68,13 @@ class FairQueue:
         self._closed = False
         self._room = threading.Condition(self._lock)  # for wait_below
         self._room_waiters = 0
+        # A timed wait for a token waits here, never in SimpleQueue.get with a timeout:
+        # CPython 3.11's (3.11.7 here) waits forever once a put wakes it after its
+        # deadline and another getter took the item first (it retries with a negative
+        # timeout, which means "no timeout"): a batch waiting max_delay_ms for company
+        # then waited for the next request to arrive.
+        self._arrived = threading.Condition(self._lock)
+        self._token_waiters = 0
 
     def put(self, item: Any, timeout: float | None = None) -> None:
         """Queue ``item``; in a bounded queue a request waits for room up to ``timeout``
@@ -93,15 +100,46 @@ class FairQueue:
                     fifo = self._peers[key] = deque()
                 fifo.append((self._seq, item))
             self._size += 1
+            self._token()
+
+    def _token(self) -> None:
+        """Add a token and wake the timed waiters (caller holds the lock)."""
         self._tokens.put(None)
+        if self._token_waiters:
+            self._arrived.notify_all()
+
+    def _take_token(self, deadline: float | None) -> bool:
+        """Take a token, waiting until ``deadline`` (monotonic seconds; None: as long as
+        it takes); False if none came in time."""
+        if deadline is None:
+            self._tokens.get()  # an untimed wait is safe
+            return True
+        while True:
+            try:
+                self._tokens.get(False)
+                return True
+            except queue.Empty:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with self._lock:  # tokens are put under it: no wake-up is missed
+                if self._tokens.empty():
+                    self._token_waiters += 1
+                    try:
+                        self._arrived.wait(left)
+                    finally:
+                        self._token_waiters -= 1
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The next item, taking turns between clients; raises ``queue.Empty`` like
         ``SimpleQueue.get`` when none arrives in time."""
         deadline = None if timeout is None or not block else time.monotonic() + timeout
         while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._tokens.get(block, left)
+            if not block:
+                self._tokens.get(False)
+            elif not self._take_token(deadline):
+                raise queue.Empty
             with self._lock:
                 if self._stale:  # the token of a dropped item: wait for the next one
                     self._stale -= 1
@@ -142,10 +180,7 @@ class FairQueue:
         taken = {_peer(first): total}
         until = time.monotonic() + delay
         while total < limit:
-            left = until - time.monotonic()
-            try:
-                self._tokens.get(left > 0, max(0.0, left))
-            except queue.Empty:
+            if not self._take_token(until):
                 break
             with self._lock:
                 if self._stale:
@@ -153,7 +188,7 @@ class FairQueue:
                     continue
                 picked = None if self._stop_due() else self._pick(limit, total, taken, rows)
                 if picked is None:  # nothing may join: the item stays, with its token
-                    self._tokens.put(None)
+                    self._token()
                     break
                 key, item, n = picked
             batch.append(item)
@@ -227,8 +262,7 @@ class FairQueue:
                 # seq 0: before any sentinel queued meanwhile, as it was
                 fifo.appendleft((0, item))
                 self._size += 1
-        for _ in rest:  # their room was never released: they keep it
-            self._tokens.put(None)
+                self._token()  # their room was never released: they keep it
 
     def drop(self, peer: bytes) -> list[Any]:
         """Take out every request of ``peer`` still queued, in order (for the caller to

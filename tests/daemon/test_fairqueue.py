@@ -217,6 +217,43 @@ def test_a_batch_waits_for_company_until_it_is_full():
     assert len(q.get_batch(8, _rows)) == 1
 
 
+def test_a_batch_waiting_for_company_returns_when_its_delay_passes_though_another_took_the_item():
+    """A batch waits max_delay_ms for company; a request put near the end of that wait
+    and taken at once by another thread must not keep it waiting (CPython 3.11's
+    SimpleQueue.get with a timeout then waits forever: a stream's chunks stalled behind
+    such a batch until the daemon stopped)."""
+    import time
+
+    q = FairQueue()
+    slow = []
+    for i in range(40):
+        q.put(_item(b"a", i))
+        done = threading.Event()
+        took: list[float] = []
+
+        def batch() -> None:
+            t0 = time.monotonic()
+            q.get_batch(4, _rows, delay=0.002)
+            took.append(time.monotonic() - t0)
+            done.set()
+        t = threading.Thread(target=batch)
+        t.start()
+        time.sleep(0.0015)  # near the end of its delay: a put wakes it...
+        q.put(_item(b"b", i))
+        try:
+            q.get_nowait()  # ...and another consumer takes the item first
+        except queue.Empty:
+            pass  # the batch took it after all
+        if not done.wait(2):
+            slow.append(i)
+            q.put(_item(b"c", i))  # let it go
+            done.wait(5)
+        t.join(5)
+        while not q.empty():
+            q.get_nowait()
+    assert slow == []
+
+
 def test_a_bounded_queue_blocks_a_put_until_room_and_close_answers_the_waiting():
     q = FairQueue(maxsize=2)
     q.put(_item(b"a", 0))

@@ -244,3 +244,91 @@ def test_chunks_of_streams_merge_and_split_on_their_axes(table) -> None:
     # another constant never shares a batch
     other = dict(parts[0], sr=np.array(8000, np.int64))
     assert streams.signature(bound, other) != streams.signature(bound, parts[0])
+
+
+def test_many_streams_pipelined_on_two_threads_keep_their_order(tmp_path, models_dir) -> None:
+    """A real cache (in the daemon process, two inference threads, batches of up to 4)
+    and the real vad: 6 streams of 4 clients, every chunk submitted before any reply,
+    from 6 threads at once; each stream's outputs equal its own loop's, and nothing is
+    left in flight or open."""
+    import threading
+    import time
+
+    import onnxruntime as ort
+
+    from inferd.daemon.config import load_config
+    from inferd.daemon.models import ModelManager
+    from inferd.daemon.repository import Repository
+    from inferd.ipc.replies import ReplySink, Ticket
+    from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
+    from inferd.libbackends.registry import Registry
+    from tests.links import link_file
+
+    onnx_path = models_dir / "vad" / "1" / "model.onnx"
+    link_file(onnx_path, tmp_path / "vad" / "1" / "model.onnx")
+    toml = (Path(__file__).resolve().parents[2] / "examples" / "models" / "vad" / "model.toml")
+    (tmp_path / "vad" / "model.toml").write_text(
+        "instances = 2\n" + toml.read_text().replace("max_batch = 16", "max_batch = 4")
+        .replace("max_delay_ms = 0", "max_delay_ms = 1")
+        .replace('batching = "adaptive"', 'batching = "fixed"'))
+    config = load_config(None, {"models.repository": str(tmp_path),
+                                "workers.isolation": "in-process"})
+    registry = Registry()
+    registry.register(OnnxRuntimeCpuBackend())
+    replies: dict[str, Reply] = {}
+    cond = threading.Condition()
+
+    def send(ticket: Ticket, reply: Reply) -> None:
+        if ticket.answer(reply):
+            with cond:
+                replies[ticket.request_id] = reply
+                cond.notify_all()
+    manager = ModelManager(Repository(tmp_path), registry, config, ReplySink(send))
+    rng = np.random.default_rng(5)
+    streams, steps = 6, 30
+    audio = rng.standard_normal((streams, steps, 1, 512)).astype(np.float32) * 0.3
+    seq = iter(range(10**6))
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        peer = f"client{i % 4}".encode()
+        for t in range(steps):
+            inputs = {"input": audio[i, t]}
+            if t == 0:
+                inputs["sr"] = np.array(16000, np.int64)
+            rid = f"s{i}-{t}"
+            with lock:
+                n = next(seq)
+            manager.submit(Request(rid, Op.INFER, "vad", None, inputs,
+                                   stream=StreamRef(f"s{i}", start=t == 0,
+                                                    end=t == steps - 1)),
+                           Ticket(n, rid, time.monotonic(), None, peer=peer, uid=1000))
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        with cond:
+            done = cond.wait_for(lambda: len(replies) == streams * steps, 30)
+        entry = manager.entry("vad")
+        left = [(s.name, s.busy, len(s.held)) for s in entry.streams._streams.values()]
+        assert done, f"{streams * steps - len(replies)} unanswered; (stream, busy, held): {left}"
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = opts.inter_op_num_threads = 1
+        session = ort.InferenceSession(str(onnx_path), opts)
+        for i in range(streams):
+            state = np.zeros((2, 1, 128), np.float32)
+            context = np.zeros((1, 64), np.float32)
+            for t in range(steps):
+                x = np.concatenate([context, audio[i, t]], axis=1)
+                want, state = session.run(None, {"input": x, "state": state,
+                                                 "sr": np.array(16000, np.int64)})
+                context = x[:, -64:]
+                got = replies[f"s{i}-{t}"]
+                assert got.ok, got.error
+                np.testing.assert_array_equal(got.outputs["output"], want)
+        assert entry.in_flight == 0 and entry.streams.open() == 0
+        assert entry.workers is not None and entry.workers.batches > 0  # some shared a run
+    finally:
+        assert manager.stop(30)
