@@ -41,7 +41,7 @@ from inferd.daemon.fairqueue import FairQueue  # noqa: E402
 from inferd.daemon.model_settings import check_settings  # noqa: E402
 from inferd.daemon.pipeline import parse_spec  # noqa: E402
 from inferd.daemon.processors import ProcessorRegistry  # noqa: E402
-from inferd.daemon.worker import Workers, WorkItem  # noqa: E402
+from inferd.daemon.model_threads import ModelThreads, Queued  # noqa: E402
 from inferd.ipc.replies import LocalTicket, ReplySink  # noqa: E402
 from inferd.ipc.protocol import Op, Request  # noqa: E402
 from inferd.libbackends.contract import LoadOptions  # noqa: E402
@@ -68,11 +68,11 @@ def three_stage() -> None:
     spec = parse_spec("rec3", check_settings("rec3", {
         "pre": [{"op": "sleep", "ms": STAGE_MS}], "post": [{"op": "sleep", "ms": STAGE_MS}]}),
         ProcessorRegistry())
-    workers = Workers("rec3", model, work, ReplySink(), 1, spec=spec)
+    workers = ModelThreads("rec3", model, work, ReplySink(), 1, spec=spec)
     workers.start()
     t0 = time.perf_counter()
     for i in range(n):
-        work.put(WorkItem(Request(str(i), Op.INFER, model="rec3", inputs={"x": x}),
+        work.put(Queued(Request(str(i), Op.INFER, model="rec3", inputs={"x": x}),
                           LocalTicket(str(i), lambda r: done.release())))
     for _ in range(n):
         done.acquire()

@@ -13,9 +13,9 @@ batching, the request's deadline), answered into a ``concurrent.futures.Future``
 model queue that is full makes the call wait for room, no longer than the deadline.
 
 A node that never returns cannot hold the daemon: each thread notes the call it is in
-(:class:`~inferd.daemon.worker.Busy`), ``stop`` gives up once one is inside a call past
+(:class:`~inferd.daemon.model_threads.Busy`), ``stop`` gives up once one is inside a call past
 ``stuck_after`` seconds, and ``abandon`` leaves the stuck threads behind, answering the
-frames they held. A pipeline graph stops by :data:`~inferd.daemon.worker.STOP`'s rule:
+frames they held. A pipeline graph stops by :data:`~inferd.daemon.model_threads.STOP`'s rule:
 each node thread passes it on and ends.
 """
 

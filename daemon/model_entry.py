@@ -14,7 +14,7 @@ from typing import Any
 from inferd.daemon.memory import ModelMemory
 from inferd.daemon.placement import ModelPlacement
 from inferd.daemon.streams import StreamModel, StreamTable
-from inferd.daemon.worker import WorkItem, Workers, WorkQueue
+from inferd.daemon.model_threads import Queued, ModelThreads, WorkQueue
 from inferd.ipc.errors import ErrorCode
 from inferd.libbackends.contract import LoadedModel
 
@@ -56,7 +56,7 @@ class ModelEntry:
         self.queue_size = queue_size
         self.placement: ModelPlacement | None = None  # backend, device and why
         self.model: LoadedModel | None = None
-        self.workers: Workers | None = None
+        self.threads: ModelThreads | None = None
         self.error: str | None = None
         self.error_code: ErrorCode = ErrorCode.INTERNAL
         self.failed_at = 0.0
@@ -99,18 +99,18 @@ class ModelEntry:
             self.load_future = future
             self.loads += 1
 
-    def ready(self, model: LoadedModel, workers: Workers, placement: ModelPlacement,
+    def ready(self, model: LoadedModel, workers: ModelThreads, placement: ModelPlacement,
               keep_alive: float, streams: StreamModel | None = None) -> None:
         """LOADING -> READY with the loaded model and its (not yet started) workers
         (``streams``: its [stream] table bound to it, or None)."""
         with self.lock:
             self._become(State.READY, State.LOADING)
-            self.model, self.workers, self.placement = model, workers, placement
+            self.model, self.threads, self.placement = model, workers, placement
             self.streams.bound = streams
             self.keep_alive = keep_alive
             self.touch(request=False)
 
-    def fail(self, code: ErrorCode, message: str, scan: Any = None) -> list[WorkItem]:
+    def fail(self, code: ErrorCode, message: str, scan: Any = None) -> list[Queued]:
         """LOADING -> FAILED, remembering why, when and under which scan of the
         repository (``scan``: the model's ModelSpec then); returns the requests that
         waited in the queue, which the caller must answer."""
@@ -126,28 +126,28 @@ class ModelEntry:
         with self.lock:
             self._become(State.UNLOADED, State.FAILED)
 
-    def drain(self, reason: str = "model unloaded") -> tuple[Workers, LoadedModel]:
+    def drain(self, reason: str = "model unloaded") -> tuple[ModelThreads, LoadedModel]:
         """READY -> DRAINING: returns the workers to stop and the model to unload.
         Requests that arrive meanwhile wait in the queue; chunks that its streams hold
         are answered with their loss (``reason``)."""
         with self.lock:
             self._become(State.DRAINING, State.READY)
             self.streams.closing = reason
-            assert self.workers is not None and self.model is not None
-            return self.workers, self.model
+            assert self.threads is not None and self.model is not None
+            return self.threads, self.model
 
     def unloaded(self, reason: str = "model unloaded") -> None:
         """DRAINING -> UNLOADED: the model and its workers are gone, and with them the
         state of its open streams (each answered ``reason`` at its next request)."""
         with self.lock:
             self._become(State.UNLOADED, State.DRAINING)
-            self.model = self.workers = self.placement = None
+            self.model = self.threads = self.placement = None
             self.streams.bound = None
             self.streams.lose_all(reason)
 
     # ----------------------------------------------------------------- requests
 
-    def enqueue(self, item: WorkItem, keep_alive: float | None) -> None:
+    def enqueue(self, item: Queued, keep_alive: float | None) -> None:
         """Count ``item`` in flight and queue it (the caller checked the bound)."""
         with self.lock:
             self.in_flight += 1
@@ -162,13 +162,13 @@ class ModelEntry:
             self.in_flight += 1
             self.touch(keep_alive)
 
-    def begin_io_run(self, workers: Workers, keep_alive: float | None) -> bool:
+    def begin_io_run(self, workers: ModelThreads, keep_alive: float | None) -> bool:
         """Count a request in flight that the calling thread runs itself on
-        ``workers`` (:meth:`Workers.run_on_io_thread`), if they serve this entry now and
+        ``workers`` (:meth:`ModelThreads.run_on_io_thread`), if they serve this entry now and
         nothing else of it is queued or running (so it takes no turn from another
         request); False: queue it instead."""
         with self.lock:
-            if (self._state is not State.READY or self.workers is not workers
+            if (self._state is not State.READY or self.threads is not workers
                     or self.in_flight):
                 return False
             self.in_flight += 1
@@ -185,7 +185,7 @@ class ModelEntry:
                 self.failed_requests += 1
             self.touch()
 
-    def dropped(self, items: list[WorkItem]) -> None:
+    def dropped(self, items: list[Queued]) -> None:
         """``items`` were taken out of the queue unanswered by the model."""
         with self.lock:
             self.in_flight -= len(items)
@@ -207,7 +207,7 @@ class ModelEntry:
             if self._state is State.READY:
                 self.keep_alive = keep_alive
 
-    def take_queued(self) -> list[WorkItem]:
+    def take_queued(self) -> list[Queued]:
         """Empty the queue: the requests in it, which the caller must answer or pass
         on; sentinels are dropped."""
         with self.lock:
@@ -217,7 +217,7 @@ class ModelEntry:
                     item = self.queue.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(item, WorkItem):
+                if isinstance(item, Queued):
                     items.append(item)
             self.in_flight -= len(items)
             return items
@@ -242,12 +242,12 @@ class ModelEntry:
             "idle_s": (round(time.monotonic() - self.used_at, 3)
                        if self.state is State.READY and not self.in_flight else None),
             "keep_alive_s": None if math.isinf(self.keep_alive) else self.keep_alive,
-            "threads": [t.name for t in self.workers.threads] if self.workers else [],
+            "threads": [t.name for t in self.threads.threads] if self.threads else [],
             # each thread's backend as it runs now (measuring may have moved the model)
             "placement": [{**p, "backend": self.backend if p.get("backend") else None}
-                          for p in self.workers.placement()] if self.workers else [],
-            "batching": self.workers.batching() if self.workers else None,
-            "io_thread_runs": self.workers.io_thread_runs if self.workers else 0,
+                          for p in self.threads.placement()] if self.threads else [],
+            "batching": self.threads.batching() if self.threads else None,
+            "io_thread_runs": self.threads.io_thread_runs if self.threads else 0,
             "plan": m.describe().get("plan") if m else None,
             # open streams; those freed for idleness, and lost, since the daemon started
             "streams": self.streams.open(), "streams_bytes": self.streams.nbytes(),

@@ -50,7 +50,7 @@ from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.units import request_keep_alive
 from inferd.daemon.streams import Admission, lost_error, no_stream_table, stream_loss
-from inferd.daemon.worker import WorkItem, Workers
+from inferd.daemon.model_threads import Queued, ModelThreads
 from inferd.daemon.workers.pool import WorkerPool
 from inferd.daemon.workers.quarantine import Quarantine
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
@@ -99,7 +99,7 @@ class ModelManager:
         self._lock = threading.Lock()  # the entries dict
         self._reload_lock = threading.Lock()
         self._stopping = threading.Event()
-        self.left_running: list[Workers] = []  # workers a drain gave up on (still alive)
+        self.left_running: list[ModelThreads] = []  # workers a drain gave up on (still alive)
         self._loads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inferd-loader",
                                          initializer=unpin_current_thread)
         self._evictor = ThreadPoolExecutor(max_workers=1,
@@ -198,18 +198,18 @@ class ModelManager:
                 (``ticket.tensor_bytes``, its tensors wherever they travel, frames or
                 shared memory) to a model that runs it in less time than the two thread
                 hand-overs would cost is run here and now (``[models] io_run_max_us``,
-                :meth:`Workers.may_run_on_io_thread`).
+                :meth:`ModelThreads.may_run_on_io_thread`).
         """
         if request.model is None:
             raise ModelError("infer needs 'model'")
         keep_alive = request_keep_alive(request.params)
         self.quarantine.check(request.model, getattr(ticket, "uid", None))
         entry = self.entry(request.model, request.version)
-        item = WorkItem(request, ticket)
+        item = Queued(request, ticket)
         if request.stream is not None and not self._stream_turn(entry, item, keep_alive):
             return  # held behind an earlier chunk of its stream, or answered
         try:
-            workers = entry.workers
+            workers = entry.threads
             if (io_thread and workers is not None
                     and workers.may_run_on_io_thread(ticket.tensor_bytes)
                     and not self._stopping.is_set()
@@ -222,7 +222,7 @@ class ModelManager:
                 entry.streams.release(item)
             raise
 
-    def _stream_turn(self, entry: ModelEntry, item: WorkItem,
+    def _stream_turn(self, entry: ModelEntry, item: Queued,
                      keep_alive: float | None) -> bool:
         """Admit a request that names a stream (daemon/streams.py): True if it goes on
         to the model now; False if its stream holds it (an earlier chunk is in flight)
@@ -244,7 +244,7 @@ class ModelManager:
             return False
         return verdict is Admission.RUN
 
-    def _enqueue(self, entry: ModelEntry, item: WorkItem, keep_alive: float | None) -> None:
+    def _enqueue(self, entry: ModelEntry, item: Queued, keep_alive: float | None) -> None:
         if self._stopping.is_set():
             raise InferdError("inferd is shutting down", ErrorCode.UNAVAILABLE)
         with entry.lock:
@@ -326,8 +326,8 @@ class ModelManager:
             if self._observer is not None:
                 self._observer.loaded(entry.name, time.monotonic() - started, False)
             raise InferdError(message, code) from e
-        # The one place a model's worker threads are built (daemon/worker.py).
-        workers = Workers(entry.name, loaded.model, entry.queue, self._sink,
+        # The one place a model's worker threads are built (daemon/model_threads.py).
+        workers = ModelThreads(entry.name, loaded.model, entry.queue, self._sink,
                           loaded.settings.instances, on_done=entry.done,
                           spec=loaded.pipeline, backend=loaded.placement.backend,
                           observe=self._observer.for_model(entry.name)
@@ -494,7 +494,7 @@ class ModelManager:
                       entry.label, time.monotonic() - began, stuck,
                       extra={"MODEL": entry.name})
             self.left_running.append(workers)
-        leftovers: list[WorkItem] = []
+        leftovers: list[Queued] = []
         with entry.lock:
             entry.unloaded(lost)
             if not entry.queue.empty():  # given-up workers withdrew their STOP
@@ -510,7 +510,7 @@ class ModelManager:
             self._reroute(entry, item)
         return True
 
-    def _reroute(self, retired: ModelEntry, item: WorkItem) -> None:
+    def _reroute(self, retired: ModelEntry, item: Queued) -> None:
         """A request that reached a version just retired: hand it to the model's current
         default version if it named none, else answer NOT_FOUND. A chunk of a stream
         is told its stream's state went with the version (and so are the chunks its
@@ -527,7 +527,7 @@ class ModelManager:
             self._sink.send(item.ticket, Reply(item.request.id, error=failure(
                 e, f"model {retired.label}", log, model=retired.name)))
 
-    def _stream_gone(self, retired: ModelEntry, item: WorkItem) -> None:
+    def _stream_gone(self, retired: ModelEntry, item: Queued) -> None:
         todo = [item]
         while todo:
             it = todo.pop()
@@ -589,7 +589,7 @@ class ModelManager:
             if spec is not None and spec.error:  # nothing loaded, nothing to do
                 return ModelEntry(name, version or spec.default, 1)
             return self.entry(name, version)  # NOT_FOUND if unknown, else unloaded
-        given_up: list[Workers] = []
+        given_up: list[ModelThreads] = []
         for entry in entries:
             before = len(self.left_running)
             self._unload_wait(entry, reason, timeout)
@@ -620,11 +620,11 @@ class ModelManager:
                 entry.retry()
         self._drain(entry, reason, timeout=timeout)
 
-    def running_workers(self) -> list[Workers]:
+    def running_threads(self) -> list[ModelThreads]:
         """The workers of every ready model, and those a drain gave up on (the
         stuck-stage watch, daemon/watch.py)."""
-        return [e.workers for e in self.entries()
-                if e.state is State.READY and e.workers is not None] + list(self.left_running)
+        return [e.threads for e in self.entries()
+                if e.state is State.READY and e.threads is not None] + list(self.left_running)
 
     def stop(self, timeout: float) -> bool:
         """Finish queued work and unload every model; True if all threads ended."""
@@ -703,5 +703,5 @@ class ModelManager:
         """Names of worker threads of ready models that have ended (the watchdog's
         probe): the threads themselves are asked, so two versions of a model whose
         threads share a name cannot hide each other."""
-        return [t.name for e in self.entries() if e.state is State.READY and e.workers
-                for t in e.workers.threads if not t.is_alive()]
+        return [t.name for e in self.entries() if e.state is State.READY and e.threads
+                for t in e.threads.threads if not t.is_alive()]

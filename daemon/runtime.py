@@ -397,7 +397,7 @@ class Runtime:
             # graph frames still need their models: graphs first
             stuck = self.graphs.stop(grace, self.config.models.stuck_after_s)
             self._workers_done = self.models.stop(grace) and not stuck
-            stuck += [f"model {w.name}: {s}" for w in self.models.running_workers()
+            stuck += [f"model {w.name}: {s}" for w in self.models.running_threads()
                       for s in w.stuck()]
             if stuck:
                 log.warning("stopping: stuck stages left to end with the process: %s",

@@ -49,7 +49,7 @@ its stage; the last thread of a stage to end passes it to the next stage instead
 
 class Busy:
     """What each thread of a group is doing now: the call it began, when, and the
-    requests inside it; the one record that :meth:`Workers.stuck` and the graph
+    requests inside it; the one record that :meth:`ModelThreads.stuck` and the graph
     executors read to name a stuck stage, and that ``abandon`` answers."""
 
     def __init__(self) -> None:

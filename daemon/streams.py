@@ -307,7 +307,7 @@ class Stream:
 
 @dataclass(eq=False)
 class Chunk:
-    """A request's part in its stream (on its WorkItem): the stream, what the request
+    """A request's part in its stream (on its Queued): the stream, what the request
     said, and how its run went."""
 
     stream: Stream
@@ -384,7 +384,7 @@ class StreamTable:
         reply to send now (an end without a chunk on an idle stream).
 
         Args:
-            item: the request's WorkItem (its ``chunk`` is set here).
+            item: the request's Queued (its ``chunk`` is set here).
             spec: the model's [stream] table.
             per_client: the most streams one client may have open on this model.
             on_hold: called (under the table's lock) when the request is held, before

@@ -39,7 +39,7 @@ SCAN_S = 1.0
 
 
 class Staged(Protocol):
-    """Something with stage threads that note their calls (Workers, graph executors)."""
+    """Something with stage threads that note their calls (ModelThreads, graph executors)."""
 
     busy: Busy
 
@@ -49,7 +49,7 @@ class OpenRequests(Protocol):
 
 
 class Running(Protocol):
-    def running_workers(self) -> list[Any]: ...
+    def running_threads(self) -> list[Any]: ...
 
 
 class Graphs(Protocol):
@@ -128,11 +128,11 @@ class Watch(Sleeper):
         """The ready models whose every inference thread is stuck, with the stuck calls
         (the watchdog's health check)."""
         after = self._config.models.stuck_after_s
-        return {w.name: w.stuck(after) for w in self._models.running_workers()
+        return {w.name: w.stuck(after) for w in self._models.running_threads()
                 if w.all_stuck(after)}
 
     def _owners(self) -> Iterable[tuple[str, Staged]]:
-        for w in self._models.running_workers():
+        for w in self._models.running_threads():
             yield w.name, w
         for name, ex in self._graphs.executors():
             yield name, ex

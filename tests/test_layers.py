@@ -140,7 +140,7 @@ def test_ml_dtypes_waits_for_a_tensor_of_its_types(forker, module: str) -> None:
     assert not _loaded(forker, module) & set(LAZY)
 
 
-@pytest.mark.parametrize("module", ["inferd.daemon.models", "inferd.daemon.worker",
+@pytest.mark.parametrize("module", ["inferd.daemon.models", "inferd.daemon.model_threads",
                                     "inferd.daemon.graphs", "inferd.daemon.reload"])
 def test_the_daemon_reaches_the_server_loop_only_through_the_runtime(forker,
                                                                      module: str) -> None:

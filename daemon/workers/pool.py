@@ -68,14 +68,14 @@ log = logging.getLogger(__name__)
 ENGINE_TIME = threading.local()
 """``ENGINE_TIME.seconds``: the engine's own time of the calling thread's last run in a
 worker (the hop not counted): whether a model's runs are short enough for the I/O thread
-is decided on it (daemon/worker.py)."""
+is decided on it (daemon/model_threads.py)."""
 
 STATUS_WAIT_S = 2.0
 """How long a failed call waits for the zygote's word on how its worker ended."""
 
 OUTPUTS_INTO = threading.local()
 """``OUTPUTS_INTO.slot``: the shared-memory slot the calling thread's next run writes its
-outputs into (set by daemon/worker.py for a request with ``outputs_into`` whose outputs
+outputs into (set by daemon/model_threads.py for a request with ``outputs_into`` whose outputs
 go straight to its reply; the first :meth:`WorkerModel.run` takes it)."""
 
 REGION_SHARE = 2

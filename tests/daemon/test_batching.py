@@ -148,10 +148,10 @@ def test_the_engines_switch_free_sizes_reach_the_workers_through_the_cache(
                            ReplySink())
     try:
         entry = manager.load("m")
-        assert entry.workers is not None
-        sizes = entry.workers.model.batch_sizes()
+        assert entry.threads is not None
+        sizes = entry.threads.model.batch_sizes()
         assert isinstance(sizes, BatchSizes) and sizes.more + len(sizes.free) == 4, sizes
-        assert not entry.workers.sizer.allowed(3) and entry.workers.sizer.allowed(4)
+        assert not entry.threads.sizer.allowed(3) and entry.threads.sizer.allowed(4)
     finally:
         assert manager.stop(30)
 

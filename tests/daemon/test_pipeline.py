@@ -1,4 +1,4 @@
-"""The per-model pipeline (daemon/worker.py, daemon/pipeline.py) in-process, on real ONNX
+"""The per-model pipeline (daemon/model_threads.py, daemon/pipeline.py) in-process, on real ONNX
 models run by the built-in onnxruntime backend: stage threads and their overlap,
 per-thread CPU affinity read back from /proc, dynamic batching (merge, split, mixed
 shapes, failures reaching only their own request), and model.toml checks."""
@@ -18,7 +18,7 @@ from inferd.daemon.fairqueue import FairQueue
 from inferd.daemon.model_settings import check_settings, read_settings
 from inferd.daemon.pipeline import parse_spec
 from inferd.daemon.processors import ProcessorRegistry
-from inferd.daemon.worker import Workers, WorkItem
+from inferd.daemon.model_threads import ModelThreads, Queued
 from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import LocalTicket, ReplySink
@@ -55,14 +55,15 @@ def load(path: Path) -> Any:
 
 def start(name: str, model: Any, settings: dict[str, Any], items: list[tuple[str, dict]],
           collector: Collector, instances: int = 1,
-          registry: ProcessorRegistry | None = None) -> Workers:
+          registry: ProcessorRegistry | None = None) -> ModelThreads:
     """Queue ``items`` first, then start the workers (so batching sees them together)."""
     work = FairQueue()
     for rid, inputs in items:
-        work.put(WorkItem(Request(rid, Op.INFER, model=name, inputs=inputs),
+        work.put(Queued(Request(rid, Op.INFER, model=name, inputs=inputs),
                           collector.ticket(rid)))
     spec = parse_spec(name, check_settings(name, settings), registry or ProcessorRegistry())
-    workers = Workers(name, model, work, ReplySink(), instances, spec=spec, backend="onnxruntime")
+    workers = ModelThreads(name, model, work, ReplySink(), instances, spec=spec,
+                           backend="onnxruntime")
     workers.start()
     return workers
 
@@ -221,20 +222,20 @@ class Gated(LoadedModel):
         pass
 
 
-def _fair_run(model: Any, settings: dict[str, Any]) -> tuple[Gated, Workers]:
+def _fair_run(model: Any, settings: dict[str, Any]) -> tuple[Gated, ModelThreads]:
     """A greedy client (0) with 500 requests and a polite one (1) with one, queued while
     the greedy client's first request is running."""
     gated = Gated(model)
     work = FairQueue()
     collector = Collector()
     spec = parse_spec("cls", check_settings("cls", settings), ProcessorRegistry())
-    workers = Workers("cls", gated, work, ReplySink(), spec=spec)
+    workers = ModelThreads("cls", gated, work, ReplySink(), spec=spec)
     workers.start()
 
     def put(peer: int, n: int) -> None:
         ticket = collector.ticket(f"{peer}-{n}")
         ticket.peer = bytes([peer])  # type: ignore[attr-defined]
-        work.put(WorkItem(Request(f"{peer}-{n}", Op.INFER, model="cls",
+        work.put(Queued(Request(f"{peer}-{n}", Op.INFER, model="cls",
                                   inputs={"x": np.full((1, 3, 48, 192), peer, np.float32)}),
                           ticket))
     put(0, 0)
@@ -352,9 +353,9 @@ def test_deadline_passed_in_queue_is_answered_not_run(cls_model: Any) -> None:
     work = FairQueue()
     ticket = collector.ticket("late")
     ticket.deadline = time.monotonic() - 1
-    work.put(WorkItem(Request("late", Op.INFER, model="m", inputs={"x": cls_input(0)},
+    work.put(Queued(Request("late", Op.INFER, model="m", inputs={"x": cls_input(0)},
                               timeout_ms=1), ticket))
-    workers = Workers("m", cls_model, work, ReplySink())
+    workers = ModelThreads("m", cls_model, work, ReplySink())
     workers.start()
     try:
         assert collector.wait(1)["late"].error.code is ErrorCode.DEADLINE_EXCEEDED
@@ -367,7 +368,7 @@ def test_deadline_passed_in_queue_is_answered_not_run(cls_model: Any) -> None:
 
 def _queue(work: FairQueue, collector: Collector, *rids: str) -> None:
     for rid in rids:
-        work.put(WorkItem(Request(rid, Op.INFER, model="m", inputs={"x": cls_input(0)}),
+        work.put(Queued(Request(rid, Op.INFER, model="m", inputs={"x": cls_input(0)}),
                           collector.ticket(rid)))
 
 
@@ -387,7 +388,7 @@ def test_a_stuck_model_run_is_named_given_up_and_its_queue_served_by_new_workers
     thread ends. Each request is answered and counted once."""
     gated = Gated(cls_model)
     work, collector, done = FairQueue(), Collector(), []
-    old = Workers("m", gated, work, ReplySink(), on_done=done.append)
+    old = ModelThreads("m", gated, work, ReplySink(), on_done=done.append)
     old.start()
     _queue(work, collector, "r1")
     assert gated.entered.wait(30)
@@ -402,7 +403,7 @@ def test_a_stuck_model_run_is_named_given_up_and_its_queue_served_by_new_workers
     r1 = collector.wait(1)["r1"]
     assert r1.error.code is ErrorCode.UNAVAILABLE and "inferd-m-infer-0" in r1.error.message
     assert work.qsize() == 2  # the STOP withdrawn, the requests kept
-    new = Workers("m", cls_model, work, ReplySink(), on_done=done.append)
+    new = ModelThreads("m", cls_model, work, ReplySink(), on_done=done.append)
     new.start()
     replies = collector.wait(3)
     assert replies["r2"].ok and replies["r3"].ok
@@ -430,7 +431,7 @@ def test_a_stuck_post_step_gives_up_what_waits_between_the_stages(cls_model: Any
     work, collector, done = FairQueue(), Collector(), []
     spec = parse_spec("m", check_settings("m", {"post": [{"op": "gate"}],
                                                 "stage_queue_size": 1}), registry)
-    workers = Workers("m", cls_model, work, ReplySink(), spec=spec, on_done=done.append)
+    workers = ModelThreads("m", cls_model, work, ReplySink(), spec=spec, on_done=done.append)
     workers.start()
     try:
         _queue(work, collector, "r1", "r2", "r3", "r4")

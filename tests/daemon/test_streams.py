@@ -13,7 +13,7 @@ from inferd.daemon.model_settings import check_settings
 from inferd.daemon.streams import (
     Admission, StreamModel, StreamTable, parse_stream, stream_loss,
 )
-from inferd.daemon.worker import WorkItem
+from inferd.daemon.model_threads import Queued
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Op, Reply, Request, StreamRef
 from inferd.ipc.replies import LocalTicket
@@ -95,13 +95,13 @@ def test_loss_reasons() -> None:
 # ----------------------------------------------------------------- the table's turns
 
 def item(sid: str, start: bool = False, end: bool = False, peer: bytes = b"p",
-         x: float | None = 1.0) -> WorkItem:
+         x: float | None = 1.0) -> Queued:
     inputs = {} if x is None else {"input": np.full((1, 512), x, np.float32)}
     if start:
         inputs["sr"] = np.array(16000, np.int64)
     req = Request(id=f"{sid}-{x}", op=Op.INFER, model="vad", inputs=inputs,
                   stream=StreamRef(sid, start, end))
-    return WorkItem(req, LocalTicket(req.id, lambda r: None, peer=peer))
+    return Queued(req, LocalTicket(req.id, lambda r: None, peer=peer))
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def table(tmp_path) -> StreamTable:
     return t
 
 
-def run(t: StreamTable, it: WorkItem, ok: bool = True, reason: str | None = None) -> list:
+def run(t: StreamTable, it: Queued, ok: bool = True, reason: str | None = None) -> list:
     """What the workers do with a chunk: bind, run (a fake: stateN = state + 1), commit,
     answer; returns what finished hands on."""
     values = t.bind(it, it.request.inputs)
@@ -125,7 +125,7 @@ def run(t: StreamTable, it: WorkItem, ok: bool = True, reason: str | None = None
     return t.finished(it, ok)
 
 
-def admit(t: StreamTable, it: WorkItem, spec=parse_stream(VAD), per_client: int = 16):
+def admit(t: StreamTable, it: Queued, spec=parse_stream(VAD), per_client: int = 16):
     held = []
     verdict = t.admit(it, spec, per_client, lambda: held.append(it))
     return verdict
@@ -329,6 +329,6 @@ def test_many_streams_pipelined_on_two_threads_keep_their_order(tmp_path, models
                 assert got.ok, got.error
                 np.testing.assert_array_equal(got.outputs["output"], want)
         assert entry.in_flight == 0 and entry.streams.open() == 0
-        assert entry.workers is not None and entry.workers.batches > 0  # some shared a run
+        assert entry.threads is not None and entry.threads.batches > 0  # some shared a run
     finally:
         assert manager.stop(30)

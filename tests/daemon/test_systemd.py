@@ -17,7 +17,7 @@ import pytest
 from inferd.daemon.config import load_config
 from inferd.daemon.runtime import Runtime
 from inferd.daemon.systemd import Notifier, Watchdog, monotonic_usec, watchdog_interval
-from inferd.daemon.worker import STOP
+from inferd.daemon.model_threads import STOP
 
 
 
@@ -294,7 +294,7 @@ def test_health_probe_sees_a_stuck_io_loop_and_a_dead_worker(runtime):
     assert runtime._health(5.0) is None
 
     entry = runtime.models.entry("ocr-cls")
-    worker = entry.workers.threads[0]
+    worker = entry.threads.threads[0]
     entry.queue.put(STOP)  # the stop sentinel: the worker ends behind the model's back
     worker.join(10)
     reason = runtime._health(5.0)

@@ -15,7 +15,7 @@ import pytest
 from inferd.daemon.config import load_config
 from inferd.daemon.fairqueue import FairQueue
 from inferd.daemon.watch import Watch
-from inferd.daemon.worker import WorkItem, Workers
+from inferd.daemon.model_threads import Queued, ModelThreads
 from inferd.ipc.errors import ErrorCode
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import LocalTicket, ReplySink
@@ -25,10 +25,10 @@ from tests.daemon.test_pipeline import Gated, cls_input, cls_model  # noqa: F401
 class _Running:
     """The one thing the watch asks of the model manager: its running workers."""
 
-    def __init__(self, workers: list[Workers]) -> None:
+    def __init__(self, workers: list[ModelThreads]) -> None:
         self.workers = workers
 
-    def running_workers(self) -> list[Workers]:
+    def running_threads(self) -> list[ModelThreads]:
         return self.workers
 
 
@@ -66,7 +66,7 @@ class _Replies:
             return self.got[rid][0]
 
 
-def _watch(workers: list[Workers] | None = None, stuck_after: float = 10.0,
+def _watch(workers: list[ModelThreads] | None = None, stuck_after: float = 10.0,
            requests: _Open | None = None) -> Watch:
     config = load_config(None, {"models.stuck_after_s": stuck_after})
     return Watch(ReplySink(), requests or _Open(), _Running(workers or []), _NoGraphs(),
@@ -114,11 +114,11 @@ def test_a_stuck_stage_is_reported_once_and_again_when_it_returns(
         cls_model: Any, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
     gated = Gated(cls_model)
     work = FairQueue()
-    workers = Workers("m", gated, work, ReplySink())
+    workers = ModelThreads("m", gated, work, ReplySink())
     workers.start()
     watch = _watch([workers], stuck_after=0.1)
     got: list[Reply] = []
-    work.put(WorkItem(Request("r1", Op.INFER, model="m", inputs={"x": cls_input(0)}),
+    work.put(Queued(Request("r1", Op.INFER, model="m", inputs={"x": cls_input(0)}),
                       LocalTicket("r1", got.append)))
     try:
         assert gated.entered.wait(30)

@@ -321,7 +321,7 @@ def test_watchdog(short_tmp: Path, models_dir: Path, monkeypatch: pytest.MonkeyP
     """A worker thread that died: the watchdog stops pinging systemd and says why."""
     from inferd.daemon.config import load_config
     from inferd.daemon.runtime import Runtime
-    from inferd.daemon.worker import STOP
+    from inferd.daemon.model_threads import STOP
 
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(short_tmp / "notify"))

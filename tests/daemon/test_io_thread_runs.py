@@ -1,4 +1,4 @@
-"""A small request runs on the I/O thread (daemon/worker.py ``may_run_on_io_thread``,
+"""A small request runs on the I/O thread (daemon/model_threads.py ``may_run_on_io_thread``,
 ``[models] io_run_max_us``): only after the model's last runs were all short, only for a
 model without pre/post steps or batching delay, never for a pinned model on a thread
 outside its cores; its reply, metrics and counts as for any other request. In-process on
@@ -20,7 +20,7 @@ from inferd.daemon.fairqueue import FairQueue
 from inferd.daemon.model_settings import check_settings
 from inferd.daemon.pipeline import parse_spec
 from inferd.daemon.processors import ProcessorRegistry
-from inferd.daemon.worker import IO_RUN_AFTER, IO_RUN_MAX_BYTES, Workers, WorkItem
+from inferd.daemon.model_threads import IO_RUN_AFTER, IO_RUN_MAX_BYTES, ModelThreads, Queued
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import LocalTicket, ReplySink
 from inferd.libbackends.contract import LoadOptions
@@ -60,17 +60,17 @@ class Replies:
 
 
 def workers_for(model: Any, settings: dict[str, Any], max_s: float = 10.0,
-                registry: ProcessorRegistry | None = None) -> tuple[Workers, FairQueue]:
+                registry: ProcessorRegistry | None = None) -> tuple[ModelThreads, FairQueue]:
     spec = parse_spec("cls", check_settings("cls", settings), registry or ProcessorRegistry())
     work = FairQueue()
-    workers = Workers("cls", model, work, ReplySink(), 1, spec=spec, backend="onnxruntime",
+    workers = ModelThreads("cls", model, work, ReplySink(), 1, spec=spec, backend="onnxruntime",
                       io_run_max_s=max_s)
     workers.start()
     return workers, work
 
 
-def item(rid: str, replies: Replies) -> WorkItem:
-    return WorkItem(Request(rid, Op.INFER, model="cls", inputs={"x": x()}),
+def item(rid: str, replies: Replies) -> Queued:
+    return Queued(Request(rid, Op.INFER, model="cls", inputs={"x": x()}),
                     replies.ticket(rid))
 
 

@@ -21,8 +21,8 @@ and ends, and the last thread of a stage to end passes it on to the next stage i
 So every request queued before the STOP is served, and no STOP is left in a queue.
 
 A stage that never returns (a hung processor or driver) cannot hold the daemon: each
-thread notes when it began its current call (:meth:`Workers.stuck` names those past a
-time), :meth:`Workers.stop` gives up once one is stuck, and :meth:`Workers.abandon`
+thread notes when it began its current call (:meth:`ModelThreads.stuck` names those past a
+time), :meth:`ModelThreads.stop` gives up once one is stuck, and :meth:`ModelThreads.abandon`
 leaves the stuck threads behind, answering what they held and withdrawing their STOP so
 that a new load's workers can serve the model's queue.
 """
@@ -57,13 +57,13 @@ log = logging.getLogger(__name__)
 
 IO_RUN_AFTER = 32
 """Runs in a row, each shorter than ``[models] io_run_max_us``, after which a model's
-request may run on the I/O thread (:meth:`Workers.may_run_on_io_thread`)."""
+request may run on the I/O thread (:meth:`ModelThreads.may_run_on_io_thread`)."""
 IO_RUN_MAX_BYTES = 64 * 2**10
 """The largest request (bytes of its message) that may run on the I/O thread."""
 
 
 @dataclass(slots=True)
-class WorkItem:
+class Queued:
     request: Request
     ticket: AnyTicket
     chunk: Chunk | None = None
@@ -79,7 +79,7 @@ between clients (see :mod:`inferd.daemon.fairqueue`)."""
 class Job:
     """One request on its way through the stages."""
 
-    item: WorkItem
+    item: Queued
     values: dict[str, Any]
     outputs: dict[str, Any] = field(default_factory=dict)
 
@@ -89,7 +89,7 @@ class Job:
         return self.item.ticket
 
 
-class Workers:
+class ModelThreads:
     """The pipeline threads of one loaded model.
 
     Args:
@@ -257,7 +257,7 @@ class Workers:
             self._io_cores = os.sched_getaffinity(0) <= cores
         return bool(self._io_cores)
 
-    def run_on_io_thread(self, item: WorkItem) -> None:
+    def run_on_io_thread(self, item: Queued) -> None:
         """Serve ``item`` on the calling thread as an inference thread would: its
         deadline and inputs checked, the run noted as busy (the stuck watch names the
         thread) and measured, the reply sent through the sink."""
@@ -278,7 +278,7 @@ class Workers:
         elif outbox is not None:
             outbox.put(STOP)
 
-    def _finish(self, item: WorkItem, reply: Reply) -> None:
+    def _finish(self, item: Queued, reply: Reply) -> None:
         self._sink.send(item.ticket, reply)  # a second answer is dropped there
         if id(item) in self._given_up:  # abandon answered and counted it already
             self._given_up.discard(id(item))
@@ -298,12 +298,12 @@ class Workers:
                 else:
                     self._finish(nxt, answer)
 
-    def _fail(self, item: WorkItem, e: Exception) -> None:
+    def _fail(self, item: Queued, e: Exception) -> None:
         rid = item.request.id
         self._finish(item, Reply(rid, error=failure(e, f"model {self.name}", log,
                                                     model=self.name, request_id=rid)))
 
-    def _expired(self, item: WorkItem) -> bool:
+    def _expired(self, item: Queued) -> bool:
         if item.ticket.expired():
             self._finish(item, Reply(item.request.id, error=Failure(
                 ErrorCode.DEADLINE_EXCEEDED, f"model {self.name}: deadline of "
@@ -569,7 +569,7 @@ class Workers:
             return
         self._finish(job.item, Reply(job.item.request.id, outputs=outputs))
 
-    def _select(self, item: WorkItem, outputs: dict[str, Any]) -> dict[str, Any]:
+    def _select(self, item: Queued, outputs: dict[str, Any]) -> dict[str, Any]:
         wanted = item.request.outputs
         if wanted:
             missing = [w for w in wanted if w not in outputs]
