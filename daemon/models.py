@@ -490,7 +490,7 @@ class ModelManager:
         else:
             stuck = "; ".join(workers.stuck()) or "requests still queued"
             workers.abandon()
-            log.error("model %s: workers did not finish within %.3g s; left running: %s",
+            log.error("model %s: threads did not finish within %.3g s; left running: %s",
                       entry.label, time.monotonic() - began, stuck,
                       extra={"MODEL": entry.name})
             self.left_running.append(workers)
