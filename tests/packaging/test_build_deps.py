@@ -183,8 +183,10 @@ def test_the_package_tests_need_what_dpkg_says_is_missing(short_tmp: Path,
 def test_make_checks_what_the_package_tests_need_before_it_builds() -> None:
     """The check is the targets' first step: not after make deb's minutes."""
     for test in ("deb-test", "deb-test-systemd", "deb-test-arm64"):
-        out = subprocess.run(["make", "-n", "-C", str(ROOT), test], capture_output=True,
-                             text=True, check=True).stdout
+        # -B: every step printed, even where packages built earlier in this checkout are
+        # up to date (make -n would leave build-deb.sh out: the test failed after a deb-test)
+        out = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), test],
+                             capture_output=True, text=True, check=True).stdout
         check = out.index(f"build_deps.py --test {test}")
         assert check < out.index("build-deb.sh amd64"), out
 
