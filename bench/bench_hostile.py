@@ -185,6 +185,25 @@ def held_bytes() -> None:
 DECODE_WINDOW_S = 4.0
 
 
+def _strings_frames() -> list[bytes]:
+    """Item 8's message: 10.5 million two-byte strings (63 MB) to an unknown model."""
+    header = {"id": "8", "op": "infer", "model": "no-such-model", "inputs": [
+        {"name": "x", "dtype": "string", "shape": [10_500_000]}]}
+    return [TAG, json.dumps(header).encode(), (np.uint32(2).tobytes() + b"ab") * 10_500_000]
+
+
+def _send_one(s: Any, frames: list[bytes], stop: Any) -> str | None:
+    """Send ``frames`` on DEALER ``s`` and wait for the reply: its code, or None once
+    ``stop`` is set."""
+    s.send_multipart(frames)
+    while not s.poll(100) and not stop.is_set():
+        pass
+    if stop.is_set():
+        return None
+    reply = json.loads(s.recv_multipart()[1])
+    return str(reply.get("error", {}).get("code", "OK"))
+
+
 def _hostile(endpoint: str, case: str, stop: Any, codes: Any) -> None:
     """Send the case's request over and over until ``stop`` (a process of its own)."""
     import zmq
@@ -200,10 +219,7 @@ def _hostile(endpoint: str, case: str, stop: Any, codes: Any) -> None:
                  "region": region.token, "offset": 0}]}
             frames = [TAG, json.dumps(header).encode()]
         else:
-            header = {"id": "8", "op": "infer", "model": "no-such-model", "inputs": [
-                {"name": "x", "dtype": "string", "shape": [10_500_000]}]}
-            frames = [TAG, json.dumps(header).encode(),
-                      (np.uint32(2).tobytes() + b"ab") * 10_500_000]
+            frames = _strings_frames()
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
@@ -224,13 +240,10 @@ def _hostile(endpoint: str, case: str, stop: Any, codes: Any) -> None:
                 except RequestError as e:
                     code = str(e.code)
             else:
-                s.send_multipart(frames)
-                while not s.poll(100) and not stop.is_set():
-                    pass
-                if stop.is_set():
+                answered = _send_one(s, frames, stop)
+                if answered is None:
                     break
-                reply = json.loads(s.recv_multipart()[1])
-                code = reply.get("error", {}).get("code", "OK")
+                code = answered
             codes.put(code)
             stop.wait(0.05)  # at most 20 a second: the request's own cost, not a flood
         s.close()
@@ -278,20 +291,12 @@ def _floor(case: str, stop: Any, ready: Any, repo: str) -> None:
     import threading
     server = threading.Thread(target=serve)
     server.start()
-    header = {"id": "8", "op": "infer", "model": "no-such-model", "inputs": [
-        {"name": "x", "dtype": "string", "shape": [10_500_000]}]}
-    frames = [TAG, json.dumps(header).encode(), (np.uint32(2).tobytes() + b"ab") * 10_500_000]
+    frames = _strings_frames()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(endpoint)
     ready.set()
-    while not stop.is_set():
-        s.send_multipart(frames)
-        while not s.poll(100) and not stop.is_set():
-            pass
-        if stop.is_set():
-            break
-        s.recv_multipart()
+    while not stop.is_set() and _send_one(s, frames, stop) is not None:
         stop.wait(0.05)
     server.join()
     s.close()
