@@ -95,6 +95,16 @@ def paced(chunks: np.ndarray, step: Any, seed: int) -> list[float]:
     return times
 
 
+def measure(data: np.ndarray, step: Any, seed: int, results: Any, barrier: Any) -> None:
+    """One warm-up chunk, then, once every client is ready, ``data`` at real time: puts
+    (this process's CPU seconds, each chunk's seconds) on ``results``."""
+    step(data[0])
+    barrier.wait()
+    cpu = time.process_time()
+    times = paced(data, step, seed)
+    results.put((time.process_time() - cpu, times))
+
+
 def in_process(seed: int, chunks: int, results: Any, barrier: Any) -> None:
     import onnxruntime as ort
 
@@ -111,12 +121,7 @@ def in_process(seed: int, chunks: int, results: Any, barrier: Any) -> None:
                                                  "sr": SR})
         carried["context"] = full[:, -CONTEXT:]
 
-    data = audio(seed, chunks)
-    step(data[0])
-    barrier.wait()
-    cpu = time.process_time()
-    times = paced(data, step, seed)
-    results.put((time.process_time() - cpu, times))
+    measure(audio(seed, chunks), step, seed, results, barrier)
 
 
 def before(endpoint: str, seed: int, chunks: int, results: Any, barrier: Any) -> None:
@@ -132,11 +137,7 @@ def before(endpoint: str, seed: int, chunks: int, results: Any, barrier: Any) ->
             carried["state"] = out["stateN"]
             carried["context"] = full[:, -CONTEXT:]
 
-        step(data[0])
-        barrier.wait()
-        cpu = time.process_time()
-        times = paced(data, step, seed)
-        results.put((time.process_time() - cpu, times))
+        measure(data, step, seed, results, barrier)
 
 
 def streamed(endpoint: str, seed: int, chunks: int, results: Any, barrier: Any) -> None:
@@ -145,11 +146,7 @@ def streamed(endpoint: str, seed: int, chunks: int, results: Any, barrier: Any) 
         def step(x: np.ndarray) -> None:
             s.infer({"input": x})
 
-        step(data[0])
-        barrier.wait()
-        cpu = time.process_time()
-        times = paced(data, step, seed)
-        results.put((time.process_time() - cpu, times))
+        measure(data, step, seed, results, barrier)
 
 
 def daemon_cpu(pid: int) -> tuple[float, float]:
