@@ -275,7 +275,8 @@ class ModelManager:
 
     def cancel_peer(self, peer: bytes) -> int:
         """Answer CANCELLED every request of a client that has disconnected and is still
-        queued for a model, instead of running it for nobody (I/O thread); how many."""
+        queued for a model, instead of running it for nobody, and free its streams (I/O
+        thread); how many requests."""
         dropped = 0
         for entry in self.entries():
             items = entry.queue.drop(peer)

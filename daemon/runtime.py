@@ -379,8 +379,8 @@ class Runtime:
         self.server.call_soon(self.reloads.request)
 
     def _peer_gone(self, peer: bytes) -> None:
-        """A client disconnected with requests in flight (I/O thread): those still
-        queued for a model are answered CANCELLED, not run."""
+        """A client disconnected (I/O thread): its requests still queued for a model
+        are answered CANCELLED, not run, and its streams are freed."""
         dropped = self.models.cancel_peer(peer)
         if dropped:
             log.info("a client disconnected: %d of its requests were still queued and are "

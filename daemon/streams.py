@@ -726,17 +726,23 @@ class StreamTable:
         return list(wanted) + [o for o in self.bound.state_outputs if o not in wanted]
 
     def drop_peer(self, peer: bytes) -> list[Any]:
-        """A client disconnected: free its streams; the requests they held (to be
-        answered CANCELLED by the caller)."""
+        """A client disconnected: free its streams (one log line); the requests they
+        held (to be answered CANCELLED by the caller, as its queued ones are). A chunk
+        of one that is running finishes; its reply finds no client."""
         with self.lock:
             held: list[Any] = []
-            for stream in [s for k, s in self._streams.items() if k[0] == peer]:
+            mine = [s for k, s in self._streams.items() if k[0] == peer]
+            freed = sum(s.nbytes() for s in mine)
+            for stream in mine:
                 held += stream.held
                 stream.held.clear()
                 self._free(stream)
             for key in [k for k in self._lost if k[0] == peer]:
                 del self._lost[key]
-            return held
+        if mine:
+            log.info("model %s: %d streams of a client that disconnected freed (%d bytes)",
+                     self.model, len(mine), freed, extra={"MODEL": self.model})
+        return held
 
     def describe(self) -> dict[str, Any]:
         return {"open": len(self._streams), "bytes": self.nbytes(),

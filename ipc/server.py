@@ -15,8 +15,8 @@ Connections: libzmq's socket monitor reports each accepted and each closed conne
 by its file descriptor. Past ``server.max_connections``
 (:class:`~inferd.ipc.clients.Connections`) a new connection is shut down at once and
 logged (libzmq would abort the process when ``accept`` meets the open-files limit). A
-client that disconnects with requests in flight is told to :attr:`Server.on_peer_gone`
-(the daemon answers its queued requests CANCELLED instead of running them for nobody):
+client that disconnects is told to :attr:`Server.on_peer_gone` (the daemon answers its
+queued requests CANCELLED instead of running them for nobody, and frees its streams):
 :class:`~inferd.ipc.access.Peers` notes each client's descriptor from its first message
 (beside its credentials).
 """
@@ -189,8 +189,8 @@ class Server:
         self._braked = False  # accepting paused for descriptors (_brake)
         self._poller = zmq.Poller()
         self.on_stop: Callable[[], None] | None = None
-        # called on the I/O thread with the key of a client that disconnected while it
-        # had requests in flight
+        # called on the I/O thread with the key of each client whose connection closed
+        # (its queued requests are cancelled, its streams freed)
         self.on_peer_gone: Callable[[bytes], None] | None = None
         self._monitor: zmq.Socket | None = None
         self.stats = {"requests": 0}
@@ -455,8 +455,8 @@ class Server:
 
     def _connection_events(self) -> None:
         """Handle the monitor's events: close each accepted connection past the bound;
-        for each closed one, tell :attr:`on_peer_gone` about its clients that still
-        have requests in flight. The descriptors themselves are looked at before the
+        for each closed one, tell :attr:`on_peer_gone` about its clients (they may have
+        requests in flight, or streams open). The descriptors themselves are looked at before the
         events and between them (:meth:`_brake`, :data:`_BRAKE_EVERY`): the events
         trail libzmq's accepting."""
         assert self._monitor is not None  # called when the poll reports it
@@ -481,7 +481,7 @@ class Server:
             self._pace_accepting()
             self.clients.connection_closed()
             for key in self._peers.gone(fd):
-                if self.on_peer_gone is None or not self.clients.holds(key):
+                if self.on_peer_gone is None:
                     continue
                 try:
                     self.on_peer_gone(key)

@@ -214,6 +214,48 @@ def test_eight_streams_batched_give_what_each_gives_alone(vad_daemon):
     print(f"{int(chunks_run)} chunks of {n} streams in {int(runs)} runs")
 
 
+CLIENT_LEAVES = """
+import os, sys
+import numpy as np
+from inferd.ipc import Client
+
+c = Client(sys.argv[1])
+x = np.zeros((1, 512), np.float32)
+for i in range(3):
+    c.stream("vad", id=f"gone{i}", sr=16000).infer({"input": x})
+print(sum(m["streams"] for m in c.models() if m["name"] == "vad"), flush=True)
+os._exit(0)  # no end sent, no close: the connection just goes
+"""
+
+
+def test_a_disconnected_clients_streams_are_freed_at_once(vad_daemon):
+    import subprocess
+    import sys
+
+    from tests.e2e.test_cache_reload import poll
+
+    def open_streams(c) -> tuple[int, float]:
+        samples = c.call("metrics")["samples"]
+        gauge = next(v for n, lab, v in samples
+                     if n == "inferd_streams" and lab.get("model") == "vad")
+        return row(c, "vad")["streams"], gauge
+
+    with vad_daemon.client() as c:
+        with c.stream("vad", id="stays", sr=16000) as s:  # another client's: kept
+            s.infer({"input": audio(5, 1)[0]})
+            done = subprocess.run([sys.executable, "-c", CLIENT_LEAVES, vad_daemon.endpoint],
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.split() == ["4"]  # its 3 and ours, before it went
+            # freed when the connection closes, not at idle_timeout_s (60 s)
+            poll(lambda: open_streams(c) == (1, 1), 10)
+            assert row(c, "vad")["streams_bytes"] == 1024 + 256
+            assert vad_daemon.log().count(
+                "model vad: 3 streams of a client that disconnected freed (3840 bytes)") == 1
+            s.infer({"input": audio(5, 1)[0]})
+        poll(lambda: open_streams(c) == (0, 0), 10)  # the metrics are cached briefly
+
+
 def vad_daemon_model(d) -> Path:
     return Path(d.workdir) / "repo" / "vad" / "1" / "model.onnx"
 
