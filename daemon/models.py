@@ -231,14 +231,19 @@ class ModelManager:
         Raises:
             InferdError: the model has no [stream] table (INVALID_ARGUMENT), the stream
                 is not started or was lost (FAILED_PRECONDITION), a limit on open
-                streams (RESOURCE_EXHAUSTED).
+                streams or no room in the cache budget for its state
+                (RESOURCE_EXHAUSTED).
         """
         spec = self.catalog.spec(entry.name).settings.stream
         if spec is None:
             raise no_stream_table(entry.name)
+        budget = self.max_memory
+        # what the budget counts, read before the locks (it reads every table)
+        start = item.request.stream is not None and item.request.stream.start
+        room = (budget, self.budget.used()) if budget is not None and start else None
         with entry.lock:  # the entry's lock first, then its table's (as everywhere)
             verdict = entry.streams.admit(item, spec, self.config.streams.max_per_client,
-                                          partial(entry.hold, keep_alive))
+                                          partial(entry.hold, keep_alive), room)
         if isinstance(verdict, Reply):
             self._sink.send(item.ticket, verdict)
             return False

@@ -378,7 +378,8 @@ class StreamTable:
     # ----------------------------------------------------------------- admission
 
     def admit(self, item: Any, spec: StreamSpec, per_client: int,
-              on_hold: Callable[[], None]) -> Admission | Reply:
+              on_hold: Callable[[], None],
+              room: tuple[int, int] | None = None) -> Admission | Reply:
         """Take a stream request (I/O thread, under the entry's lock): RUN (its stream is
         now busy with it), HELD (it waits behind an earlier chunk of its stream), or the
         reply to send now (an end without a chunk on an idle stream).
@@ -389,16 +390,19 @@ class StreamTable:
             per_client: the most streams one client may have open on this model.
             on_hold: called (under the table's lock) when the request is held, before
                 anything can hand it on: the entry counts it in flight.
+            room: (the cache budget, the bytes it counts in use now) for a start, or
+                None (no budget): a new stream whose state does not fit is refused.
 
         Raises:
             InferdError: FAILED_PRECONDITION (not started, or lost: why),
-                RESOURCE_EXHAUSTED (a limit on open streams).
+                RESOURCE_EXHAUSTED (a limit on open streams, no room in the budget).
         """
         with self.lock:
-            return self._admit(item, spec, per_client, on_hold)
+            return self._admit(item, spec, per_client, on_hold, room)
 
     def _admit(self, item: Any, spec: StreamSpec, per_client: int,
-               on_hold: Callable[[], None]) -> Admission | Reply:
+               on_hold: Callable[[], None],
+               room: tuple[int, int] | None) -> Admission | Reply:
         ref: StreamRef = item.request.stream
         ticket = item.ticket
         key: StreamKey = (getattr(ticket, "peer", b""), getattr(ticket, "uid", None), ref.id)
@@ -422,6 +426,7 @@ class StreamTable:
                                   f"open, the limit per client ([streams] max_per_client = "
                                   f"{per_client} in inferd.toml)",
                                   ErrorCode.RESOURCE_EXHAUSTED)
+            self._check_room(room)
             self._lost.pop(key, None)
             stream = Stream(key, f"stream {ref.id} of {self.model}")
             self._streams[key] = stream
@@ -432,6 +437,20 @@ class StreamTable:
             on_hold()
             return Admission.HELD
         return self._take(stream, item)
+
+    def _check_room(self, room: tuple[int, int] | None) -> None:
+        """Refuse a new stream whose state does not fit in the cache budget beside what
+        it counts now (``room``). Unchecked while the model is not loaded (its state's
+        size is not known yet): the start that loads it is counted once it runs."""
+        if room is None or self.bound is None:
+            return
+        budget, used = room
+        need = self.bound.state_bytes()
+        if used + need > budget:
+            raise InferdError(f"model {self.model}: no room for a new stream's state "
+                              f"({need} bytes) in the cache budget ([cache] max_memory = "
+                              f"{budget} bytes, {used} in use); end streams, unload "
+                              f"models or raise the budget", ErrorCode.RESOURCE_EXHAUSTED)
 
     def _take(self, stream: Stream, item: Any) -> Admission | Reply:
         """``item`` is its stream's next request: RUN, or the reply of an end without a

@@ -256,6 +256,38 @@ def test_a_disconnected_clients_streams_are_freed_at_once(vad_daemon):
         poll(lambda: open_streams(c) == (0, 0), 10)  # the metrics are cached briefly
 
 
+def test_a_stream_start_without_room_in_the_budget_is_refused(start_daemon, short_tmp,
+                                                              models_dir):
+    import re
+
+    d = start(start_daemon, short_tmp, vad_repo(short_tmp, models_dir))
+    chunks = audio(6, 3)
+    want = reference(models_dir / "vad" / "1" / "model.onnx", chunks)
+    with d.client() as c:
+        a = c.stream("vad", id="a", sr=16000)
+        a.infer({"input": chunks[0]})  # loaded, its cost measured, a's state counted
+        # a budget with room for what is in use and less than one more stream's state
+        # (1,024 bytes for Silero: state [2, 1, 128] float32)
+        budget = c.status()["cache"]["used_bytes"] + 1000
+        conf = short_tmp / "inferd.toml"
+        conf.write_text(conf.read_text() + f"[cache]\nmax_memory = {budget}\n")
+        c.call("reload")
+        assert c.status()["cache"]["max_memory_bytes"] == budget
+        message = fails(lambda: c.stream("vad", id="b", sr=16000).infer({"input": chunks[0]}),
+                        ErrorCode.RESOURCE_EXHAUSTED)
+        got = re.fullmatch(
+            rf"model vad: no room for a new stream's state \(1024 bytes\) in the cache "
+            rf"budget \(\[cache\] max_memory = {budget} bytes, (\d+) in use\); end "
+            rf"streams, unload models or raise the budget", message)
+        assert got and int(got.group(1)) + 1024 > budget, message
+        assert row(c, "vad")["streams"] == 1  # the refused start began nothing
+        # a's state is untouched; ending it makes room for b
+        np.testing.assert_array_equal(a.infer({"input": chunks[1]})["output"], want[1])
+        a.close()
+        with c.stream("vad", id="b", sr=16000) as b:
+            np.testing.assert_array_equal(b.infer({"input": chunks[0]})["output"], want[0])
+
+
 def vad_daemon_model(d) -> Path:
     return Path(d.workdir) / "repo" / "vad" / "1" / "model.onnx"
 

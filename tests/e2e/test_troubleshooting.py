@@ -816,5 +816,13 @@ def test_streams(start_daemon, short_tmp: Path, models_dir: Path) -> None:
         onnx.save(m, toy)
         c.call(Op.RELOAD)
         note(lambda: streams[0].infer({"x": np.ones((1, 4), np.float32)}))
+        # a client that goes with its streams open; a budget with no room for one more
+        with Client(d2.endpoint) as gone:
+            gone.stream("vad", id="mic5").infer({"x": np.ones((1, 4), np.float32)})
+        poll(lambda: "of a client that disconnected freed" in d2.log(), 10)
+        used = c.status()["cache"]["used_bytes"]
+        config.write_text(config.read_text() + f"[cache]\nmax_memory = {used + 8}\n")
+        c.call(Op.RELOAD)
+        note(lambda: c.stream("vad", id="mic6").infer({"x": np.ones((1, 4), np.float32)}))
     out.append(d2.log())
     _check("streams", "\n".join(out))
