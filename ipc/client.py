@@ -24,7 +24,7 @@ from inferd.ipc.errors import ErrorCode, InferdError, ProtocolError, RequestErro
 from inferd.ipc.protocol import Op, Reply, Request, StreamRef, decode_reply, encode_request
 from inferd.ipc.shm import Region, Registration, shm_path
 from inferd.ipc.staging import INLINE_BYTES, Lease, Staging, frame_bytes
-from inferd.ipc.stream import Stream
+from inferd.ipc.stream import AsyncStream, Stream
 from inferd.ipc.transport import ipc_path, recv_frames, send_frames, tuned
 
 DEFAULT_ENDPOINT = defs.SOCKET
@@ -474,12 +474,16 @@ class AsyncClient(_Base):
                 future.set_result(reply)
 
     async def submit(self, op: Op | str, model: str | None = None,
-                     inputs: dict[str, NDArray[Any]] | None = None, **fields: Any) -> Reply:
+                     inputs: dict[str, NDArray[Any]] | None = None, *,
+                     stream: StreamRef | None = None, **fields: Any) -> Reply:
+        """Send a request and await its reply (``stream``: one of this connection's
+        streams, as :meth:`Client.infer`'s)."""
         if self._receiver is None:
             self._receiver = asyncio.create_task(self._receive())
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_in_flight)
         req = self._request(Op(op), model, inputs, **fields)
+        req.stream = stream
         limit = (req.timeout_ms or 0) / 1000 + REPLY_GRACE_S
         give_up = time.monotonic() + limit
         try:
@@ -510,19 +514,29 @@ class AsyncClient(_Base):
 
     async def infer(self, model: str, inputs: dict[str, NDArray[Any]],
                     outputs: list[str] | None = None, *, version: int | None = None,
-                    timeout: float | None = None) -> dict[str, NDArray[Any]]:
+                    timeout: float | None = None,
+                    stream: StreamRef | None = None) -> dict[str, NDArray[Any]]:
+        """As :meth:`Client.infer` (without ``outputs_into``), awaited."""
         timeout = timeout or self.timeout
         give_up = time.monotonic() + timeout
         attempt = 0
         while True:
             reply = await self.submit(Op.INFER, model, inputs, outputs=outputs,
-                                      version=version, timeout=timeout)
+                                      version=version, timeout=timeout, stream=stream)
             pause = self._retry_pause(reply, attempt, give_up)
             if pause is None:
                 return self._unwrap(reply).outputs
             await asyncio.sleep(pause)
             attempt += 1
             timeout = max(0.001, give_up - time.monotonic())
+
+    def stream(self, model: str, *, id: str | None = None, version: int | None = None,
+               outputs: list[str] | None = None, timeout: float | None = None,
+               **constants: Any) -> AsyncStream:
+        """A stateful stream of ``model`` on this connection, as :meth:`Client.stream`:
+        ``async with client.stream("vad", sr=16000) as s: out = await s.infer({...})``."""
+        return AsyncStream(self, model, constants, id=id, version=version,
+                           outputs=outputs, timeout=timeout)
 
     async def ping(self) -> dict[str, Any]:
         return await self.call(Op.PING)

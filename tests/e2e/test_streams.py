@@ -214,6 +214,49 @@ def test_eight_streams_batched_give_what_each_gives_alone(vad_daemon):
     print(f"{int(chunks_run)} chunks of {n} streams in {int(runs)} runs")
 
 
+def test_an_async_clients_stream_gives_what_the_sync_ones_gives(vad_daemon):
+    import asyncio
+
+    from inferd.ipc import AsyncClient
+
+    chunks = [audio(20, 16), audio(21, 16)]
+    with vad_daemon.client() as c:
+        sync = []
+        for ch in chunks:
+            with c.stream("vad", sr=16000) as s:
+                sync.append([s.infer({"input": x})["output"] for x in ch])
+
+    async def run() -> tuple[list, list, str, int]:
+        async with AsyncClient(vad_daemon.endpoint) as ac:
+            async def one(ch) -> list:
+                async with ac.stream("vad", sr=16000) as s:
+                    return [(await s.infer({"input": x}))["output"] for x in ch]
+            got = await asyncio.gather(*(one(ch) for ch in chunks))  # two streams at once
+            # a refused start begins nothing; the next chunk starts the stream again
+            s = ac.stream("vad", id="async-b", sr=8000)
+            try:
+                await s.infer({"input": chunks[0][0]})
+                refused = "not refused"
+            except RequestError as e:
+                refused = f"{e.code.name}: {e.message}"
+            s.constants["sr"] = SR
+            again = [(await s.infer({"input": x}))["output"] for x in chunks[0][:2]]
+            open_now = [m["streams"] for m in await ac.models() if m["name"] == "vad"][0]
+            await s.close()
+            left = [m["streams"] for m in await ac.models() if m["name"] == "vad"][0]
+            return got, again, refused, open_now * 10 + left
+    got, again, refused, counts = asyncio.run(run())
+    for g, w in zip(got, sync):
+        assert len(g) == len(w) == 16
+        for a, b in zip(g, w):
+            np.testing.assert_array_equal(a, b)  # bit for bit
+    assert refused == ("INVALID_ARGUMENT: stream async-b of vad: constant 'sr' = 8000; "
+                       "this model's streams take [16000]")
+    for a, b in zip(again, sync[0][:2]):
+        np.testing.assert_array_equal(a, b)
+    assert counts == 10  # one open before its close, none after (the gathered ones ended)
+
+
 CLIENT_LEAVES = """
 import os, sys
 import numpy as np
