@@ -18,7 +18,7 @@ from typing import Any
 
 from inferd.daemon.streams import StreamModel
 from inferd.daemon.activations import Activations
-from inferd.daemon.budget import AdmittedModel, MemoryBudget, estimate_cost, format_bytes
+from inferd.daemon.budget import MemoryBudget, estimate_cost, format_bytes
 from inferd.daemon.catalog import Catalog, Settings
 from inferd.daemon.memory import METER, LoadFigures, MemoryMeter, model_cost
 from inferd.daemon.model_entry import ModelEntry
@@ -61,7 +61,9 @@ class ModelLoader:
         catalog: what the repository offers, each model's settings, the configuration
             (``[onnxruntime]``, ``[cache]``, the backend sections).
         registry: the backends to choose from.
-        budget: the cache's memory budget.
+        budget: the cache's memory budget (the engines imported are counted there).
+        make_room: the cache's eviction for a load
+            (:meth:`~inferd.daemon.models.ModelManager.make_room`).
         processors: the pre/post-processing steps model.toml may name.
         customops: the daemon's custom ops (None: none).
         placer: places each load (daemon/placer.py); it loads the rivals it measures
@@ -71,11 +73,13 @@ class ModelLoader:
     """
 
     def __init__(self, catalog: Catalog, registry: Registry, budget: MemoryBudget,
+                 make_room: Callable[..., int],
                  processors: ProcessorRegistry | None, customops: OpRegistry | None,
                  placer: Placer, workers: WorkerPool | None = None) -> None:
         self.catalog = catalog
         self.registry = registry
         self.budget = budget
+        self.make_room = make_room
         self.processors = processors
         self.customops = customops
         self.placer = placer
@@ -127,14 +131,14 @@ class ModelLoader:
         known = entry.memory.total()
         if known:
             need = known
-            self.budget.make_room(entry, need, "measured at its last load")
+            self.make_room(entry, need, "measured at its last load")
         else:
             # Only a guess: if it does not fit, room for the file itself will do; the
             # measured cost is checked against the budget once loaded.
             size = source.path.stat().st_size
-            need = self.budget.make_room(entry, estimate_cost(size), "estimated from its "
+            need = self.make_room(entry, estimate_cost(size), "estimated from its "
                                          "file size", floor=size)
-        self.budget.reserve_load(entry, need)
+        entry.reserve(need)
         config = self.catalog.config
         METER.trim()
         before = METER.rss()
@@ -192,14 +196,14 @@ class ModelLoader:
                                   rss, reported)
             # plus the working memory measured at earlier loads
             total = figures.cost + entry.memory.working.peak
-            self.budget.reserve_load(entry, total)
-            self.budget.make_room(entry, total, "measured")
+            entry.reserve(total)
+            self.make_room(entry, total, "measured")
         except BaseException:
             model.unload()
             METER.trim()
             raise
         meter = METER.for_engine(lambda: model.engine)
-        return Loaded(AdmittedModel(model, entry, self.budget), placement, settings,
+        return Loaded(model, placement, settings,
                       pipeline, figures, graph, meter, streams)
 
 

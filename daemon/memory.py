@@ -382,6 +382,11 @@ class WorkingMemory:
 
     # ----------------------------------------------------------------- estimate
 
+    def settled(self, inputs: dict[str, NDArray[Any]]) -> bool:
+        """Whether a run on inputs of these shapes is admitted already (a measured
+        class): its admission estimates nothing and waits on no eviction."""
+        return tuple([(n, a.shape) for n, a in inputs.items()]) in self._settled
+
     def estimate(self, inputs: dict[str, NDArray[Any]]) -> Estimate:
         """What a run on ``inputs`` is expected to need (see the class docstring)."""
         shapes = tuple([(n, a.shape) for n, a in inputs.items()])

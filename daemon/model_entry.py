@@ -7,7 +7,9 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any
 
@@ -40,7 +42,9 @@ class ModelEntry:
     decide and act in one step (the manager's queueing) holds it around both.
 
     ``in_flight`` counts the requests queued or running: a model with any is busy and
-    is not evicted or unloaded for idleness.
+    is not evicted or unloaded for idleness. ``reserved`` is what a load in progress
+    counts against the budget (:meth:`reserve`); ``kept`` marks an entry that must not
+    be evicted (:meth:`keep`: the old version during a swap).
     """
 
     def __init__(self, name: str, version: int, queue_size: int) -> None:
@@ -62,6 +66,8 @@ class ModelEntry:
         self.failed_at = 0.0
         self.failed_scan: Any = None  # the model's ModelSpec when the load failed
         self.memory = ModelMemory(self.label)  # measured; counted by daemon/budget.py
+        self.reserved = 0  # bytes a load in progress counts (LOADING only)
+        self.kept = 0  # blocks that keep it from eviction (keep)
         self.streams = StreamTable(name)  # its clients' streams (daemon/streams.py)
         self.load_future: Future[ModelEntry] | None = None
         self.loads = 0
@@ -105,6 +111,7 @@ class ModelEntry:
         (``streams``: its [stream] table bound to it, or None)."""
         with self.lock:
             self._become(State.READY, State.LOADING)
+            self.reserved = 0  # it counts its measured memory from now on
             self.model, self.threads, self.placement = model, workers, placement
             self.streams.bound = streams
             self.keep_alive = keep_alive
@@ -116,6 +123,7 @@ class ModelEntry:
         waited in the queue, which the caller must answer."""
         with self.lock:
             self._become(State.FAILED, State.LOADING)
+            self.reserved = 0
             self.error, self.error_code = message, code
             self.failed_at = time.monotonic()
             self.failed_scan = scan
@@ -144,6 +152,29 @@ class ModelEntry:
             self.model = self.threads = self.placement = None
             self.streams.bound = None
             self.streams.lose_all(reason)
+
+    def reserve(self, need: int) -> None:
+        """Count ``need`` bytes against the budget while the load runs (LOADING): its
+        figure from its last load or a guess first, then what it measured."""
+        with self.lock:
+            if self._state is State.LOADING:
+                self.reserved = need
+
+    @contextmanager
+    def keep(self) -> Iterator[None]:
+        """Keep this entry from eviction while the block runs (the old version during a
+        swap: loading the new one must not push out the one still serving)."""
+        with self.lock:
+            self.kept += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.kept -= 1
+
+    def evictable(self) -> bool:
+        """Ready, idle and not kept (pinning is the catalog's: the manager asks it)."""
+        return self._state is State.READY and not self.in_flight and not self.kept
 
     # ----------------------------------------------------------------- requests
 

@@ -41,6 +41,7 @@ import numpy as np
 
 from inferd.daemon.batching import BatchSizer
 from inferd.daemon.fairqueue import FairQueue, QueueClosed
+from inferd.daemon.memory import Estimate, WorkingMemory
 from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
 from inferd.daemon import streams as stream_batch
@@ -68,6 +69,30 @@ class Queued:
     ticket: AnyTicket
     chunk: Chunk | None = None
     """Its part in a stream (daemon/streams.py), if the request names one."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunAdmission:
+    """The cache's admission step, taken before every run of the engine
+    (:meth:`~inferd.daemon.models.ModelManager.admit`): ``admit(inputs)`` estimates the
+    run's working memory and makes room for it or refuses it (RESOURCE_EXHAUSTED);
+    ``working`` measures the runs whose shape class asks for it; ``grew()`` is told
+    when a run needed more than the model counted."""
+
+    admit: Callable[[dict[str, Any]], Estimate]
+    working: WorkingMemory
+    grew: Callable[[], None]
+
+    def run(self, inputs: dict[str, Any], call: Callable[[], dict[str, Any]]
+            ) -> dict[str, Any]:
+        """Admit, then ``call()`` the engine (measured when the estimate says so)."""
+        estimate = self.admit(inputs)  # may refuse it, before it runs
+        if not estimate.measure:
+            return self.working.run(call)  # type: ignore[no-any-return]
+        outputs, changed = self.working.measure(estimate.key, inputs, call)
+        if changed:
+            self.grew()
+        return outputs  # type: ignore[no-any-return]
 
 
 WorkQueue: TypeAlias = FairQueue
@@ -112,6 +137,8 @@ class ModelThreads:
         stream_model: the model's [stream] table bound to it (None: it has none): chunks
             of different streams may then share a batch (states stacked along their
             batch axis) even where the model's own inputs could not.
+        admission: the cache's admission step before each run (None: none, runs are
+            neither admitted nor measured).
     """
 
     def __init__(self, name: str, model: LoadedModel, work: WorkQueue, sink: ReplySink,
@@ -120,8 +147,10 @@ class ModelThreads:
                  observe: Callable[[list[Any], float, float], None] | None = None,
                  io_run_max_s: float = 0.0, quarantine: Quarantine | None = None,
                  streams: StreamTable | None = None,
-                 stream_model: StreamModel | None = None) -> None:
+                 stream_model: StreamModel | None = None,
+                 admission: RunAdmission | None = None) -> None:
         self.name = name
+        self._admission = admission
         self._streams = streams
         self._stream_model = stream_model
         self.model = model
@@ -445,7 +474,10 @@ class ModelThreads:
                             tuple(j.item for j in jobs), len(jobs), first.request.id)
         try:
             started = time.monotonic()
-            outputs = self.model.run(inputs, wanted)
+            if self._admission is None:
+                outputs = self.model.run(inputs, wanted)
+            else:
+                outputs = self._admission.run(inputs, lambda: self.model.run(inputs, wanted))
             seconds = time.monotonic() - started
         except WorkerDied as e:  # charged to the clients whose requests were running
             if self._quarantine is not None:

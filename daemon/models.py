@@ -33,15 +33,16 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from typing import Any
 
 from inferd.daemon.budget import MemoryBudget, format_bytes
 from inferd.daemon.catalog import Catalog
 from inferd.daemon.loading import ModelLoader
-from inferd.daemon.memory import METER
+from inferd.daemon.memory import METER, Estimate, LoadFigures
 from inferd.daemon.model_entry import ModelEntry, ModelKey, State
 from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.placer import Placer
@@ -50,7 +51,7 @@ from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.units import request_keep_alive
 from inferd.daemon.streams import Admission, lost_error, no_stream_table, stream_loss
-from inferd.daemon.model_threads import Queued, ModelThreads
+from inferd.daemon.model_threads import ModelThreads, Queued, RunAdmission
 from inferd.daemon.workers.pool import WorkerPool
 from inferd.daemon.workers.quarantine import Quarantine
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
@@ -83,11 +84,11 @@ class ModelManager:
                  ) -> None:
         self.registry = registry
         self.catalog = Catalog(repo, config)
-        self.budget = MemoryBudget(self)
+        self.budget = MemoryBudget()  # figures and verdicts; evictions are ours
         # measuring placement loads and runs rivals only while no request is in flight
-        self.placer = Placer(config, self.budget,
+        self.placer = Placer(config, self,
                              busy=lambda: any(e.in_flight for e in self.entries()))
-        self._loader = ModelLoader(self.catalog, registry, self.budget, processors,
+        self._loader = ModelLoader(self.catalog, registry, self.budget, self.make_room, processors,
                                    customops, self.placer, workers)
         w = config.workers
         # who keeps killing a model's worker (daemon/workers/quarantine.py)
@@ -105,7 +106,6 @@ class ModelManager:
         self._evictor = ThreadPoolExecutor(max_workers=1,
                                            thread_name_prefix="inferd-cache-evict",
                                            initializer=unpin_current_thread)
-        self._evicting = threading.local()  # set on the evictor thread while it drains
         self._idle_thread: threading.Thread | None = None
 
     @property
@@ -122,7 +122,7 @@ class ModelManager:
                                              daemon=True)
         self._idle_thread.start()
 
-    # ----------------------------------------------------------------- the budget's view
+    # ----------------------------------------------------------------- the budget
 
     @property
     def max_memory(self) -> int | None:
@@ -135,33 +135,140 @@ class ModelManager:
     def pinned(self, entry: ModelEntry) -> bool:
         return self.catalog.pinned(entry.name, entry.version)
 
-    def evict(self, entry: ModelEntry, reason: str) -> bool:
-        """Drain and unload ``entry`` if it is still idle, on ``inferd-cache-evict``;
-        the calling thread (a loader, or a worker whose run needs room) waits."""
-        if getattr(self._evicting, "active", False):  # make_room from enforce, below
-            return self._drain(entry, reason, only_if_idle=True)
-        return self._evictor.submit(self._evict, entry, reason).result()
+    def used(self) -> int:
+        """What the cache counts against its budget now (engines and rivals on trial
+        included)."""
+        return self.budget.used(self.entries())
 
-    def _evict(self, entry: ModelEntry, reason: str) -> bool:
-        self._evicting.active = True
-        try:
-            return self._drain(entry, reason, only_if_idle=True)
-        finally:
-            self._evicting.active = False
+    def make_room(self, entry: ModelEntry | None, need: int, how: str,
+                  floor: int | None = None, here: bool = False) -> int:
+        """Evict what the budget names (daemon/budget.py: idle unpinned models, least
+        recently used first) until ``need`` bytes fit for ``entry`` beside every other
+        entry (or, failing that, ``floor``); returns the bytes made room for.
 
-    def enforce_soon(self) -> None:
-        """Evict idle models until the loaded ones fit, on ``inferd-cache-evict``
-        (a model's working memory grew on its worker thread)."""
-        self._evictor.submit(self._enforce)
+        Evictions drain on ``inferd-cache-evict`` while the calling thread (a loader, or
+        a model's thread whose run needs room) waits; ``here``: the caller is that thread.
+
+        Raises:
+            InferdError (RESOURCE_EXHAUSTED): nothing evictable makes enough room.
+        """
+        label = entry.label if entry is not None else "the models loaded"
+        while True:
+            budget = self.max_memory
+            verdict = self.budget.room(entry, need, how, self.entries(), budget,
+                                       self.pinned, floor)
+            if not verdict.victims:
+                return verdict.need
+            reason = (f"evicted to make room for {label} within the cache budget "
+                      f"({format_bytes(budget)})")
+            for victim in verdict.victims:
+                if here:
+                    self._drain(victim, reason, only_if_idle=True)
+                else:
+                    self._evictor.submit(self._drain, victim, reason, True).result()
+
+    def enforce(self, here: bool = False) -> None:
+        """Evict idle unpinned models until the loaded ones fit (after the budget shrank,
+        or a model's working memory grew); raises RESOURCE_EXHAUSTED naming what does
+        not fit."""
+        self.make_room(None, 0, "", here=here)
+
+    def _enforce_soon(self) -> None:
+        """:meth:`enforce` on ``inferd-cache-evict`` if the loaded models no longer fit;
+        returns at once (a model's working memory grew on its thread)."""
+        budget = self.max_memory
+        if budget is not None and self.used() > budget:
+            self._evictor.submit(self._enforce)
 
     def _enforce(self) -> None:
-        self._evicting.active = True
         try:
-            self.budget.enforce()
+            self.enforce(here=True)
         except InferdError as e:
             log.warning("cache is over its budget and cannot evict more: %s", e.message)
-        finally:
-            self._evicting.active = False
+
+    @contextmanager
+    def kept(self, name: str, version: int) -> Iterator[None]:
+        """Keep ``version`` of ``name`` from eviction while the block runs (the old
+        version during a swap)."""
+        with self.entry(name, version).keep():
+            yield
+
+    def admit(self, entry: ModelEntry, inputs: dict[str, Any]) -> Estimate:
+        """The admission step of a run of ``entry`` on ``inputs`` (its thread calls it
+        before the engine): its working memory estimated; a need beyond what the model
+        counts has room made for it (idle models evicted, on the cache's thread) and
+        counts from now on; one that cannot fit is refused when the estimate is reliable
+        (unreliable: the run goes ahead and is measured).
+
+        Raises:
+            InferdError (RESOURCE_EXHAUSTED): the run cannot fit, with the figures.
+        """
+        working = entry.memory.working
+        estimate = working.estimate(inputs)
+        need = self.budget.run_need(entry, estimate, self.max_memory)
+        if need:
+            load = entry.memory.load
+            assert load is not None  # run_need asks room only beside a measured load
+            try:
+                self.make_room(entry, need, f"{format_bytes(need - load.cost)} of it "
+                               f"working memory, {estimate.how}")
+            except InferdError as e:
+                if estimate.reliable:
+                    raise
+                log.debug("model %s: no room made for its working memory: %s",
+                          entry.label, e.message, extra={"MODEL": entry.name})
+        if estimate.bytes > 0:
+            working.admit(estimate)  # it counts from now on (a settled one already does)
+        return estimate
+        need = self.budget.run_need(entry, estimate, self.max_memory)
+        if need:
+            load = entry.memory.load
+            assert load is not None  # run_need asks room only for a measured load
+            try:
+                self.make_room(entry, need, f"{format_bytes(need - load.cost)} of it "
+                               f"working memory, {estimate.how}")
+            except InferdError as e:
+                if estimate.reliable:
+                    raise
+                log.debug("model %s: no room made for its working memory: %s",
+                          entry.label, e.message, extra={"MODEL": entry.name})
+        if estimate.bytes > 0 or not estimate.settled:
+            working.admit(estimate)
+        return estimate
+
+    def grew(self, entry: ModelEntry) -> None:
+        """A run of ``entry`` needed more working memory than any before: it counts now;
+        idle models are evicted if the loaded ones no longer fit."""
+        memory = entry.memory
+        log.info("model %s: working memory %s; counts %s against the budget", entry.label,
+                 format_bytes(memory.working.peak), format_bytes(memory.total()),
+                 extra={"MODEL": entry.name})
+        self._enforce_soon()
+
+    # what measuring placement needs of the cache (daemon/placement.py's Room)
+
+    def measured(self, key: ModelKey) -> int | None:
+        """What the model version ``key`` cost at its last load (its working memory
+        included), if it was loaded before."""
+        with self._lock:
+            entry = self._entries.get(key)
+        return entry.memory.total() if entry is not None else None
+
+    def reserve(self, label: str, need: int) -> AbstractContextManager[None]:
+        """Count ``need`` bytes while the block runs (a rival on trial); evicts nothing.
+        Raises RESOURCE_EXHAUSTED if it does not fit beside what is in use."""
+        return self.budget.reserve(label, need, self.used(),
+                                   self.max_memory)
+
+    def recost(self, entry: ModelEntry, figures: LoadFigures) -> None:
+        """``entry``'s load was measured again (its engine changed under it): it counts
+        ``figures.cost`` plus its working memory from now on; idle models are evicted if
+        the loaded ones no longer fit."""
+        entry.memory.loaded(figures)
+        self._enforce_soon()
+
+    def engines(self) -> dict[str, int]:
+        return self.budget.engines()
 
     # ----------------------------------------------------------------- entries
 
@@ -212,6 +319,11 @@ class ModelManager:
             workers = entry.threads
             if (io_thread and workers is not None
                     and workers.may_run_on_io_thread(ticket.tensor_bytes)
+                    # its admission decided already: nothing to estimate or evict here
+                    # (a stream's chunk runs on its state too: shapes its [stream] table
+                    # fixes, settled with the model's first runs on its threads)
+                    and (item.chunk is not None
+                         or entry.memory.working.settled(request.inputs))
                     and not self._stopping.is_set()
                     and entry.begin_io_run(workers, keep_alive)):
                 workers.run_on_io_thread(item)
@@ -340,7 +452,10 @@ class ModelManager:
                           if self._observer is not None else None,
                           io_run_max_s=self.config.models.io_run_max_us / 1e6,
                           quarantine=self.quarantine, streams=entry.streams,
-                          stream_model=loaded.streams)
+                          stream_model=loaded.streams,
+                          admission=RunAdmission(partial(self.admit, entry),
+                                                 entry.memory.working,
+                                                 partial(self.grew, entry)))
         entry.memory.loaded(loaded.figures, loaded.graph, loaded.placement.backend,
                             loaded.meter)
         entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive,
@@ -482,7 +597,7 @@ class ModelManager:
         with entry.lock:
             if entry.state is not State.READY:
                 return False
-            if only_if_idle and not self.budget.evictable(entry):
+            if only_if_idle and (not entry.evictable() or self.pinned(entry)):
                 return False
             lost = stream_loss(reason)
             workers, model = entry.drain(lost)
@@ -698,7 +813,7 @@ class ModelManager:
         """Budget and use, for the status op."""
         entries = self.entries()
         return {"max_memory_bytes": self.config.cache.max_memory,
-                "used_bytes": self.budget.used(), "engines_bytes": self.budget.engines(),
+                "used_bytes": self.budget.used(entries), "engines_bytes": self.budget.engines(),
                 "loads": sum(e.loads for e in entries)}
 
     def loaded(self) -> list[str]:

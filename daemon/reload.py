@@ -30,10 +30,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Protocol
 
-from inferd.daemon.budget import MemoryBudget
 from inferd.daemon.catalog import Catalog
 from inferd.daemon.model_entry import ModelEntry, State
 from inferd.daemon.model_settings import SETTINGS_FILE
@@ -98,9 +98,10 @@ class Cache(Protocol):
     """What a reload needs of the model manager (:class:`~inferd.daemon.models.ModelManager`)."""
 
     catalog: Catalog
-    budget: MemoryBudget
 
     def version_state(self, name: str, version: int) -> State: ...
+    def enforce(self) -> None: ...
+    def kept(self, name: str, version: int) -> AbstractContextManager[None]: ...
     def refresh_keep_alives(self) -> None: ...
     def unload(self, name: str, version: int | None = None, timeout: float | None = None,
                reason: str = ...) -> ModelEntry: ...
@@ -161,7 +162,7 @@ def reload_catalog(manager: Cache, config: Any) -> dict[str, list[str]]:
     _reload_changed_files(manager, old, new, summary)
     manager.retire_stale()
     try:  # the budget may have shrunk
-        manager.budget.enforce()
+        manager.enforce()
     except InferdError as e:
         log.warning("cache is over its budget and cannot evict more: %s", e.message)
     summary["failed"] = list(dict.fromkeys(summary["failed"] + manager.load_pinned()))
@@ -210,7 +211,7 @@ def _swap(manager: Cache, name: str, old_version: int, spec: ModelSpec) -> bool:
         manager.unload(name, old_version, reason=f"replaced by version {spec.default}")
 
     try:
-        with manager.budget.hold(name, old_version):
+        with manager.kept(name, old_version):
             manager.load(name, spec.default)
     except InferdError as e:
         if e.code is not ErrorCode.RESOURCE_EXHAUSTED:

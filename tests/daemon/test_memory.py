@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from inferd.daemon.budget import AdmittedModel
+from inferd.daemon.model_threads import RunAdmission
 from inferd.daemon.memory import METER, WorkingMemory, shape_class
 from inferd.daemon.model_entry import ModelEntry
 from inferd.ipc import RequestError
@@ -126,17 +126,17 @@ def test_daemon_counts_working_memory_and_refuses_bad_options(repo, start_daemon
 
 
 class _Admissions:
-    """Stands for the budget (daemon/budget.py, tested with real daemons below): notes
-    what each run asked of it."""
+    """Stands for the cache's admission step (ModelManager.admit, tested with real
+    daemons below): notes the estimate of each run it is asked to admit."""
 
-    def __init__(self) -> None:
+    def __init__(self, working) -> None:
+        self.working = working
         self.calls: list[tuple[int, bool, bool]] = []
 
-    def admit_run(self, entry, estimate):
+    def admit(self, inputs):
+        estimate = self.working.estimate(inputs)
         self.calls.append((estimate.bytes, estimate.measure, estimate.reliable))
-
-    def grew(self, entry):
-        pass
+        return estimate
 
 
 class _Echo:
@@ -148,9 +148,14 @@ class _Echo:
 
 def test_without_a_graph_the_largest_class_is_scaled_and_each_run_admitted():
     entry = ModelEntry("test", 1, 1)
-    budget = _Admissions()
-    model = AdmittedModel(_Echo(), entry, budget)  # type: ignore[arg-type]
     working = entry.memory.working
+    budget = _Admissions(working)
+    admission = RunAdmission(budget.admit, working, lambda: None)
+
+    class model:  # a run as the model's threads make it: admitted, then the engine
+        @staticmethod
+        def run(inputs):
+            return admission.run(inputs, lambda: _Echo().run(inputs))
     tiny = {"x": np.zeros((1, 10), np.float32)}
     model.run(tiny)  # measured: a few KiB of noise, its own class
     assert budget.calls == [(0, True, False)]  # nothing known yet: no estimate

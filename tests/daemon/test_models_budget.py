@@ -8,8 +8,12 @@ import math
 import psutil
 import pytest
 
-from inferd.daemon.budget import Evictable, choose_victims
-from inferd.daemon.memory import MemoryMeter, model_cost
+from concurrent.futures import Future
+
+from inferd.daemon.budget import Evictable, MemoryBudget, choose_victims
+from inferd.daemon.memory import LoadFigures, MemoryMeter, model_cost
+from inferd.daemon.model_entry import ModelEntry, State
+from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.daemon.config import load_config
 from inferd.daemon.units import parse_budget, parse_duration
 from inferd.ipc.errors import ConfigError
@@ -86,3 +90,67 @@ def test_meter_sees_an_allocation():
     block[::4096] = b"x" * len(block[::4096])  # touch every page
     assert meter.rss() - before >= 48 * 2**20
     del block
+
+
+def _ready(name: str, cost: int, used_at: float) -> ModelEntry:
+    """An entry that went through a load to READY, costing ``cost`` bytes (no engine:
+    the budget reads only the entry's state, memory and clock)."""
+    e = ModelEntry(name, 1, 4)
+    e.begin_load(Future())
+    e.memory.loaded(LoadFigures(cost, cost, None))
+    e.ready(object(), object(), object(), math.inf)  # type: ignore[arg-type]
+    e.used_at = used_at
+    return e
+
+
+def test_the_budget_names_victims_and_changes_nothing():
+    """The budget is pure (issue 30 item 5): a verdict names what to evict, least
+    recently used first, past pinned, busy and kept entries; the entries are untouched
+    (the manager performs evictions); what cannot fit is refused naming why."""
+    old, busy, pinned, kept, newer = (_ready(n, 30, t) for n, t in
+                                      [("old", 1), ("busy", 2), ("pinned", 3), ("kept", 4),
+                                       ("newer", 5)])
+    busy.in_flight = 1
+    entries = [old, busy, pinned, kept, newer]
+    budget = MemoryBudget()
+
+    def is_pinned(e: ModelEntry) -> bool:
+        return e is pinned
+
+    with kept.keep():
+        # 150 in use, 170 of budget: 60 more needs 40 freed, two idle models of 30
+        verdict = budget.room(None, 60, "asked", entries, 170, is_pinned)
+        assert [v.name for v in verdict.victims] == ["old", "newer"]
+        assert verdict.need == 60
+        assert all(e.state is State.READY for e in entries)  # nothing evicted by it
+        with pytest.raises(InferdError) as e:
+            budget.room(None, 81, "asked", entries, 170, is_pinned)  # 60 evictable
+        assert e.value.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert "pinned: pinned version 1 (0.0 MiB)" in e.value.message
+        assert "busy, loading or being replaced: busy version 1 (0.0 MiB), kept " \
+            "version 1 (0.0 MiB)" in e.value.message
+        # a floor that fits where the need cannot
+        assert budget.room(None, 81, "asked", entries, 170, is_pinned, floor=40).need == 40
+    # kept no longer: a victim before newer (least recently used first)
+    assert [v.name for v in budget.room(None, 60, "", entries, 170, is_pinned).victims] \
+        == ["old", "kept"]
+    assert budget.room(None, 20, "", entries, 170, is_pinned).victims == ()
+    assert budget.room(None, 10**12, "", entries, None, is_pinned).victims == ()  # no budget
+
+
+def test_a_load_reservation_belongs_to_its_entry_and_ends_with_the_load():
+    e = ModelEntry("m", 1, 4)
+    budget = MemoryBudget()
+    e.reserve(100)  # not loading: nothing to reserve
+    assert budget.cost(e) == 0
+    e.begin_load(Future())
+    e.reserve(100)
+    assert budget.cost(e) == 100 and budget.used([e]) == 100
+    e.fail(ErrorCode.INTERNAL, "broken")
+    assert e.reserved == 0 and budget.cost(e) == 0
+    e.retry()
+    e.begin_load(Future())
+    e.reserve(70)
+    e.memory.loaded(LoadFigures(60, 60, None))
+    e.ready(object(), object(), object(), math.inf)  # type: ignore[arg-type]
+    assert e.reserved == 0 and budget.cost(e) == 60  # what it measured, from now on

@@ -410,7 +410,7 @@ def test_reload_swaps_a_new_version_in_under_load(
     # costs alone left out the engines (onnxruntime, and onnx for the estimates: ~48 MiB
     # here) and version 1's working memory, and failed by the machine's measurements
     # (the flake of 9040768's CI set; fits_both failed on a fresh machine).
-    used = m.budget.used()
+    used = m.used()
     det = m.budget.cost(m.entry("ocr-det"))
     assert det and used > det
     # Either room for two versions of ocr-det beside vad, or for one only: then not even
