@@ -383,9 +383,17 @@ class WorkingMemory:
     # ----------------------------------------------------------------- estimate
 
     def settled(self, inputs: dict[str, NDArray[Any]]) -> bool:
-        """Whether a run on inputs of these shapes is admitted already (a measured
-        class): its admission estimates nothing and waits on no eviction."""
-        return tuple([(n, a.shape) for n, a in inputs.items()]) in self._settled
+        """Whether a run on inputs of these shapes belongs to a class measured already
+        and not outgrown: its admission estimates nothing (no graph is read) and makes
+        no room (the model counts the class's figure already; a budget that shrank
+        below it refuses at once)."""
+        if tuple([(n, a.shape) for n, a in inputs.items()]) in self._settled:
+            return True
+        key = shape_class(inputs)
+        with self._lock:
+            c = self.classes.get(key)
+            return (c is not None and c.measured is not None
+                    and _elements(inputs) <= c.elements * GROWTH)
 
     def estimate(self, inputs: dict[str, NDArray[Any]]) -> Estimate:
         """What a run on ``inputs`` is expected to need (see the class docstring)."""

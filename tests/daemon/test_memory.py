@@ -279,3 +279,15 @@ def test_a_model_gets_its_own_factor_from_its_runs_measured_alone(tmp_path):
     assert live >= FIRST_RUN_FROM
     inputs, live = rows(8192 * 4)
     assert working.estimate(inputs).bytes == int(live * 1.0)  # at least its activations
+
+
+def test_settled_is_a_measured_class_not_outgrown():
+    """The I/O thread runs a request only when its admission reads no graph and makes
+    no room (WorkingMemory.settled): a class measured, at most GROWTH times larger."""
+    working = ModelEntry("test", 1, 1).memory.working
+    small = {"x": np.zeros((1, 1000), np.float32)}
+    assert not working.settled(small)  # never measured: its first run is estimated
+    working.record(shape_class(small), 1000, 4000)
+    assert working.settled(small)
+    assert working.settled({"x": np.zeros((1, 1010), np.float32)})  # same class
+    assert not working.settled({"x": np.zeros((1, 5000), np.float32)})  # another class
