@@ -352,7 +352,7 @@ class ModelManager:
         budget = self.max_memory
         # what the budget counts, read before the locks (it reads every table)
         start = item.request.stream is not None and item.request.stream.start
-        room = (budget, self.budget.used()) if budget is not None and start else None
+        room = (budget, self.used()) if budget is not None and start else None
         with entry.lock:  # the entry's lock first, then its table's (as everywhere)
             verdict = entry.streams.admit(item, spec, self.config.streams.max_per_client,
                                           partial(entry.hold, keep_alive), room)
