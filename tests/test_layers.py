@@ -163,3 +163,47 @@ def test_the_worker_floor_sits_under_the_cache(forker, module: str) -> None:
               and m not in ("inferd.daemon", "inferd.daemon.activations")}  # a leaf
     assert not daemon, daemon
     assert not loaded & set(ENGINES), loaded & set(ENGINES)
+
+
+# The floors of daemon/, from the ground up (docs/architecture.md, "Floors of the
+# daemon"): a module imports only from its own floor and those below it. Every module of
+# daemon/ is on one floor, so a new one must be placed.
+DAEMON_FLOORS: list[tuple[str, set[str]]] = [
+    ("the vocabulary: settings, files, queues, processors, logs and signals", {
+        "units", "logs", "systemd", "config", "model_settings", "repository", "graph",
+        "decisions", "metrics", "metrics_http", "stages", "fairqueue", "batching",
+        "activations", "streams", "pipeline", "processors", "processors.builtin",
+        "processors.ocr"}),
+    ("the worker processes", {m.removeprefix("inferd.daemon.") for m in WORKERS}),
+    ("a loaded model: its threads, memory and placement", {
+        "memory", "placement", "placed_model", "measure", "warmup", "model_threads"}),
+    ("the cache: its entries, budget, loader, placer and the manager that owns them", {
+        "model_entry", "budget", "catalog", "placer", "loading", "reload", "models"}),
+    ("the graphs", {"executors", "graphs"}),
+    ("the process: the runtime that wires the floors, its ops, watch and entry point", {
+        "inline", "watch", "runtime", "main"}),
+]
+DAEMON = [m for m in _modules("daemon", "inferd.daemon") if m != "inferd.daemon"]
+
+
+def _floor(module: str) -> int:
+    short = module.removeprefix("inferd.daemon.")
+    return next(i for i, (_, names) in enumerate(DAEMON_FLOORS) if short in names)
+
+
+def test_every_daemon_module_is_on_one_floor() -> None:
+    placed = [m for _, names in DAEMON_FLOORS for m in names]
+    assert len(placed) == len(set(placed)), "a module on two floors"
+    assert sorted(f"inferd.daemon.{m}" for m in placed) == sorted(DAEMON)
+
+
+@pytest.mark.parametrize("module", DAEMON)
+def test_the_daemon_imports_one_way(forker, module: str) -> None:
+    """What importing a module of daemon/ brings in of the daemon sits on its floor or
+    below: the cache builds on the loaded model and the workers, never the other way (a
+    module put on a floor below one it imports fails here, as model_threads on the
+    first floor does: it imports the workers)."""
+    floor = _floor(module)
+    above = {m for m in _imported_after(forker, module)
+             if m.startswith("inferd.daemon.") and _floor(m) > floor}
+    assert not above, f"{module} ({DAEMON_FLOORS[floor][0]}) imports {sorted(above)}"
