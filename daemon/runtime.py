@@ -173,7 +173,7 @@ class Runtime:
         # models' runs too)
         self.models.placer.yield_to(lambda: bool(self.server.open_tickets()))
         # deadlines answered and stuck stages reported whatever a stage does
-        self.watch = Watch(sink, self.server, self.models, self.graphs, config)
+        self.watch = Watch(sink, self.server, self.models, self.graphs, lambda: self.config)
         self._textfile: TextfileWriter | None = None
         self._endpoint: MetricsEndpoint | None = None
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-control",
@@ -364,7 +364,6 @@ class Runtime:
         self.config = config
         summary: dict[str, Any] = dict(self.models.reload(config))
         self.repo = self.models.repo
-        self.watch.use_config(config)
         summary["graphs_retired"] = self.graphs.reload(self.repo,
                                                        config.server.shutdown_grace_s,
                                                        config.models.stuck_after_s)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from inferd.daemon.stages import Busy, Sleeper, describe_call
@@ -64,12 +64,12 @@ class Watch(Sleeper):
         requests: the server (its open tickets).
         models: the model manager (its running workers).
         graphs: the graph manager (its running executors).
-        config: the configuration in force (``models.stuck_after_s``); see
-            :meth:`use_config`.
+        config: returns the configuration in force (``models.stuck_after_s``): the
+            runtime's, read where it is kept (a reload replaces it there).
     """
 
     def __init__(self, sink: ReplySink, requests: OpenRequests, models: Running, graphs: Graphs,
-                 config: Any) -> None:
+                 config: Callable[[], Any]) -> None:
         self._sink = sink
         self._requests = requests
         self._models = models
@@ -80,10 +80,6 @@ class Watch(Sleeper):
         self._arrived = 0  # requests with a deadline tracked (see track)
         self._stuck: dict[str, list[str]] = {}  # model or graph -> its stuck stages
         self._reported: dict[tuple[str, float], str] = {}  # (thread, since) -> owner
-
-    def use_config(self, config: Any) -> None:
-        """Take the configuration a reload put in force."""
-        self._config = config
 
     # ----------------------------------------------------------------- deadlines
 
@@ -127,7 +123,7 @@ class Watch(Sleeper):
     def all_stuck(self) -> dict[str, list[str]]:
         """The ready models whose every inference thread is stuck, with the stuck calls
         (the watchdog's health check)."""
-        after = self._config.models.stuck_after_s
+        after = self._config().models.stuck_after_s
         return {w.name: w.stuck(after) for w in self._models.running_threads()
                 if w.all_stuck(after)}
 
@@ -139,7 +135,7 @@ class Watch(Sleeper):
 
     def scan(self) -> None:
         """Look for stuck stages once: log the new ones and the ones that returned."""
-        after = self._config.models.stuck_after_s
+        after = self._config().models.stuck_after_s
         seen: dict[tuple[str, float], str] = {}
         stuck: dict[str, list[str]] = {}
         for owner, staged in self._owners():
@@ -169,7 +165,7 @@ class Watch(Sleeper):
                 if time.monotonic() >= next_scan:
                     self.scan()
                     next_scan = time.monotonic() + min(SCAN_S,
-                                                       self._config.models.stuck_after_s / 4)
+                                                       self._config().models.stuck_after_s / 4)
             except Exception:  # the watch must outlive one bad scan or reply
                 log.exception("the watch failed once; it goes on")
                 waiting = True

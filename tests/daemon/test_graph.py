@@ -425,7 +425,7 @@ def test_a_stuck_node_cannot_hold_deadlines_an_unload_or_its_frames(
     h = Harness(tmp_path / "repo", models_dir, **{"models.stuck_after_s": 0.2})
     gate = _gated(h, tmp_path)
     replies = Replies()
-    watch = Watch(h.sink, replies, h.models, h.graphs, h.config)
+    watch = Watch(h.sink, replies, h.models, h.graphs, lambda: h.config)
     watch.start()
     try:
         h.write("hang", HANG.format(executor=executor))

@@ -70,7 +70,7 @@ def _watch(workers: list[ModelThreads] | None = None, stuck_after: float = 10.0,
            requests: _Open | None = None) -> Watch:
     config = load_config(None, {"models.stuck_after_s": stuck_after})
     return Watch(ReplySink(), requests or _Open(), _Running(workers or []), _NoGraphs(),
-                 config)
+                 lambda: config)
 
 
 def test_a_deadline_is_answered_when_it_passes_and_only_if_nothing_answered_first() -> None:
