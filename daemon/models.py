@@ -629,7 +629,19 @@ class ModelManager:
             self._observer.unloaded(entry.name, reason.startswith("evicted"))
         for item in leftovers:
             self._reroute(entry, item)
+        self._hand_on_lost(entry)
         return True
+
+    def _hand_on_lost(self, retired: ModelEntry) -> None:
+        """The streams lost with a version that is no longer the default are told why
+        by the default (where their next chunk goes unless it names a version), not
+        "not started"."""
+        try:
+            successor = self.entry(retired.name)
+        except InferdError:
+            return  # the model is gone: its next chunk is told NOT_FOUND
+        if successor is not retired:
+            successor.streams.adopt_lost(retired.streams)
 
     def _reroute(self, retired: ModelEntry, item: Queued) -> None:
         """A request that reached a version just retired: hand it to the model's current

@@ -570,6 +570,18 @@ class StreamTable:
 
     # ----------------------------------------------------------------- loss and idleness
 
+    def adopt_lost(self, retired: StreamTable) -> None:
+        """Remember the streams lost with ``retired`` (a version this table's replaced):
+        their next request, which comes here, is told why they were lost."""
+        with retired.lock:
+            lost = dict(retired._lost)
+        with self.lock:
+            for key, why in lost.items():
+                if key not in self._streams:
+                    self._lost.setdefault(key, why)
+            while len(self._lost) > LOST_KEPT:
+                del self._lost[next(iter(self._lost))]
+
     def lose_all(self, reason: str) -> int:
         """Every open stream's state is gone (the model was unloaded): each is answered
         ``reason`` at its next request. Returns how many were open."""
@@ -584,6 +596,8 @@ class StreamTable:
             if stream.busy:  # its chunk is still answered; the loss waits for it
                 stream.lost = stream.lost or reason
                 stream.state, stream.context = {}, {}
+                # known now, for the version that replaces this one (adopt_lost)
+                self._lost[stream.key] = (stream.lost, time.monotonic())
                 continue
             self._forget(stream, stream.lost or reason)
         if count:

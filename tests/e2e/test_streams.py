@@ -568,3 +568,58 @@ def test_limits_idleness_and_a_reload(toy_daemon):
             "start the stream again")
         a.reset()
         np.testing.assert_array_equal(a.infer({"x": ones(4)})["y"], ones(4))
+
+
+def test_a_retired_versions_chunks_are_told_their_state_went_with_it(start_daemon, short_tmp):
+    """A reload that makes version 2 the default retires version 1 (commit dfefc0f):
+    a chunk of a stream still queued on it, and the one its stream held behind that,
+    are answered FAILED_PRECONDITION naming the loss, and so is every stream's next
+    chunk (it goes to version 2): never a silent start from zeros on the new version."""
+    from tests.e2e.test_cache_reload import poll
+
+    repo = short_tmp / "repo"
+    repo.mkdir()
+    toy_model(repo, "toy")
+    toml = repo / "toy" / "model.toml"
+    # only the latest version is offered: the reload retires version 1 (keep_versions)
+    toml.write_text("keep_versions = 1\n" + toml.read_text().replace("max_streams = 2",
+                                                                     "max_streams = 4"))
+    conf = short_tmp / "inferd.toml"
+    # one thread, nothing run on the I/O thread: a chunk waits behind a slow one; the
+    # drain gives the slow one up after 0.5 s (what it held is then rerouted)
+    conf.write_text('[workers]\nisolation = "backend"\n[models]\ninstances = 1\n'
+                    'io_run_max_us = 0\nstuck_after_s = 0.5\n[metrics]\ntextfile = ""\n')
+    mark = short_tmp / "running"
+    d = start_daemon("--config", str(conf), "--models", str(repo),
+                     env={"SLOW_MARK": str(mark)})
+    lost = ("stream {} of toy: state lost (model reloaded: replaced by version 2); start "
+            "the stream again")
+    with d.client(timeout=60) as c, d.client(timeout=60) as c2:
+        a, idle = c.stream("toy", id="a"), c.stream("toy", id="idle")
+        np.testing.assert_array_equal(a.infer({"x": ones(1)})["y"], ones(1))
+        idle.infer({"x": ones(1)})  # nothing in flight at the reload
+        slow = c2.submit("infer", "toy", {"x": ones(9)}, stream={"id": "b", "start": True})
+        poll(mark.exists, 30)
+        # behind b's run; naming its version (else it could run on the next one's)
+        queued = c.submit("infer", "toy", {"x": ones(2)}, stream={"id": "a"}, version=1)
+        held = c.submit("infer", "toy", {"x": ones(3)}, stream={"id": "a"})  # behind queued
+        poll(lambda: row(c, "toy")["queued"] >= 1, 10)
+        (repo / "toy" / "2").mkdir()
+        shutil.copyfile(repo / "toy" / "1" / "model.onnx", repo / "toy" / "2" / "model.onnx")
+        # the reload says its drain gave up b's run (issue 20); version 2 serves
+        assert "model toy: unloaded, but a stage did not end" in fails(
+            lambda: c.call("reload"), ErrorCode.UNAVAILABLE)
+        for p in (queued, held):
+            reply = p.reply()
+            assert reply.error is not None and reply.error.code is ErrorCode.FAILED_PRECONDITION
+            assert reply.error.message == lost.format("a")
+        assert slow.reply().error.code is ErrorCode.UNAVAILABLE  # its stage given up
+        assert fails(lambda: a.infer({"x": ones(4)}), ErrorCode.FAILED_PRECONDITION) == (
+            lost.format("a"))
+        assert fails(lambda: idle.infer({"x": ones(4)}), ErrorCode.FAILED_PRECONDITION) == (
+            lost.format("idle"))
+        # started again, on version 2, from its initial state
+        np.testing.assert_array_equal(a.infer({"x": ones(4)})["y"], ones(4))
+        assert [(m["version"], m["streams"]) for m in c.models() if m["name"] == "toy"
+                and m["state"] == "ready"] == [(2, 1)]
+        a.close()
