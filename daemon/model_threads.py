@@ -42,6 +42,7 @@ import numpy as np
 from inferd.daemon.batching import BatchSizer
 from inferd.daemon.fairqueue import FairQueue, QueueClosed
 from inferd.daemon.memory import Estimate, WorkingMemory
+from inferd.daemon.merging import ChunkBatch, PlainBatch, batchable
 from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
 from inferd.daemon import streams as stream_batch
@@ -162,7 +163,10 @@ class ModelThreads:
         self._quarantine = quarantine
         self._left = {"pre": 1, "infer": instances, "post": 1}  # threads not yet ended
         self._left_lock = threading.Lock()
-        self._plain_batches = _batchable(model)  # requests without a stream
+        self._plain_batches = batchable(model)  # requests without a stream
+        # how jobs merge into one run and split back: plain, or a stream's chunks
+        self._plain = PlainBatch(name)
+        self._chunks = ChunkBatch(stream_model) if stream_model is not None else None
         self.max_batch = self.spec.max_batch if self._plain_batches or (
             stream_model is not None and stream_batch.batchable(stream_model, model.inputs)
         ) else 1
@@ -434,33 +438,32 @@ class ModelThreads:
             return
         ready = [j for j in batch if self._check(j)]
         groups: dict[tuple[Any, ...], list[Job]] = {}
-        bound = self._stream_model
         for job in ready:
-            if job.item.chunk is not None and bound is not None:
-                # chunks of different streams (one each: their turns) with equal
-                # constants, states stacked along their own axes
-                groups.setdefault(("stream", stream_batch.signature(bound, job.values)),
-                                  []).append(job)
-            elif self._plain_batches:
-                groups.setdefault(_signature(job.values), []).append(job)
-            else:
+            how = self._how(job)
+            if how is self._plain and not self._plain_batches:
                 self._run_single(job, limit)
-        for key, jobs in groups.items():
-            run = self._run_chunks if key[0] == "stream" else self._run_group
+                continue
+            # chunks of different streams (one each: their turns) only with equal
+            # constants; plain requests of equal shapes but the batch axis
+            groups.setdefault((how.kind, how.signature(job.values)), []).append(job)
+        for jobs in groups.values():
+            how = self._how(jobs[0])
             part: list[Job] = []
             rows = 0
             for job in jobs:
-                if part and rows + self._job_rows(job) > limit:
-                    run(part, limit)
+                n = how.rows(job.values)
+                if part and rows + n > limit:
+                    self._run_group(part, limit, how)
                     part, rows = [], 0
                 part.append(job)
-                rows += self._job_rows(job)
-            run(part, limit)
+                rows += n
+            self._run_group(part, limit, how)
 
-    def _job_rows(self, job: Job) -> int:
-        if job.item.chunk is not None and self._stream_model is not None:
-            return stream_batch.rows(self._stream_model, job.values)
-        return _rows(job)
+    def _how(self, job: Job) -> PlainBatch | ChunkBatch:
+        """How ``job`` merges with others: as a stream's chunk, or plainly."""
+        if job.item.chunk is not None and self._chunks is not None:
+            return self._chunks
+        return self._plain
 
     def _timed_run(self, jobs: list[Job], inputs: dict[str, Any],
                    wanted: list[str] | None) -> dict[str, Any]:
@@ -498,67 +501,40 @@ class ModelThreads:
             self._observe([j.item.ticket for j in jobs], started, seconds)
         return outputs
 
-    def _run_group(self, jobs: list[Job], limit: int) -> None:
+    def _run_group(self, jobs: list[Job], limit: int, how: PlainBatch | ChunkBatch) -> None:
+        """``jobs`` as one run: their inputs merged (``how``), the outputs split back;
+        a stream's chunk keeps its state from its own rows (only a run that answers
+        commits one). A failed batch runs its jobs one by one, so that a failure
+        reaches only its own request (the states are still those before the batch)."""
         if len(jobs) == 1:
             self._run_single(jobs[0], limit)
             return
         began = time.monotonic()
+        counts = [how.rows(j.values) for j in jobs]
         try:
-            merged = {k: np.concatenate([j.values[k] for j in jobs]) for k in jobs[0].values}
+            merged = how.merge([j.values for j in jobs])
             outputs = self._timed_run(jobs, merged, None)
-            counts = [_rows(j) for j in jobs]
-            total = sum(counts)
-            if any(v.ndim == 0 or v.shape[0] != total for v in outputs.values()):
-                raise ModelError(f"model {self.name}: outputs do not keep the batch axis")
-        except Exception as e:  # re-run alone so a failure reaches only its own request
-            log.info("model %s: batch of %d failed (%s); running its requests one by one",
-                     self.name, len(jobs), e, extra={"MODEL": self.name})
-            for job in jobs:
-                self._run_single(job, limit)
-            return
-        self.batches += 1
-        self.batched_requests += len(jobs)
-        start = 0
-        for job, n in zip(jobs, counts):
-            job.outputs = {k: v[start:start + n] for k, v in outputs.items()}
-            start += n
-            self._hand_on(job)
-        # what the batch cost this thread, merging and replies included
-        self.sizer.observe(total, limit, time.monotonic() - began, self._waiting)
-
-    def _run_chunks(self, jobs: list[Job], limit: int) -> None:
-        """Chunks of different streams as one run: their bound inputs merged (states
-        stacked along their batch axes), the outputs split back, each stream's state
-        kept from its own rows. A failed batch runs its chunks one by one (the states
-        are still those before the batch: only a run that answers commits one)."""
-        bound, streams = self._stream_model, self._streams
-        assert bound is not None and streams is not None
-        if len(jobs) == 1:
-            self._run_single(jobs[0], limit)
-            return
-        began = time.monotonic()
-        counts = [stream_batch.rows(bound, j.values) for j in jobs]
-        try:
-            merged = stream_batch.merge(bound, [j.values for j in jobs])
-            outputs = self._timed_run(jobs, merged, None)
-            parts = stream_batch.split(bound, outputs, counts)
+            parts = how.split(outputs, counts)
         except Exception as e:
-            log.info("model %s: batch of %d stream chunks failed (%s); running them one "
-                     "by one", self.name, len(jobs), e, extra={"MODEL": self.name})
+            log.info("model %s: batch of %d %s failed (%s); running them one by one",
+                     self.name, len(jobs), how.kind, e, extra={"MODEL": self.name})
             for job in jobs:
                 self._run_single(job, limit)
             return
         self.batches += 1
         self.batched_requests += len(jobs)
         for job, out in zip(jobs, parts):
-            assert job.item.chunk is not None
-            job.item.chunk.ran = True
-            try:
-                job.outputs = streams.commit(job.item, job.values, out)
-            except Exception as e:
-                self._fail(job.item, e)
-                continue
+            chunk = job.item.chunk
+            if chunk is not None and self._streams is not None:
+                chunk.ran = True
+                try:
+                    out = self._streams.commit(job.item, job.values, out)
+                except Exception as e:
+                    self._fail(job.item, e)
+                    continue
+            job.outputs = out
             self._hand_on(job)
+        # what the batch cost this thread, merging and replies included
         self.sizer.observe(sum(counts), limit, time.monotonic() - began, self._waiting)
 
     def _run_single(self, job: Job, limit: int) -> None:
@@ -622,17 +598,4 @@ def _lost_reason(e: Exception, number: int) -> str:
 
 def _rows(job: Any) -> int:
     """The rows of a job or a queued request: the first dimension of its first input."""
-    values = job.values if isinstance(job, Job) else job.request.inputs
-    first = next(iter(values.values()), None)
-    return int(first.shape[0]) if isinstance(first, np.ndarray) and first.ndim else 1
-
-
-def _signature(values: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(sorted((k, v.dtype, v.shape[1:]) for k, v in values.items()))
-
-
-def _batchable(model: LoadedModel) -> bool:
-    """Whether every input's first dimension is free (a batch axis)."""
-    return bool(model.inputs) and all(
-        s.shape and not (isinstance(s.shape[0], int) and s.shape[0] >= 0) for s in model.inputs)
-
+    return PlainBatch.rows(job.values if isinstance(job, Job) else job.request.inputs)

@@ -171,7 +171,7 @@ def test_the_worker_floor_sits_under_the_cache(forker, module: str) -> None:
 DAEMON_FLOORS: list[tuple[str, set[str]]] = [
     ("the vocabulary: settings, files, queues, processors, logs and signals", {
         "units", "logs", "systemd", "config", "model_settings", "repository", "graph",
-        "decisions", "metrics", "metrics_http", "stages", "fairqueue", "batching",
+        "decisions", "metrics", "metrics_http", "stages", "fairqueue", "batching", "merging",
         "activations", "streams", "pipeline", "processors", "processors.builtin",
         "processors.ocr"}),
     ("the worker processes", {m.removeprefix("inferd.daemon.") for m in WORKERS}),
