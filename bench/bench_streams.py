@@ -14,10 +14,12 @@ absolute schedule (a late chunk is sent at once, never skipped), for ``SECONDS``
 3. **stream**: the same through the daemon's streams (``client.stream("vad",
    sr=16000)``): the client sends the 512 new samples and gets one probability.
 
-The daemon's two ways run twice: with every stream's chunks due at the same moment (all
-clients start at one barrier: a burst of 16 chunks every 32 ms, the worst case for
-latency and the best for batching) and *staggered*, each stream's schedule shifted by
-1/16 of the period (microphones opened at different moments).
+The daemon's two ways run three times: with every stream's chunks due at the same moment
+(all clients start at one barrier: a burst of 16 chunks every 32 ms, the worst case for
+latency and the best for batching); *staggered*, each stream's schedule shifted by 1/16
+of the period; and at a *random phase*, each stream's schedule shifted by its own
+offset drawn uniformly within one period (seeded: :data:`PHASE_SEED`; the offsets are
+printed), as real microphones, opened at unrelated moments, are.
 
 Printed for each way: CPU per chunk of the daemon (its process, and the zygote and
 workers under it: psutil, user + system), of the clients (each its own
@@ -29,7 +31,7 @@ p99 <= 5 ms) and the bytes on the wire per chunk each way (frames as encoded by
 ipc/protocol.py, headers included). The load average is printed beside them: on this
 shared 2-core machine the figures move with it.
 
-Run: ``.venv/bin/python bench/bench_streams.py`` (about 60 s).
+Run: ``.venv/bin/python bench/bench_streams.py`` (about 80 s).
 """
 
 from __future__ import annotations
@@ -74,17 +76,23 @@ def audio(seed: int, chunks: int) -> np.ndarray:
         .reshape(chunks, 1, CHUNK)
 
 
-STAGGERED = False
-"""Whether the streams' chunks are spread evenly over the period (microphones started at
-different moments) instead of all due at once (every stream started at the barrier: a
-burst of STREAMS chunks every period, the worst case for latency). Set by run_way before
-it forks the clients."""
+PHASE_SEED = 32
+"""The seed of the random-phase arm's offsets (numpy's default_rng)."""
+
+ALL_AT_ONCE = [0.0] * STREAMS
+STAGGERED = [seed * PERIOD / STREAMS for seed in range(STREAMS)]
+RANDOM_PHASE = [float(v) for v in np.random.default_rng(PHASE_SEED).uniform(0, PERIOD,
+                                                                          STREAMS)]
+PHASES = ALL_AT_ONCE
+"""Each stream's offset from the barrier, in seconds: all due at once (a burst of
+STREAMS chunks every period, the worst case for latency), spread evenly, or at random
+within the period. Set by run_way before it forks the clients."""
 
 
 def paced(chunks: np.ndarray, step: Any, seed: int) -> list[float]:
     """``step(chunk)`` for each chunk at real time; the seconds each took."""
     times = []
-    t0 = time.perf_counter() + (seed * PERIOD / STREAMS if STAGGERED else 0.0)
+    t0 = time.perf_counter() + PHASES[seed]
     for k, x in enumerate(chunks):
         wait = t0 + k * PERIOD - time.perf_counter()
         if wait > 0:
@@ -167,11 +175,12 @@ def daemon_cpu(pid: int) -> tuple[float, float]:
 
 
 def run_way(target: Any, args: tuple[Any, ...], daemon: DaemonProcess | None,
-            chunks: int, staggered: bool = False) -> dict[str, Any]:
-    """STREAMS processes of ``target(*args, seed, chunks, results, barrier)``; the
-    figures of the measured window (after every process warmed up)."""
-    global STAGGERED
-    STAGGERED = staggered  # the forked clients read it
+            chunks: int, phases: list[float] = ALL_AT_ONCE) -> dict[str, Any]:
+    """STREAMS processes of ``target(*args, seed, chunks, results, barrier)``, stream
+    ``seed`` starting ``phases[seed]`` seconds after the barrier; the figures of the
+    measured window (after every process warmed up)."""
+    global PHASES
+    PHASES = phases  # the forked clients read it
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(STREAMS + 1)
     results = ctx.Queue()
@@ -258,8 +267,10 @@ def main() -> None:
     try:
         figures["before"] = run_way(before, (d.endpoint,), d, chunks)
         figures["stream"] = run_way(streamed, (d.endpoint,), d, chunks)
-        figures["before, staggered"] = run_way(before, (d.endpoint,), d, chunks, True)
-        figures["stream, staggered"] = run_way(streamed, (d.endpoint,), d, chunks, True)
+        figures["before, staggered"] = run_way(before, (d.endpoint,), d, chunks, STAGGERED)
+        figures["stream, staggered"] = run_way(streamed, (d.endpoint,), d, chunks, STAGGERED)
+        figures["before, random"] = run_way(before, (d.endpoint,), d, chunks, RANDOM_PHASE)
+        figures["stream, random"] = run_way(streamed, (d.endpoint,), d, chunks, RANDOM_PHASE)
     finally:
         d.stop()
         shutil.rmtree(path, ignore_errors=True)
@@ -279,6 +290,13 @@ def main() -> None:
           f"in-process {verdict(ss['total'] / i['total'], 2.0, False)}, / before "
           f"{verdict(ss['total'] / bs['total'], 1.0, False)}; p99 {ss['p99'] * 1e3:.2f} ms "
           f"{'MET' if ss['p99'] <= 0.005 else 'MISSED'} (before {bs['p99'] * 1e3:.2f} ms)")
+    rs, rb = figures["stream, random"], figures["before, random"]
+    print(f"   random phase (each stream's offset in ms, seed {PHASE_SEED}: "
+          f"{' '.join(f'{v * 1e3:.1f}' for v in RANDOM_PHASE)}): stream total CPU / "
+          f"in-process {verdict(rs['total'] / i['total'], 2.0, False)}, / before "
+          f"{verdict(rs['total'] / rb['total'], 1.0, False)}; p99 {rs['p99'] * 1e3:.2f} ms "
+          f"{'MET' if rs['p99'] <= 0.005 else 'MISSED'}, past the first {SETTLE_S:g} s "
+          f"{rs['p99_settled'] * 1e3:.2f} ms (before {rb['p99'] * 1e3:.2f} ms)")
     print("\n3. bytes on the wire per chunk (request + reply, frames as encoded)")
     for name, (req, rep) in wire_bytes().items():
         print(f"   {name:7s} {req:5d} B in + {rep:5d} B out = {req + rep:5d} B")
