@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,52 +32,78 @@ from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend  # noqa: E4
 pytestmark = pytest.mark.slow
 
 
+CLIENTS = 2
+"""Client threads sending the cases: the daemon loads, runs and unloads one case while
+it answers another (one client left a core idle, ~22 ms a case)."""
+
+
 @pytest.fixture(scope="module")
 def cases() -> list[Case]:
-    return tensor_cases()  # ~30 s: once for the module
+    return tensor_cases()  # ~7 s: once for the module
 
 
-def _through_daemon(checked: list[tuple[Case, Any]], start_daemon: Any,
-                    repo: Path) -> list[str]:
-    """Serve each case's model from one real daemon; the cases whose outputs are not
-    in-process onnxruntime's bits (or that fail), one line each."""
+@pytest.fixture(scope="module")
+def references(cases: list[Case]) -> dict[str, Any]:
+    """In-process onnxruntime's outputs of each case by name; None where it fails it."""
+    return {case.name: in_process(case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def served(cases: list[Case], references: dict[str, Any], module_daemon: Any
+           ) -> dict[str, str | None]:
+    """Every case in-process onnxruntime passes, served by one real daemon (each model
+    loaded, run on every data set and unloaded): by case name, None where every output
+    is in-process onnxruntime's bits, else a line saying what differed or failed."""
+    repo = module_daemon.workdir / "repo"
+    checked = [(case, references[case.name]) for case in cases
+               if references[case.name] is not None]
     for case, _ in checked:
         path = repo / case.name / "1" / "model.onnx"
         path.parent.mkdir(parents=True)
         path.write_bytes(case.model)
     # StringNormalizer's cases need a UTF-8 locale (docs: FIELD-NOTES)
-    d = start_daemon("--models", str(repo), env={"LC_ALL": "C.UTF-8"})
-    failed: list[str] = []
-    with d.client(timeout=120) as c:
-        for case, reference in checked:
-            try:
-                for (inputs, _), want in zip(case.data, reference):
-                    got = c.infer(case.name, inputs)
-                    bad = [k for k in want if k not in got or not same_bits(got[k], want[k])]
-                    if bad:
-                        failed.append(f"{case.name}: outputs {bad} differ from in-process "
-                                      f"onnxruntime")
-                        break
-            except Exception as e:  # noqa: BLE001  every failure is listed below
-                failed.append(f"{case.name}: {type(e).__name__}: {e}"[:300])
-            c.unload(case.name)
-            assert d.proc.poll() is None, f"the daemon died at {case.name}:\n{d.log()}"
+    d = module_daemon("--models", str(repo), env={"LC_ALL": "C.UTF-8"})
+    results: dict[str, str | None] = {}
+
+    def serve(share: list[tuple[Case, Any]]) -> None:
+        with d.client(timeout=120) as c:
+            for case, reference in share:
+                results[case.name] = _through(c, case, reference)
+                c.unload(case.name)
+                assert d.proc.poll() is None, f"the daemon died at {case.name}:\n{d.log()}"
+
+    threads = [threading.Thread(target=serve, args=(checked[i::CLIENTS],),
+                                name=f"test-client-{i}") for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     assert d.proc.poll() is None
-    return failed
+    assert len(results) == len(checked)  # a thread that raised fails the test itself
+    return results
+
+
+def _through(c: Any, case: Case, reference: Any) -> str | None:
+    """None if ``case`` through the daemon gives in-process onnxruntime's bits on every
+    data set, else one line saying what differed or failed."""
+    try:
+        for (inputs, _), want in zip(case.data, reference):
+            got = c.infer(case.name, inputs)
+            bad = [k for k in want if k not in got or not same_bits(got[k], want[k])]
+            if bad:
+                return f"{case.name}: outputs {bad} differ from in-process onnxruntime"
+    except Exception as e:  # noqa: BLE001  every failure is listed by the tests
+        return f"{case.name}: {type(e).__name__}: {e}"[:300]
+    return None
 
 
 def test_every_case_onnxruntime_passes_gives_its_bits_through_the_daemon(
-        cases: list[Case], start_daemon, short_tmp: Path) -> None:
-    checked = []
-    for case in cases:
-        reference = in_process(case)
-        if reference is not None:
-            checked.append((case, reference))
-    failed = _through_daemon(checked, start_daemon, short_tmp / "repo")
-    print(f"{len(cases)} tensor cases; in-process onnxruntime passes {len(checked)}; "
-          f"through the daemon {len(checked) - len(failed)} give its bits")
-    assert not failed, f"{len(failed)} of {len(checked)} cases:\n" + "\n".join(failed)
-    assert len(checked) > 1500  # the onnx 1.23 / onnxruntime 1.32 pair: 1,5xx
+        cases: list[Case], served: dict[str, str | None]) -> None:
+    failed = [why for why in served.values() if why is not None]
+    print(f"{len(cases)} tensor cases; in-process onnxruntime passes {len(served)}; "
+          f"through the daemon {len(served) - len(failed)} give its bits")
+    assert not failed, f"{len(failed)} of {len(served)} cases:\n" + "\n".join(failed)
+    assert len(served) > 1500  # the onnx 1.23 / onnxruntime 1.32 pair: 1,5xx
 
 
 NEWER_TYPES = re.compile(r"INT2|E8M0|FLOAT4E2M1", re.IGNORECASE)
@@ -85,21 +112,17 @@ NEWER_TYPES = re.compile(r"INT2|E8M0|FLOAT4E2M1", re.IGNORECASE)
 
 
 def test_cases_of_the_newer_types_give_their_bits_through_the_daemon(
-        cases: list[Case], start_daemon, short_tmp: Path) -> None:
+        cases: list[Case], served: dict[str, str | None]) -> None:
     """The Cast and CastLike cases of int2, uint2 and float8e8m0 (onnxruntime 1.32 runs
     them; its Cast has no float4e2m1 kernel, so those cases are not ones to check).
     Before, every such case was off the wire: "not carried by the protocol"."""
-    newer = [c for c in cases if NEWER_TYPES.search(c.name)]
-    assert len(newer) >= 40, [c.name for c in newer]  # 54 with onnx 1.23
-    checked = []
-    for case in newer:
-        reference = in_process(case)
-        if reference is not None:
-            checked.append((case, reference))
-    names = " ".join(c.name for c, _ in checked)
+    newer = [c.name for c in cases if NEWER_TYPES.search(c.name)]
+    assert len(newer) >= 40, newer  # 54 with onnx 1.23
+    checked = [name for name in newer if name in served]
+    names = " ".join(checked)
     assert "INT2" in names and "UINT2" in names and "E8M0" in names, names
-    failed = _through_daemon(checked, start_daemon, short_tmp / "repo")
-    assert not failed, f"{len(failed)} of {len(checked)} cases:\n" + "\n".join(failed)
+    failed = [served[name] for name in checked if served[name] is not None]
+    assert not failed, f"{len(failed)} of {len(checked)} cases:\n" + "\n".join(map(str, failed))
 
 
 def _at(array: Any, offset: int) -> Any:
@@ -112,7 +135,7 @@ def _at(array: Any, offset: int) -> Any:
 
 
 def test_models_of_address_free_ops_give_one_result_at_16_input_offsets(
-        cases: list[Case], tmp_path: Path) -> None:
+        cases: list[Case], references: dict[str, Any], tmp_path: Path) -> None:
     """The backend reads such a model's inputs where they lie (no aligned copy): each
     case made only of ADDRESS_FREE_OPS, with a float input, run with its float inputs at
     16 offsets (steps of the element size), gives the bits of its aligned inputs, and
@@ -129,7 +152,7 @@ def test_models_of_address_free_ops_give_one_result_at_16_input_offsets(
         ops = op_types(path)
         floats = [k for k, v in case.data[0][0].items()
                   if v.nbytes and dtype_name(v) in _FLOATS]
-        if not ops <= ADDRESS_FREE_OPS or not floats or in_process(case) is None:
+        if not ops <= ADDRESS_FREE_OPS or not floats or references[case.name] is None:
             continue
         model = backend.load(path, LoadOptions())
         assert model._align is False, case.name  # type: ignore[attr-defined]
