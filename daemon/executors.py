@@ -40,7 +40,7 @@ from inferd.daemon.graph import (
     graph_outputs,
     run_node,
 )
-from inferd.daemon.pipeline import Placement, pin_current_thread
+from inferd.daemon.pipeline import Pinning, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, failure
 from inferd.ipc.protocol import Op, Reply, Request
@@ -140,23 +140,23 @@ class TaskExecutor:
         self.spec = spec
         self._call = call
         self._sink = sink
-        self.placements: list[Placement] = []
+        self.pinnings: list[Pinning] = []
         self.busy = Busy()
         self._pool = ThreadPoolExecutor(spec.task_threads,
                                         thread_name_prefix=f"inferd-{spec.name}-task",
-                                        initializer=self._place)
+                                        initializer=self._pin)
         self._runs: set[_TaskRun] = set()  # requests in flight
         self._cond = threading.Condition()
 
-    def _place(self) -> None:
-        placement = Placement(threading.current_thread().name, "task")
-        pin_current_thread(placement, self.spec.cpu_affinity, self.spec.name)
+    def _pin(self) -> None:
+        pinning = Pinning(threading.current_thread().name, "task")
+        pin_current_thread(pinning, self.spec.cpu_affinity, self.spec.name)
         with self._cond:
-            self.placements.append(placement)
+            self.pinnings.append(pinning)
 
     def threads(self) -> list[str]:
         with self._cond:
-            return [p.thread for p in self.placements]
+            return [p.thread for p in self.pinnings]
 
     def submit(self, request: Request, ticket: Any) -> None:
         check_graph_inputs(self.spec, request)
@@ -434,8 +434,8 @@ class PipelineExecutor:
                          for n in spec.nodes]
         self._threads.append(threading.Thread(target=self._placed, args=(self._sink_loop,),
                                               name=f"inferd-{spec.name}-output", daemon=True))
-        self.placements = [Placement(t.name, "node") for t in self._threads]
-        self.placements[-1].stage = "output"
+        self.pinnings = [Pinning(t.name, "node") for t in self._threads]
+        self.pinnings[-1].stage = "output"
         self._lock = threading.Lock()
         self._stopping = False
         self._why = ""  # what abandon() found stuck
@@ -447,7 +447,7 @@ class PipelineExecutor:
 
     def _placed(self, loop: Callable[..., None], *args: Any) -> None:
         me = threading.current_thread().name
-        pin_current_thread(next(p for p in self.placements if p.thread == me),
+        pin_current_thread(next(p for p in self.pinnings if p.thread == me),
                            self.spec.cpu_affinity, self.spec.name)
         loop(*args)
 

@@ -132,7 +132,7 @@ class GraphManager:
                             nodes=[{"name": n.name, "model": n.model,
                                     "processor": n.processor} for n in ex.spec.nodes],
                             dropped=ex.spec.dropped, threads=ex.threads(),
-                            placement=[p.to_json() for p in ex.placements],
+                            placement=[p.to_json() for p in ex.pinnings],
                             graph_inputs=list(ex.spec.inputs),
                             graph_outputs=list(ex.spec.outputs))
             out.append(info)

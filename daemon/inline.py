@@ -46,7 +46,7 @@ MAX_CLIENTS = 4096
 METRICS_TTL_S = 0.25
 """How old the metrics a ``metrics`` request gets may be."""
 
-Job = Callable[[], Reply | None]
+Deferred = Callable[[], Reply | None]
 """Answers a request (a Reply), or hands it on and returns None."""
 
 
@@ -69,13 +69,13 @@ class InlineOps(Sleeper):
         self._reply = reply
         self._collect_metrics = collect_metrics
         self._clients: dict[bytes, _Client] = {}
-        self._ready: list[tuple[float, int, bytes, Request, Ticket, Job]] = []
+        self._ready: list[tuple[float, int, bytes, Request, Ticket, Deferred]] = []
         self._order = itertools.count()
         super().__init__("inferd-inline", self._run)
         self._metrics: tuple[float, dict[str, Any]] | None = None
         self.refused = 0
 
-    def submit(self, request: Request, ticket: Ticket, job: Job) -> None:
+    def submit(self, request: Request, ticket: Ticket, job: Deferred) -> None:
         """Run ``job`` for ``request`` in its client's turn (I/O thread).
 
         Raises:
@@ -130,7 +130,7 @@ class InlineOps(Sleeper):
                         if client.waiting <= 0 and client.tat <= time.monotonic():
                             del self._clients[peer]
 
-    def _one(self, request: Request, ticket: Ticket, job: Job) -> None:
+    def _one(self, request: Request, ticket: Ticket, job: Deferred) -> None:
         if ticket.expired():
             self._reply(ticket, Reply(request.id, error=Failure(
                 ErrorCode.DEADLINE_EXCEEDED, f"{request.op}: its timeout passed while it "

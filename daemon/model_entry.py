@@ -276,7 +276,7 @@ class ModelEntry:
             "threads": [t.name for t in self.threads.threads] if self.threads else [],
             # each thread's backend as it runs now (measuring may have moved the model)
             "placement": [{**p, "backend": self.backend if p.get("backend") else None}
-                          for p in self.threads.placement()] if self.threads else [],
+                          for p in self.threads.pinning()] if self.threads else [],
             "batching": self.threads.batching() if self.threads else None,
             "io_thread_runs": self.threads.io_thread_runs if self.threads else 0,
             "plan": m.describe().get("plan") if m else None,

@@ -43,7 +43,7 @@ from inferd.daemon.batching import BatchSizer
 from inferd.daemon.fairqueue import FairQueue, QueueClosed
 from inferd.daemon.memory import Estimate, WorkingMemory
 from inferd.daemon.merging import ChunkBatch, PlainBatch, batchable
-from inferd.daemon.pipeline import PipelineSpec, Placement, pin_current_thread
+from inferd.daemon.pipeline import PipelineSpec, Pinning, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
 from inferd.daemon import streams as stream_batch
 from inferd.daemon.streams import Chunk, StreamModel, StreamTable
@@ -102,8 +102,9 @@ between clients (see :mod:`inferd.daemon.fairqueue`)."""
 
 
 @dataclass(slots=True)
-class Job:
-    """One request on its way through the stages."""
+class Passage:
+    """One request's passage through the stages: its inputs as the stage before left
+    them, its outputs once run."""
 
     item: Queued
     values: dict[str, Any]
@@ -181,7 +182,7 @@ class ModelThreads:
         self._abandoned = False
         self._given_up: set[int] = set()  # ids of the items abandon() answered
         self._waiting = False  # whether more was queued when the last batch formed
-        self.placements: list[Placement] = []
+        self.pinnings: list[Pinning] = []
         self._placed = threading.Semaphore(0)
         self.threads: list[threading.Thread] = []
         if self.spec.pre:
@@ -204,20 +205,20 @@ class ModelThreads:
         self.io_thread_runs = 0
         """Requests run on the I/O thread (``inferctl models``: ``io_thread_runs``)."""
 
-    def _add(self, stage: str, thread_name: str, target: Callable[[Placement], None],
+    def _add(self, stage: str, thread_name: str, target: Callable[[Pinning], None],
              backend: str | None = None) -> None:
-        placement = Placement(thread_name, stage, backend=backend)
-        self.placements.append(placement)
+        pinning = Pinning(thread_name, stage, backend=backend)
+        self.pinnings.append(pinning)
 
         def run() -> None:
-            pin_current_thread(placement, self.spec.cpu_affinity, self.name)
+            pin_current_thread(pinning, self.spec.cpu_affinity, self.name)
             self._placed.release()
-            target(placement)
+            target(pinning)
         self.threads.append(threading.Thread(target=run, name=thread_name, daemon=True))
 
-    def placement(self) -> list[dict[str, Any]]:
+    def pinning(self) -> list[dict[str, Any]]:
         """Every thread's name, stage, native id, affinity and backend."""
-        return [p.to_json() for p in self.placements]
+        return [p.to_json() for p in self.pinnings]
 
     def batching(self) -> dict[str, Any]:
         """The ``batching`` field of the models listing: mode, bounds, the limit chosen
@@ -225,7 +226,7 @@ class ModelThreads:
         return {**self.sizer.describe(), "max_delay_ms": self.spec.max_delay_ms}
 
     def start(self) -> None:
-        """Start every thread and return once each has applied its placement."""
+        """Start every thread and return once each has applied its pinning."""
         for t in self.threads:
             t.start()
         for _ in self.threads:
@@ -248,7 +249,7 @@ class ModelThreads:
         """Whether every inference thread is inside one run for longer than ``after_s``
         seconds (the model can serve nothing until one returns)."""
         stuck = {c[0] for c in self.busy.calls(after_s) if c[1] == "infer"}
-        return all(p.thread in stuck for p in self.placements if p.stage == "infer")
+        return all(p.thread in stuck for p in self.pinnings if p.stage == "infer")
 
     def abandon(self) -> None:
         """Give up on threads that :meth:`stop` could not end: they end when their call
@@ -295,7 +296,7 @@ class ModelThreads:
         deadline and inputs checked, the run noted as busy (the stuck watch names the
         thread) and measured, the reply sent through the sink."""
         self.io_thread_runs += 1
-        job = Job(item, item.request.inputs)
+        job = Passage(item, item.request.inputs)
         if self._check(job):
             self._run_single(job, 1)
 
@@ -344,7 +345,7 @@ class ModelThreads:
             return True
         return False
 
-    def _pass(self, job: Job, outbox: FairQueue) -> None:
+    def _pass(self, job: Passage, outbox: FairQueue) -> None:
         """Hand ``job`` to the next stage; a stage queue closed by :meth:`abandon`
         answers it instead."""
         try:
@@ -354,7 +355,7 @@ class ModelThreads:
                 ErrorCode.UNAVAILABLE, f"model {self.name}: its workers were given up "
                 f"(a stage was stuck) while the request was in flight")))
 
-    def _pre_loop(self, placement: Placement) -> None:
+    def _pre_loop(self, pinning: Pinning) -> None:
         while not self._abandoned:
             item = self._work.get()
             if item is STOP:
@@ -371,9 +372,9 @@ class ModelThreads:
                 continue
             finally:
                 self.busy.end()
-            self._pass(Job(item, values), self._infer_q)
+            self._pass(Passage(item, values), self._infer_q)
 
-    def _post_loop(self, placement: Placement) -> None:
+    def _post_loop(self, pinning: Pinning) -> None:
         assert self._post_q is not None
         while True:
             job = self._post_q.get()
@@ -391,7 +392,7 @@ class ModelThreads:
             finally:
                 self.busy.end()
 
-    def _infer_loop(self, placement: Placement) -> None:
+    def _infer_loop(self, pinning: Pinning) -> None:
         delay = self.spec.max_delay_ms / 1000
         first_stage = self._infer_q is self._work
         while not (first_stage and self._abandoned):
@@ -401,7 +402,7 @@ class ModelThreads:
                 self._stage_ended("infer", self._infer_q, self._post_q)
                 return
             self._waiting = not self._infer_q.empty()
-            self._run_batch([x if isinstance(x, Job) else Job(x, x.request.inputs)
+            self._run_batch([x if isinstance(x, Passage) else Passage(x, x.request.inputs)
                              for x in batch], limit)
             # not held while waiting for the next: a request's inputs may be views of a
             # client's shared-memory region, whose mapping and descriptor go with the
@@ -415,7 +416,7 @@ class ModelThreads:
 
     # ----------------------------------------------------------------- inference
 
-    def _check(self, job: Job) -> bool:
+    def _check(self, job: Passage) -> bool:
         """Refuse a job the model cannot take (answered alone); True if it may run. A
         stream's chunk gets its state, context and constants here."""
         if self._expired(job.item):
@@ -431,13 +432,13 @@ class ModelThreads:
             return False
         return True
 
-    def _run_batch(self, batch: list[Job], limit: int) -> None:
+    def _run_batch(self, batch: list[Passage], limit: int) -> None:
         if len(batch) == 1:
             if self._check(batch[0]):
                 self._run_single(batch[0], limit)
             return
         ready = [j for j in batch if self._check(j)]
-        groups: dict[tuple[Any, ...], list[Job]] = {}
+        groups: dict[tuple[Any, ...], list[Passage]] = {}
         for job in ready:
             how = self._how(job)
             if how is self._plain and not self._plain_batches:
@@ -448,7 +449,7 @@ class ModelThreads:
             groups.setdefault((how.kind, how.signature(job.values)), []).append(job)
         for jobs in groups.values():
             how = self._how(jobs[0])
-            part: list[Job] = []
+            part: list[Passage] = []
             rows = 0
             for job in jobs:
                 n = how.rows(job.values)
@@ -459,13 +460,13 @@ class ModelThreads:
                 rows += n
             self._run_group(part, limit, how)
 
-    def _how(self, job: Job) -> PlainBatch | ChunkBatch:
+    def _how(self, job: Passage) -> PlainBatch | ChunkBatch:
         """How ``job`` merges with others: as a stream's chunk, or plainly."""
         if job.item.chunk is not None and self._chunks is not None:
             return self._chunks
         return self._plain
 
-    def _timed_run(self, jobs: list[Job], inputs: dict[str, Any],
+    def _timed_run(self, jobs: list[Passage], inputs: dict[str, Any],
                    wanted: list[str] | None) -> dict[str, Any]:
         """One run of the model on ``inputs`` for ``jobs``: noted as busy, measured for
         the metrics."""
@@ -501,7 +502,7 @@ class ModelThreads:
             self._observe([j.item.ticket for j in jobs], started, seconds)
         return outputs
 
-    def _run_group(self, jobs: list[Job], limit: int, how: PlainBatch | ChunkBatch) -> None:
+    def _run_group(self, jobs: list[Passage], limit: int, how: PlainBatch | ChunkBatch) -> None:
         """``jobs`` as one run: their inputs merged (``how``), the outputs split back;
         a stream's chunk keeps its state from its own rows (only a run that answers
         commits one). A failed batch runs its jobs one by one, so that a failure
@@ -537,7 +538,7 @@ class ModelThreads:
         # what the batch cost this thread, merging and replies included
         self.sizer.observe(sum(counts), limit, time.monotonic() - began, self._waiting)
 
-    def _run_single(self, job: Job, limit: int) -> None:
+    def _run_single(self, job: Passage, limit: int) -> None:
         wanted = None if self.spec.post else job.item.request.outputs
         chunk = job.item.chunk
         if chunk is not None and self._streams is not None:
@@ -566,7 +567,7 @@ class ModelThreads:
         self._hand_on(job)
         self.sizer.observe(_rows(job), limit, time.monotonic() - began, self._waiting)
 
-    def _hand_on(self, job: Job) -> None:
+    def _hand_on(self, job: Passage) -> None:
         if self._post_q is not None:
             self._pass(job, self._post_q)
             return
@@ -598,4 +599,4 @@ def _lost_reason(e: Exception, number: int) -> str:
 
 def _rows(job: Any) -> int:
     """The rows of a job or a queued request: the first dimension of its first input."""
-    return PlainBatch.rows(job.values if isinstance(job, Job) else job.request.inputs)
+    return PlainBatch.rows(job.values if isinstance(job, Passage) else job.request.inputs)

@@ -75,8 +75,9 @@ def parse_spec(name: str, settings: ModelSettings, registry: ProcessorRegistry |
 
 
 @dataclass
-class Placement:
-    """Where one pipeline thread runs, as read back from the kernel."""
+class Pinning:
+    """The cores one pipeline thread runs on, as read back from the kernel (the model's
+    backend and device are its ModelPlacement: daemon/placement.py)."""
 
     thread: str
     stage: str
@@ -90,7 +91,7 @@ class Placement:
                 "affinity": self.affinity, "backend": self.backend, "error": self.error}
 
 
-def pin_current_thread(placement: Placement, cores: list[int] | None, model: str) -> None:
+def pin_current_thread(placement: Pinning, cores: list[int] | None, model: str) -> None:
     """Apply ``cores`` to the calling thread through its native id and record the
     affinity the kernel reports back."""
     tid = threading.get_native_id()

@@ -133,7 +133,7 @@ def test_cpu_affinity_is_applied_per_thread_and_read_back_from_proc(cls_model: A
                     instances=2)
     try:
         assert collector.wait(1)["a"].ok
-        placement = workers.placement()
+        placement = workers.pinning()
         assert [p["thread"] for p in placement] == [
             "inferd-pinned-pre", "inferd-pinned-infer-0", "inferd-pinned-infer-1",
             "inferd-pinned-post"]
