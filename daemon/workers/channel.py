@@ -39,6 +39,9 @@ MAX_DATAGRAM = 4 * 1024 * 1024
 """Socket buffers are sized for this; inline bytes of one message stay far under it."""
 ALIGN = 64
 _LEN = struct.Struct("<I")
+_TIMEVAL = struct.Struct("@ll")
+_ANCILLARY = socket.CMSG_SPACE(16 * array.array("i").itemsize)
+"""Room for the descriptors one message passes (a call passes a few at most)."""
 _PAGE = mmap.PAGESIZE
 
 
@@ -78,18 +81,35 @@ class _Arena:
         os.close(self.fd)
 
 
+_CODES: dict[np.dtype[Any], str] = {}
+_DTYPES: dict[str, np.dtype[Any]] = {}
+"""Both ways between a numeric dtype and its code, filled as dtypes are met (a few
+dozen at most: strings, whose dtypes are many, are not numeric)."""
+
+
 def dtype_code(a: NDArray[Any]) -> str:
-    """numpy's code of ``a``'s dtype; for ml_dtypes' types (bfloat16, int4, float8...,
-    whose codes, ``|V1`` or ``<f1``, numpy cannot read back) ``wire:`` and their wire
-    name."""
-    if a.dtype.kind == "V" or type(a.dtype).__module__.startswith("ml_dtypes") \
-            or a.dtype.type.__module__.startswith("ml_dtypes"):
-        return "wire:" + dtype_name(a)
-    return a.dtype.str
+    """numpy's code of ``a``'s (numeric) dtype; for ml_dtypes' types (bfloat16, int4,
+    float8..., whose codes, ``|V1`` or ``<f1``, numpy cannot read back) ``wire:`` and their
+    wire name."""
+    code = _CODES.get(a.dtype)
+    if code is None:
+        if a.dtype.kind == "V" or type(a.dtype).__module__.startswith("ml_dtypes") \
+                or a.dtype.type.__module__.startswith("ml_dtypes"):
+            code = "wire:" + dtype_name(a)
+        else:
+            code = a.dtype.str
+        if len(_CODES) < 256:
+            _CODES[a.dtype] = code
+    return code
 
 
 def dtype_of(code: str) -> np.dtype[Any]:
-    return numpy_dtype(code[5:]) if code.startswith("wire:") else np.dtype(code)
+    dtype = _DTYPES.get(code)
+    if dtype is None:
+        dtype = numpy_dtype(code[5:]) if code.startswith("wire:") else np.dtype(code)
+        if len(_DTYPES) < 256:  # codes come from the peer: the map stays small
+            _DTYPES[code] = dtype
+    return dtype
 
 
 def _tune(sock: socket.socket) -> None:
@@ -121,6 +141,8 @@ class Channel:
         # received into, then copied out by its length: recvmsg(4 MiB) allocates and
         # frees 4 MiB per call (21 us against 3.6 here)
         self._buf: bytearray | None = None
+        sock.settimeout(None)
+        self._timeout: float | None = None
         self.arena_bytes = 0
         """Bytes of tensors this end has copied into its arena (what did not travel
         inline or by reference to a shared-memory region)."""
@@ -129,7 +151,17 @@ class Channel:
         return self.sock.fileno()
 
     def settimeout(self, seconds: float | None) -> None:
-        self.sock.settimeout(seconds)
+        """How long :meth:`receive` waits at most (None: for ever). The kernel keeps it
+        (``SO_RCVTIMEO``, set again only when it changes), so that the socket stays
+        blocking: a socket with Python's own timeout polls before every send and
+        receive, a syscall more each way on every call."""
+        if seconds == self._timeout:
+            return
+        whole = 0 if seconds is None else max(seconds, 1e-3)
+        usec = round(whole * 1e6)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                             _TIMEVAL.pack(usec // 1_000_000, usec % 1_000_000))
+        self._timeout = seconds
 
     # ----------------------------------------------------------------- sending
 
@@ -144,14 +176,15 @@ class Channel:
         inline_at = 0
         arena_at = 0
         for name, value in tensors.items():
-            a = np.asarray(value)
+            a = value if type(value) is np.ndarray else np.asarray(value)
             if a.dtype.hasobject or a.dtype.kind in "US":  # strings: pickled with the header
                 specs.append((name, "pickle", a, True, 0, 0))
                 continue
             nbytes = a.nbytes
             if nbytes < INLINE_BYTES and inline_at + nbytes <= INLINE_TOTAL:
                 spec = (name, dtype_code(a), a.shape, True, inline_at, nbytes)
-                inline.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+                # sent as it lies (a C-contiguous array is a buffer of its bytes)
+                inline.append(a if a.flags.c_contiguous else np.ascontiguousarray(a))
                 inline_at += nbytes
             else:
                 spec = (name, dtype_code(a), a.shape, False, arena_at, nbytes)
@@ -194,30 +227,35 @@ class Channel:
             Gone: the peer closed its end.
             TimeoutError: nothing came within the socket's timeout.
         """
-        fds = array.array("i")
         if self._buf is None:
             self._buf = bytearray(MAX_DATAGRAM)
         try:
-            n, ancdata, _flags, _addr = self.sock.recvmsg_into(
-                [self._buf], socket.CMSG_SPACE(16 * fds.itemsize))
+            n, ancdata, _flags, _addr = self.sock.recvmsg_into([self._buf], _ANCILLARY)
         except ConnectionResetError as e:
             raise Gone(str(e)) from e
+        except BlockingIOError:  # SO_RCVTIMEO ran out
+            raise TimeoutError(f"no message within {self._timeout:g} s") from None
         if not n:
             raise Gone("the peer closed the channel")
-        data = bytes(memoryview(self._buf)[:n])
+        passed: list[int] = []
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-        passed = list(fds)
-        (length,) = _LEN.unpack_from(data)
-        header, specs, arena_size = pickle.loads(data[_LEN.size:_LEN.size + length])
+                passed.extend(fds)
+        mem = memoryview(self._buf)
+        (length,) = _LEN.unpack_from(mem)
+        base = _LEN.size + length
+        header, specs, arena_size = pickle.loads(mem[_LEN.size:base])
         if arena_size is not None:
             fd = passed.pop()
             if self._peer is not None:
                 self._peer.close()
             self._peer = _Arena(fd, arena_size, False)
-        base = _LEN.size + length
-        mem = memoryview(data)
+        # the datagram's buffer is the next message's: inline tensors are copied out of
+        # it (one copy of them all unless ``copy`` makes each its own)
+        data: Any = mem if copy or base == n else bytes(mem[base:n])
+        at = base if data is mem else 0
         tensors: dict[str, NDArray[Any]] = {}
         for name, code, shape, inline, offset, nbytes in specs:
             if code == "pickle":
@@ -226,7 +264,7 @@ class Channel:
             dtype = dtype_of(code)
             count = nbytes // dtype.itemsize if dtype.itemsize else 0
             if inline:
-                a = np.frombuffer(mem, dtype, count, base + offset)
+                a = np.frombuffer(data, dtype, count, at + offset)
             else:
                 assert self._peer is not None and self._peer.map is not None
                 a = np.frombuffer(self._peer.map, dtype, count, offset)

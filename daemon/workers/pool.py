@@ -65,7 +65,18 @@ from inferd.libbackends.contract import BatchSizes, LoadedModel, LoadOptions, Te
 
 log = logging.getLogger(__name__)
 
-ENGINE_TIME = threading.local()
+
+# Thread-locals with a class default: reading one a thread never set is a lookup, not an
+# AttributeError raised and caught on every run.
+class _EngineTime(threading.local):
+    seconds: float | None = None
+
+
+class _OutputsInto(threading.local):
+    slot: Slot | None = None
+
+
+ENGINE_TIME = _EngineTime()
 """``ENGINE_TIME.seconds``: the engine's own time of the calling thread's last run in a
 worker (the hop not counted): whether a model's runs are short enough for the I/O thread
 is decided on it (daemon/model_threads.py)."""
@@ -73,7 +84,7 @@ is decided on it (daemon/model_threads.py)."""
 STATUS_WAIT_S = 2.0
 """How long a failed call waits for the zygote's word on how its worker ended."""
 
-OUTPUTS_INTO = threading.local()
+OUTPUTS_INTO = _OutputsInto()
 """``OUTPUTS_INTO.slot``: the shared-memory slot the calling thread's next run writes its
 outputs into (set by daemon/model_threads.py for a request with ``outputs_into`` whose outputs
 go straight to its reply; the first :meth:`WorkerModel.run` takes it)."""
@@ -714,7 +725,7 @@ class WorkerModel(LoadedModel):
 
     def run(self, inputs: dict[str, NDArray[Any]],
             outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
-        into = getattr(OUTPUTS_INTO, "slot", None)
+        into = OUTPUTS_INTO.slot
         if into is not None:  # this run's, not a later one's on this thread
             OUTPUTS_INTO.slot = None
         reply, out = self.pool.call(self._live(), {"op": "run", "handle": self.handle,

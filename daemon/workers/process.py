@@ -118,13 +118,7 @@ class WorkerProcess:
                     self._map(header["maps"], fds)
                 if "refs" in header:
                     tensors = self._referenced(header, tensors, unmapped)
-                if op == "channel":
-                    for fd in fds:
-                        sock = socket.socket(fileno=fd)
-                        threading.Thread(target=self.serve, args=(Channel(sock),),
-                                         name="inferd-worker-channel", daemon=True).start()
-                    channel.send({"ok": True})
-                elif op == "run":
+                if op == "run":  # first: the one on every request
                     model = self.models[header["handle"]]
                     t0 = time.perf_counter()
                     outputs = model.run(tensors, header.get("outputs"))
@@ -135,6 +129,12 @@ class WorkerProcess:
                         outputs = self._place(header, outputs, reply)
                     channel.send(reply, outputs)
                     del outputs  # may view a region: not kept until the next call
+                elif op == "channel":
+                    for fd in fds:
+                        sock = socket.socket(fileno=fd)
+                        threading.Thread(target=self.serve, args=(Channel(sock),),
+                                         name="inferd-worker-channel", daemon=True).start()
+                    channel.send({"ok": True})
                 elif op == "forget":
                     self._forget(header["regions"])
                     channel.send({"ok": True})
