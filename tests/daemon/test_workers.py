@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,25 @@ def test_the_channel_passes_descriptors():
     os.close(r)
     a.close()
     b.close()
+
+
+def test_a_channel_waits_no_longer_than_its_limit_and_its_socket_stays_blocking():
+    a, b = pair()
+    ours, theirs = Channel(a), Channel(b)
+    ours.settimeout(0.05)
+    assert a.gettimeout() is None  # the kernel keeps the limit: no poll before each call
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="0.05 s"):
+        ours.receive()
+    assert 0.04 < time.monotonic() - started < 5
+    theirs.send({"n": 1}, {"x": np.arange(3, dtype=np.float32)})
+    header, got, _ = ours.receive(copy=True)
+    assert header == {"n": 1} and got["x"].tolist() == [0, 1, 2]
+    ours.settimeout(None)  # for ever again: the peer's end closing still ends the wait
+    theirs.close()
+    with pytest.raises(Gone):
+        ours.receive()
+    ours.close()
 
 
 def test_status_words():
