@@ -38,7 +38,8 @@ SLOW_MS = 400
 def build(kind: str) -> Path:
     """``make tests`` for KIND ("plain" or "sanitize"); the folder of the programs."""
     folder = BUILDS[kind]
-    cmd = ["make", "-s", "-C", str(LIBDIR), f"BUILD={folder}", "tests"]
+    jobs = f"-j{len(os.sched_getaffinity(0))}"  # a C file a core: ~12 s -> ~4 s on 2
+    cmd = ["make", "-s", jobs, "-C", str(LIBDIR), f"BUILD={folder}", "tests"]
     if kind == "sanitize":
         cmd.append("SANITIZE=1")
     out = subprocess.run(cmd, capture_output=True, text=True)
