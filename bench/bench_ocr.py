@@ -5,7 +5,10 @@
    pipeline in-process on the same images (its defaults: onnxruntime with all cores);
    images/s ratio, target >= 1.3, and how many images gave the same texts;
 2. the held-out style check (issue 24): six images in fonts, contrasts and a tilt the
-   demo images do not have, the daemon as shipped vs RapidOCR, target >= 2.5;
+   demo images do not have, the daemon as shipped vs RapidOCR, target >= 2.5; and
+   (issue 30 item 6) three client processes sending them right after the daemon reports
+   ready with an empty state directory ("first minute") and again once its placement has
+   settled, each against RapidOCR: target first / settled >= 0.9;
 3. dynamic batching on vs off for ocr-cls with 16 concurrent clients (each its own
    connection, one 1x3x48x192 request at a time): requests/s ratio, target >= 1.5.
 
@@ -23,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -130,6 +134,37 @@ def ocr(tmp: Path) -> None:
             print(f"  image {i}: inferd {a} vs RapidOCR {b}")
 
 
+CLIENTS = 3
+"""Client processes of the first-minute check, each sending the six held-out images."""
+
+
+def held_out_client(endpoint: str, batch: list[np.ndarray], passes: int,
+                    barrier: Any) -> None:
+    """A client process of the first-minute check: connect, the start barrier, then
+    ``passes`` passes over ``batch`` (every image in flight at once), no warm-up."""
+    with Client(endpoint, timeout=300) as c:
+        barrier.wait()
+        for _ in range(passes):
+            ocr_stream(c, batch)
+
+
+def clients_rate(endpoint: str, batch: list[np.ndarray], passes: int = 2) -> float:
+    """Images/s of ``CLIENTS`` client processes each sending ``batch`` ``passes`` times."""
+    elapsed = run_client_processes(held_out_client,
+                                   [(endpoint, batch, passes)] * CLIENTS)
+    return CLIENTS * passes * len(batch) / elapsed
+
+
+def rapid_rate(engine: Any, batch: list[np.ndarray]) -> tuple[float, list[list[str]]]:
+    """RapidOCR's images/s over ``batch`` (one at a time), and its texts."""
+    t0 = time.perf_counter()
+    texts = []
+    for im in batch:
+        result, _ = engine(im)
+        texts.append([r[1] for r in result] if result else [])
+    return len(batch) / (time.perf_counter() - t0), texts
+
+
 def held_out_check(tmp: Path, rounds: int = 3) -> None:
     """The held-out style check of issue 24: the daemon exactly as shipped (the demo
     models' model.toml and graph.toml, the default configuration: measured placement)
@@ -147,13 +182,22 @@ def held_out_check(tmp: Path, rounds: int = 3) -> None:
     first = tmp / "placement-first.toml"
     first.write_text('[placement]\nmode = "first"\n')
     preload = ("--preload", "ocr-det", "--preload", "ocr-cls", "--preload", "ocr-rec")
-    shipped = DaemonProcess("--models", str(MODELS), *preload)
-    before = DaemonProcess("--models", str(MODELS), *preload, config=first)
+    started = time.monotonic()
+    shipped = DaemonProcess("--models", str(MODELS), *preload)  # its state: none kept
+    ready_s = time.monotonic() - started
+    before: DaemonProcess | None = None
     rates: dict[str, list[float]] = {"RapidOCR": [], "shipped": [], "first": []}
     same = {"shipped": 0, "first": 0}
     try:
+        # the first minute: three clients at once, right after READY
+        early = clients_rate(shipped.endpoint, batch)
+        early_status = placements(shipped.endpoint)
+        early_rapid, _ = rapid_rate(engine, batch)
         settle_s, n = settle_placement(
             shipped.endpoint, lambda c: [c.infer("ocr", {"image": im}) for im in batch])
+        late_rapid, _ = rapid_rate(engine, batch)
+        late = clients_rate(shipped.endpoint, batch)
+        before = DaemonProcess("--models", str(MODELS), *preload, config=first)
         placed = placements(shipped.endpoint)
         chosen = placements(shipped.endpoint, why=True)
         with Client(shipped.endpoint, timeout=300) as a, \
@@ -173,7 +217,8 @@ def held_out_check(tmp: Path, rounds: int = 3) -> None:
                     same[arm] = sum(x == y for x, y in zip(texts, reference))
     finally:
         shipped.stop()
-        before.stop()
+        if before is not None:
+            before.stop()
 
     def ratios(arm: str) -> list[float]:
         return sorted(r / q for r, q in zip(rates[arm], rates["RapidOCR"]))
@@ -199,6 +244,16 @@ def held_out_check(tmp: Path, rounds: int = 3) -> None:
               f"images in the last round")
     after = sorted(s / f for s, f in zip(rates["shipped"], rates["first"]))
     print(f"  shipped / first: {span(after)} (median {after[len(after) // 2]:.2f})")
+    first_ratio, late_ratio = early / early_rapid, late / late_rapid
+    print(f"  {CLIENTS} clients x {len(batch)} images x 2 passes, the daemon as shipped "
+          f"with an empty state directory (ready {ready_s:.1f} s after start):")
+    print(f"    first minute (right after ready; placement then: {early_status}): "
+          f"{early:.2f} img/s, ratio to RapidOCR {first_ratio:.2f}")
+    print(f"    settled (placement measured, {settle_s:.0f} s later): {late:.2f} img/s, "
+          f"ratio to RapidOCR {late_ratio:.2f}")
+    print(f"    first minute / settled: {first_ratio / late_ratio:.2f} (target >= 0.9: "
+          f"{'met' if first_ratio / late_ratio >= 0.9 else 'MISSED'}); load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def batching(tmp: Path) -> None:
