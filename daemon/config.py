@@ -20,8 +20,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from inferd.daemon.units import (
-    PROCESS_CORES, boolean, parse_affinity, parse_budget, parse_duration, parse_size,
-    positive_float, positive_int, string_list,
+    PROCESS_CORES, boolean, non_negative, parse_affinity, parse_budget, parse_duration,
+    parse_size, positive_float, positive_int, string_list,
 )
 from inferd.ipc import defs
 from inferd.ipc.errors import ConfigError
@@ -287,6 +287,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
     "placement": {
         "mode": Setting("measured", _placement_mode, "\"measured\" or \"first\""),
         "time_limit_s": Setting(60.0, _seconds, "a positive number of seconds"),
+        "ready_within_s": Setting(30.0, non_negative, "a number of seconds >= 0"),
         "tolerance": Setting(1e-3, _tolerance, "a number from 0 to 1"),
         "directory": Setting("", _path_or_off, "an absolute directory path, or \"\" for "
                              "placement/ in $STATE_DIRECTORY (systemd's "

@@ -27,7 +27,7 @@ from inferd.daemon.placement import ModelPlacement, backend_options
 from inferd.daemon.placer import Placer
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.warmup import warm_up
-from inferd.daemon.workers.pool import LoadCall, WorkerModel, WorkerPool
+from inferd.daemon.workers.pool import MEASURING, LoadCall, WorkerModel, WorkerPool
 from inferd.ipc.errors import ErrorCode, ModelError
 from inferd.libbackends.contract import DeviceKind, LoadedModel, LoadOptions
 from inferd.libbackends.customops.contract import OpRegistry
@@ -154,11 +154,14 @@ class ModelLoader:
                         "processes ([workers] isolation = \"in-process\")", entry.label,
                         isolation, extra={"MODEL": entry.name})
 
-        def load_on(choice: Choice, options: LoadOptions) -> LoadedModel:
+        isolated = self.workers is not None and isolation != "in-process"
+
+        def load_on(choice: Choice, options: LoadOptions, *,
+                    rival: bool = False) -> LoadedModel:
             with self._lock:  # held already for the first load; taken for a rival
-                if self.workers is not None and isolation != "in-process":
+                if isolated:
                     return self._in_worker(entry, choice, options, source.path, tables,
-                                           [b.id for b in fallbacks], isolation)
+                                           [b.id for b in fallbacks], isolation, rival)
                 # the planner reads ONNX graphs: onnx comes in with the first model
                 engines[0] += self._engine("onnx", _import_planner)
                 bring_in = getattr(choice.backend, "import_engine", None)
@@ -174,8 +177,10 @@ class ModelLoader:
         # Where it is known to run best, else the first entry of the plan that loads
         # (daemon/placer.py, which measures the plan's rivals later); custom ops and
         # nodes the backend lacks make a partitioned plan (libbackends/customops).
+        # A model in worker processes has its rivals measured each in a worker of its
+        # own, on its warm-up inputs, right after this load (before READY for a preload)
         placement, model = self.placer.place(entry, source.path, plan, spec.settings,
-                                             config, load_on, repo.root)
+                                             config, load_on, repo.root, isolated)
         try:
             warm_up(entry.label, model, source.path, spec.settings, config.cache.warmup_dim)
             # a [stream] table that does not fit the model fails its load
@@ -209,9 +214,11 @@ class ModelLoader:
 
     def _in_worker(self, entry: ModelEntry, choice: Choice, options: LoadOptions,
                    path: Path, tables: dict[str, Any], fallbacks: list[str],
-                   isolation: str) -> LoadedModel:
+                   isolation: str, rival: bool = False) -> LoadedModel:
         """Load on ``choice`` in its worker process: the backend's worker, or the model's
-        own where it brings custom ops or ``isolation`` is "model"."""
+        own where it brings custom ops or ``isolation`` is "model"; a ``rival`` (a
+        candidate being measured) in a worker of its own, so that its crash costs only
+        that worker and the candidate."""
         assert self.workers is not None
         config = self.catalog.config
         model_dir = self.catalog.repo.root / entry.name
@@ -219,7 +226,8 @@ class ModelLoader:
         own = isolation == "model" or (model_dir / "customops").is_dir()
         call = LoadCall(backend, path, options, entry.label, model_dir, tuple(fallbacks),
                         tables, config.backends.probe_timeout_s,
-                        key=f"{entry.label}@{backend}" if own else backend,
+                        key=(f"{entry.label}@{backend}{MEASURING}" if rival
+                             else f"{entry.label}@{backend}" if own else backend),
                         strict_modes=config.security.strict_modes)
         model = WorkerModel(self.workers, call, config.workers.load_kill_after_s)
         if model.engine_bytes and self.budget.engine(backend) is None:

@@ -204,6 +204,15 @@ class PlacedModel(LoadedModel):
             self._samples, self._kept_bytes, self._kept_s = [], 0, 0.0
             self.first_sample_at = None
 
+    def seed(self, samples: list[Inputs]) -> None:
+        """Measure on ``samples`` (its warm-up inputs) rather than on its first runs'."""
+        with self._lock:
+            self._want = len(samples)
+            self._samples = list(samples)
+            self._kept_bytes = sum(a.nbytes for s in samples for a in s.values())
+            self._kept_s = 0.0
+            self.first_sample_at = time.monotonic()
+
     def switch(self, engine: LoadedModel) -> bool:
         """Serve every run that starts from now on with ``engine``; the engine it
         replaces is unloaded at once if idle, else by its last run. False (and

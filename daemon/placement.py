@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from enum import StrEnum
 from pathlib import Path
@@ -36,7 +35,13 @@ from inferd.libbackends.trust import UntrustedCode
 
 log = logging.getLogger(__name__)
 
-Load = Callable[[Choice, LoadOptions], LoadedModel]
+class Load(Protocol):
+    """Loads a model on one choice with the given options; ``rival=True``: a candidate
+    being measured, loaded where its crash costs only itself (its own worker process,
+    where the daemon runs workers)."""
+
+    def __call__(self, choice: Choice, options: LoadOptions, /, *,
+                 rival: bool = False) -> LoadedModel: ...
 
 
 class Mode(StrEnum):
@@ -125,7 +130,8 @@ def load_options(choice: Choice, settings: Any, config: Any,
 
 
 def place(model: str, plan: list[Choice], settings: Any, config: Any, load: Load,
-          threads: int | None = None) -> tuple[ModelPlacement, LoadedModel]:
+          threads: int | None = None, rival: bool = False
+          ) -> tuple[ModelPlacement, LoadedModel]:
     """Load ``model`` on the first entry of ``plan`` that loads.
 
     Args:
@@ -135,6 +141,7 @@ def place(model: str, plan: list[Choice], settings: Any, config: Any, load: Load
         config: the daemon's config (``[onnxruntime]`` threads, backend sections).
         load: loads on one choice with the given options.
         threads: the engine threads to ask for (None: each backend's own setting).
+        rival: a candidate being measured (``load`` is asked for an isolated one).
 
     Returns:
         The placement and the loaded model.
@@ -148,7 +155,8 @@ def place(model: str, plan: list[Choice], settings: Any, config: Any, load: Load
     for choice in plan:
         b = choice.backend
         try:
-            loaded = load(choice, load_options(choice, settings, config, threads))
+            options = load_options(choice, settings, config, threads)
+            loaded = load(choice, options, rival=True) if rival else load(choice, options)
         except UntrustedCode:
             raise  # the model's own code, refused whatever the backend: not a fallback
         except Exception as e:  # noqa: BLE001  a plugin's failure: contained here, once

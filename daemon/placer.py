@@ -1,15 +1,24 @@
 """Measured placement: the loader's one call (:meth:`Placer.place`), and the background
-thread (``inferd-placement``) that measures a model's rival backends once it serves and
-moves it onto the fastest (see :mod:`inferd.daemon.placement` for the rules).
+thread (``inferd-placement``) that measures a model's rival backends and moves it onto
+the fastest (see :mod:`inferd.daemon.placement` for the rules).
+
+Where the daemon runs engines in worker processes (the default), every candidate being
+measured, the serving backend's too, is loaded in a worker of its own
+(``... (measuring)``): a rival that crashes costs that worker and the candidate, never
+the daemon nor the serving engine. So measuring starts right after the load, on the
+model's warm-up inputs, beside serving (the serving engine answers every request
+meanwhile; nothing waits for an idle moment), and a preloaded model's is done before the
+daemon reports ready (:meth:`Placer.settle`, within ``[placement] ready_within_s``).
+With ``[workers] isolation = "in-process"`` a rival runs inside the daemon: then it runs
+only on inputs that clients sent and the serving engine answered, and only while no
+request is in flight (``busy``: measuring yields to traffic).
 
 The cost is bounded: a model is measured once per machine (the decision is kept,
-:mod:`inferd.daemon.decisions`), after its first requests, while the first candidate
-serves; it loads and runs nothing while a request is in flight (``busy``: measuring
-yields to traffic); one rival at a time is loaded beside the serving engine (the
-reference, when it is the plan's first: no copy of it), counted in the cache's memory
-budget and within ``MACHINE_SHARE`` of the memory available, and a loser is unloaded at
-once; measuring waits (``RETRY_S``) rather than evict a model or load past either; each
-measurement stops after ``[placement] time_limit_s`` of measuring.
+:mod:`inferd.daemon.decisions`); one rival at a time is loaded beside the serving engine
+(and, isolated, the reference copy), counted in the cache's memory budget and within
+``MACHINE_SHARE`` of the memory available, and a loser is unloaded at once; measuring
+waits (``RETRY_S``) rather than evict a model or load past either; each measurement
+stops after ``[placement] time_limit_s`` of measuring.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from inferd.daemon.placement import (
     set_threads, state_directory, threads_fixed,
 )
 from inferd.daemon.units import PROCESS_CORES
+from inferd.daemon.warmup import warmup_inputs
 from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.libbackends.contract import DeviceKind, LoadedModel
 from inferd.libbackends.registry import Choice
@@ -54,7 +64,8 @@ SETTLE_S = 2.0
 RETRY_S = 30.0
 """How long measuring waits before it tries again when the cache is short of memory."""
 POLL_S = 0.005
-"""While the daemon serves, how often measuring looks whether it still does."""
+"""In-process only (rivals in the daemon): while the daemon serves, how often measuring
+looks whether it still does."""
 MACHINE_SHARE = 0.5
 """A rival is loaded only if what it needs is at most this share of the memory the
 machine has available (with or without a cache budget, which counts it too)."""
@@ -137,6 +148,10 @@ class Job:
     not_before: float = 0.0
     loaded_why: str = ""
     """Why the load chose the backend that serves first (kept when measuring fails)."""
+    isolated: bool = False
+    """Its candidates load in worker processes of their own: measured beside serving."""
+    seeded: bool = False
+    """Its samples are its warm-up inputs (not its first requests')."""
 
     @property
     def name(self) -> str:
@@ -153,6 +168,10 @@ class Job:
 
 class _Gone(Exception):
     """The model was unloaded, or the daemon stops: measuring it ends."""
+
+
+class _Unseeded(Exception):
+    """The reference failed on the warm-up inputs: measure on the first requests'."""
 
 
 @dataclass
@@ -249,6 +268,7 @@ class Placer:
         self._jobs: dict[tuple[str, int], Job] = {}  # placed models that have rivals
         self._models: dict[tuple[str, int], PlacedModel] = {}  # every placed model
         self._thread: threading.Thread | None = None
+        self._running: Job | None = None  # the job being measured now
         self._stopping = threading.Event()
         self._cpu = cpu_model()
         self._graphs = GraphIndex()
@@ -269,12 +289,15 @@ class Placer:
     # ----------------------------------------------------------------- the loader's call
 
     def place(self, entry: Any, path: Path, plan: list[Choice], settings: Any,
-              config: Any, load: Load, repo_root: Path) -> tuple[ModelPlacement, PlacedModel]:
+              config: Any, load: Load, repo_root: Path, isolated: bool = False
+              ) -> tuple[ModelPlacement, PlacedModel]:
         """Load ``entry``'s version (a ModelEntry; file ``path``) where it is known to
         run best (a kept decision's winner), else on the plan's first that loads; where
         the plan has rivals of the kind that loaded and ``placement = "measured"``,
         measure them in the background. ``load`` is called again later, on the
-        placement thread, for each rival; the budget recosts ``entry`` after a move.
+        placement thread, for each rival (``rival=True`` where ``isolated``: each in a
+        worker of its own, measured at once on the warm-up inputs, beside serving); the
+        budget recosts ``entry`` after a move.
 
         Raises:
             InferdError: as :func:`inferd.daemon.placement.place`.
@@ -305,17 +328,35 @@ class Placer:
         if found != first or key is None:
             key = self._key(path, found, settings, config, graphs)
         job = Job(entry, path, found, settings, load, key, model, placement,
-                  graphs, loaded_why=placement.why)
+                  graphs, loaded_why=placement.why, isolated=isolated)
         if decision is not None and placement.backend == decision.backend:
             # measured before: nothing to do unless `inferctl reload --remeasure`
             placement.settled(Status.KEPT, f"{decision.text()}; {self._kept(decision)}")
             self._submit(job, queued=False)
             return placement, model
-        model.resample(SAMPLES)
+        self._sample(job, config)
         placement.settled(Status.MEASURING, f"{placement.why}; measuring "
-                          f"{', '.join(c.backend.id for c in found)} in the background")
+                          f"{', '.join(c.backend.id for c in found)} "
+                          + ("beside serving" if job.seeded else "in the background"))
         self._submit(job)
         return placement, model
+
+    def _sample(self, job: Job, config: Any) -> None:
+        """What ``job`` is measured on: isolated, its warm-up inputs (at once); else, or
+        where they cannot be made, its first requests' inputs."""
+        job.seeded = False
+        if job.isolated:
+            try:
+                inputs = warmup_inputs(job.label, job.model, job.path, job.settings,
+                                       config.cache.warmup_dim)
+            except InferdError as e:
+                log.info("model %s: measured on its first requests: %s", job.label,
+                         e.message, extra={"MODEL": job.name})
+            else:
+                job.model.seed([inputs])
+                job.seeded = True
+                return
+        job.model.resample(SAMPLES)
 
     def _key(self, path: Path, found: list[Choice], settings: Any, config: Any,
              graphs: list[tuple[str, list[str]]]) -> DecisionKey:
@@ -368,11 +409,14 @@ class Placer:
                 if job is not None and job in self._queue:
                     self._queue.remove(job)
 
-    def _ready(self, job: Job, now: float) -> bool:
-        if now < job.not_before:
-            return False
+    @staticmethod
+    def _when(job: Job) -> float | None:
+        """When ``job`` can be measured (monotonic), or None while it waits for samples
+        (a kept run wakes the thread)."""
         first = job.model.first_sample_at
-        return first is not None and (job.model.sampled or now - first >= SETTLE_S)
+        if first is None:
+            return None
+        return max(job.not_before, first if job.model.sampled else first + SETTLE_S)
 
     def _loop(self) -> None:
         while True:
@@ -381,12 +425,15 @@ class Placer:
                     if self._stopping.is_set():
                         return
                     now = time.monotonic()
-                    job = next((j for j in self._queue if self._ready(j, now)), None)
+                    times = [(w, j) for j in self._queue if (w := self._when(j)) is not None]
+                    job = next((j for w, j in times if w <= now), None)
                     if job is not None:
                         self._queue.remove(job)
+                        self._running = job
                         break
-                    # a job waits for samples or a retry time: look again soon
-                    self._cond.wait(0.5 if self._queue else None)
+                    # woken by a submission, a kept sample, a stop; else at the next
+                    # job's time (a retry, or samples that settle)
+                    self._cond.wait(min(w for w, _ in times) - now if times else None)
             try:
                 self._measure(job)
             except Exception:  # noqa: BLE001  measuring must never take serving down
@@ -394,6 +441,26 @@ class Placer:
                               job.label, job.placement.backend, extra={"MODEL": job.name})
                 job.placement.settled(Status.FIRST, f"{job.loaded_why}; measuring failed "
                                       "(see the journal)")
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
+    def settle(self, timeout: float) -> list[str]:
+        """Wait (at most ``timeout`` seconds) until no model that can be measured now is
+        being or waiting to be measured: a preload's candidates are measured before the
+        daemon reports ready. Returns the labels of those still measuring."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                left = [j for j in self._queue
+                        if (w := self._when(j)) is not None and w <= now]
+                if self._running is not None:
+                    left.insert(0, self._running)
+                if not left or now >= deadline or self._stopping.is_set():
+                    return [j.label for j in left]
+                self._cond.wait(deadline - now)
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop measuring (one in progress stops at its next run); True if the thread
@@ -416,7 +483,7 @@ class Placer:
                 if (names is not None and job.name not in names) or job in self._queue:
                     continue
                 job.not_before = 0.0
-                job.model.resample(SAMPLES)
+                self._sample(job, self.config)
                 job.placement.settled(Status.MEASURING, f"{job.placement.why}; measuring "
                                       f"again (inferctl reload --remeasure)")
                 self._queue.append(job)
@@ -437,11 +504,20 @@ class Placer:
         if not samples:
             return  # unloaded since it was ready (resample() dropped them)
         clock = _Clock(self.config.placement.time_limit_s)
-        rivals = _Rivals()
+        rivals, copies = _Rivals(), _Rivals()
         try:
-            decision, trials = self._decide(job, samples, clock, rivals)
+            decision, trials = self._decide(job, samples, clock, rivals, copies)
             if decision is not None:
                 self._adopt(job, decision, trials, clock, rivals)
+        except _Unseeded as e:
+            log.info("model %s: its warm-up inputs cannot measure its placement (%s); "
+                     "measured on its first requests instead", job.label, e,
+                     extra={"MODEL": job.name})
+            with self._cond:
+                if (job.name, job.version) in self._jobs:
+                    job.seeded = False
+                    job.model.resample(SAMPLES)
+                    self._queue.append(job)
         except _Gone:
             log.info("model %s: measuring its placement ended: %s", job.label,
                      "the daemon stops" if self._stopping.is_set() else "it was unloaded",
@@ -458,6 +534,7 @@ class Placer:
                     self._queue.append(job)
         finally:
             rivals.release_all()
+            copies.release_all()
             with self._cond:
                 if job not in self._queue:  # not postponed, nor queued by remeasure()
                     job.model.resample(0)  # the samples are not needed any more
@@ -465,9 +542,11 @@ class Placer:
     def _turn(self, job: Job, clock: _Clock) -> None:
         """Wait until the daemon serves nothing (no request queued or running for any
         model): measuring runs and loads only between requests. Raises _Gone if the
-        model was unloaded or the placer stops meanwhile."""
+        model was unloaded or the placer stops meanwhile. Isolated, measuring runs beside
+        serving: it waits for nothing."""
         began = time.monotonic()
-        while not (self._stopping.is_set() or job.model.closed) and self._busy():
+        while not job.isolated and not (self._stopping.is_set() or job.model.closed) \
+                and self._busy():
             self._stopping.wait(POLL_S)
         clock.waited += time.monotonic() - began
         if self._stopping.is_set() or job.model.closed:
@@ -487,7 +566,7 @@ class Placer:
         return self._room.reserve(label, need)
 
     def _load(self, job: Job, trial: measure.Trial, choice: Choice,
-              rivals: _Rivals) -> str | None:
+              rivals: _Rivals, rival: bool = True) -> str | None:
         """Load a fresh engine of ``choice`` into ``trial`` (held by ``rivals``, counted
         in the budget until released), its load's figures on ``trial``: the RSS delta
         across the call, less an engine it imported (more than its own if another load
@@ -505,7 +584,7 @@ class Placer:
             METER.trim()
             before, imported = METER.rss(), sum(self._room.engines().values())
             _, engine = place(job.name, [choice], job.settings, self.config, job.load,
-                              trial.threads)
+                              trial.threads, rival=rival and job.isolated)
         except InferdError as e:
             stack.close()
             return f"it failed to load: {e.message}"
@@ -560,20 +639,31 @@ class Placer:
             rivals.release(trial)
         return trial
 
-    def _decide(self, job: Job, samples: list[Inputs], clock: _Clock, rivals: _Rivals
-                ) -> tuple[Decision | None, list[measure.Trial]]:
+    def _decide(self, job: Job, samples: list[Inputs], clock: _Clock, rivals: _Rivals,
+                copies: _Rivals) -> tuple[Decision | None, list[measure.Trial]]:
         """Measure every rival (see :meth:`_candidate`) and decide; None if the
-        reference cannot be run. Returns the decision and every trial."""
+        reference cannot be run. Returns the decision and every trial. Isolated, the
+        serving backend is measured through a copy in a worker of its own (held by
+        ``copies``): the serving engine runs clients' requests only."""
         threads = set_threads(job.settings)
         now = job.placement.to_json()
         serving = measure.Trial(candidate_label(now["backend"], now["threads"]),
                                 now["backend"], now["threads"], model=_Serving(job.model))
+        if job.isolated:
+            serving.model = None
+            choice = next(c for c in job.plan if c.backend.id == serving.backend)
+            failed = self._load(job, serving, choice, copies)
+            if failed is not None:
+                raise _Unseeded(f"{serving.label} {failed}") if job.seeded else \
+                    InferdError(f"the serving backend {serving.label} {failed}")
         trials = [serving]
         reference: list[Inputs] = []
         if serving.backend == job.plan[0].backend.id:
             pause = lambda: self._turn(job, clock)  # noqa: E731
             reference.extend(_outputs(serving, samples, pause))
             if serving.why_not is not None:
+                if job.seeded:
+                    raise _Unseeded(f"{serving.label} {serving.why_not}")
                 self._impossible(job, serving)
                 return None, trials
         order = [c.backend.id for c in job.plan]
@@ -584,6 +674,8 @@ class Placer:
                                     clock, rivals)
             trials.append(trial)
             if not reference:  # the reference backend itself failed
+                if job.seeded and not (trial.why_not or "").startswith("it failed to load"):
+                    raise _Unseeded(f"{trial.label} {trial.why_not}")
                 self._impossible(job, trial)
                 return None, trials
             self._keep_best(trials, serving, order, rivals)
@@ -664,11 +756,13 @@ class Placer:
                       (decision.backend, decision.threads))
         moving = (decision.backend, decision.threads) != (serving["backend"],
                                                           serving["threads"])
+        if moving and job.isolated:
+            rivals.release(winner)  # measured in its own worker; served from the usual
         if moving and winner.model is None:
             self._turn(job, clock)
             failed = self._load(job, winner, next(c for c in job.plan
                                                   if c.backend.id == decision.backend),
-                                rivals)
+                                rivals, rival=False)
             if failed is not None:
                 raise InferdError(f"model {job.label}: the measured winner {winner.label} "
                                   f"{failed}")

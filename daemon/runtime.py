@@ -240,6 +240,18 @@ class Runtime:
             self.notifier.extend_timeout(self.config.systemd.extend_timeout_s,
                                          f"preloading model {name} ({i}/{count})")
         self._preload_failed = self.models.load_pinned(before_each=each)
+        # the preloaded models' placement is measured before READY (their candidates in
+        # workers of their own, on their warm-up inputs), within a bound: past it they
+        # serve on their first candidate and measuring goes on beside serving
+        bound = self.config.placement.ready_within_s
+        if bound > 0:
+            self.notifier.extend_timeout(bound + self.config.systemd.extend_timeout_s,
+                                         "measuring the preloaded models' placement")
+            left = self.models.placer.settle(bound)
+            if left:
+                log.info("placement of %s still measured after %g s ([placement] "
+                         "ready_within_s): served on the first candidate meanwhile",
+                         ", ".join(left), bound)
         self.ready.set()
         line = self.status_line()
         log.info("%s", line)

@@ -320,6 +320,8 @@ class WorkerPool:
                          "REASON": reason})
         if self._on_restart is not None:
             self._on_restart(w.backend, reason)
+        if w.name.endswith(MEASURING):
+            return  # a rival's: the placer skips the candidate, nothing loads there again
         threading.Thread(target=self._prestart, args=(w.name, w.backend),
                          name="inferd-worker-restart", daemon=True).start()
 
@@ -646,6 +648,11 @@ def _resident(pid: int) -> int:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0
+
+
+MEASURING = " (measuring)"
+"""The end of the name of a worker that holds one rival being measured (its own): one
+that dies is not started again (the placer skips the candidate)."""
 
 
 @dataclass

@@ -731,3 +731,100 @@ def test_the_graph_index_reads_graphs_again_when_the_repository_changes(
     (repo / "h" / "graph.toml").write_text('[[nodes]]\nname = "x"\nmodel = "b"\n')
     assert index.of(repo, "b") == [("h", ["b"])]
     assert index.of(tmp_path / "missing", "a") == []
+
+
+# ----------------------------------------------------------------- isolated candidates
+# (issue 30 item 6): where the daemon runs engines in worker processes, every candidate
+# is loaded apart (``rival=True``: a worker of its own), measured at once on the warm-up
+# inputs and beside serving; a preload waits for it (settle), within a bound.
+
+
+def place_isolated(placer: Placer, registry: Registry, repo: Path,
+                   loads: list[tuple[str, bool]]) -> tuple[Any, PlacedModel]:
+    """:func:`place` with ``isolated=True``; ``loads`` records (backend, rival) of each
+    load."""
+    path = repo / "m" / "1" / "model.onnx"
+    plan = registry.plan("m", path, None)
+
+    def load(choice: Any, options: LoadOptions, *, rival: bool = False) -> LoadedModel:
+        loads.append((choice.backend.id, rival))
+        return choice.backend.load(path, options)
+    return placer.place(ModelEntry("m", 1, 8), path, plan, ModelSettings(), placer.config,
+                        load, repo, isolated=True)
+
+
+def test_isolated_candidates_are_measured_at_once_on_warmup_inputs_beside_serving(
+        repo: Path) -> None:
+    """A daemon busy from the start (busy() always True): the candidates are loaded
+    apart and measured anyway, on the warm-up inputs only, while the model answers its
+    requests on the first candidate; the winner is then loaded as the model's own."""
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, room = make([slow, fast], None, busy=lambda: True)
+    loads: list[tuple[str, bool]] = []
+    placement, model = place_isolated(placer, registry, repo, loads)
+    errors: list[str] = []
+    served = [0]
+    stop = threading.Event()
+
+    def client() -> None:
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        while not stop.is_set():
+            try:
+                np.testing.assert_array_equal(model.run({"x": x})["y"], x)
+                served[0] += 1
+            except Exception as e:  # noqa: BLE001  shown by the test
+                errors.append(repr(e))
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        assert placer.settle(30.0) == []
+        stop.set()
+        thread.join(30)
+        now = placement.to_json()
+        assert (now["backend"], now["status"]) == ("fast", "measured"), now
+        assert errors == [] and served[0] > 0
+        # the serving engine answered the client only; a copy of it and the rival,
+        # each loaded apart, ran the warm-up zeros only; the winner was loaded again as
+        # the model's own (not apart) and serves now
+        assert loads == [("slow", False), ("slow", True), ("fast", True), ("fast", False)]
+        assert all(x.shape == (2, 4) for x in slow.models[0].seen)
+        measured = [x for m in (slow.models[1], fast.models[0]) for x in m.seen]
+        assert measured and all(x.shape == (1, 4) and not x.any() for x in measured)
+        assert model.engine is fast.models[1] and not fast.models[1].seen
+        assert slow.models[1].unloaded and fast.models[0].unloaded
+        assert room.held == 0
+    finally:
+        stop.set()
+        thread.join(30)
+        placer.stop()
+        model.unload()
+
+
+def test_settle_waits_for_measuring_within_its_bound(repo: Path) -> None:
+    """settle() (the preload before READY) returns once measuring is done, or at its
+    bound with the labels still measuring; the model serves on its first candidate
+    meanwhile and measuring goes on."""
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, _ = make([slow, fast], None)
+    gate = threading.Event()
+    load = fast.load
+
+    def held_load(model_path: Path, options: LoadOptions) -> LoadedModel:
+        assert gate.wait(30)
+        return load(model_path, options)
+    fast.load = held_load  # type: ignore[method-assign]
+    placement, model = place_isolated(placer, registry, repo, [])
+    try:
+        began = time.monotonic()
+        assert placer.settle(0.3) == ["m version 1"]
+        assert 0.3 <= time.monotonic() - began < 5
+        assert placement.to_json()["status"] == "measuring"
+        x = np.ones((1, 4), np.float32)
+        np.testing.assert_array_equal(model.run({"x": x})["y"], x)  # the first serves
+        gate.set()
+        assert placer.settle(30.0) == []
+        assert placement.to_json()["backend"] == "fast"
+    finally:
+        gate.set()
+        placer.stop()
+        model.unload()

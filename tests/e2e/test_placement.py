@@ -1,8 +1,10 @@
-"""Measured placement in a real daemon (issue 24): the demo ocr-cls as shipped, with
-every installed backend that can run it (onnxruntime, OpenVINO) and a plugin whose
-results are wrong; requests keep flowing while it is measured and moved; the decision
-is kept in the state directory, survives a restart, and ``inferctl reload --remeasure``
-measures again; a cache too small for the candidates postpones measuring.
+"""Measured placement in a real daemon (issue 24, issue 30 item 6): the demo ocr-cls as
+shipped, with every installed backend that can run it (onnxruntime, OpenVINO) and a
+plugin whose results are wrong; a preloaded model is measured before the daemon reports
+ready; requests keep flowing while it is measured again and moved; the decision is kept
+in the state directory, survives a restart, and ``inferctl reload --remeasure`` measures
+again; a rival that crashes costs its own worker and the candidate only; a cache too
+small for the candidates postpones measuring.
 
 Which of onnxruntime and OpenVINO is faster depends on the machine and its load, so the
 test checks that the daemon chose the fastest of what it measured, not a name
@@ -12,6 +14,7 @@ test checks that the daemon chose the fastest of what it measured, not a name
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.e2e.test_cache_reload import poll
 from tests.links import link_tree
 
 pytest.importorskip("openvino", reason="pip openvino is in the test extras")
@@ -49,6 +53,30 @@ class Off(OnnxRuntimeCpuBackend):
 
 def create_backend():
     return Off()
+'''
+
+
+ABORT_PLUGIN = '''
+"""onnxruntime whose run aborts its process: a rival that crashes (issue 30 item 6)."""
+import os
+
+from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
+
+
+class Aborts(OnnxRuntimeCpuBackend):
+    id = "aborts"
+
+    def load(self, model_path, options):
+        model = super().load(model_path, options)
+
+        def crash(inputs, outputs=None):
+            os.abort()
+        model.run = crash
+        return model
+
+
+def create_backend():
+    return Aborts()
 '''
 
 
@@ -150,15 +178,15 @@ def test_shipped_cls_moves_to_the_fastest_correct_backend_and_keeps_the_decision
             "--preload", "ocr-cls")
     (short_tmp / "first").mkdir()
     d = start_daemon(*args, workdir=short_tmp / "first")
-    first = cls_row(d)
-    assert (first["backend"], first["placement_status"]) == ("onnxruntime", "measuring")
+    # a preloaded model is measured before the daemon reports ready
+    row = cls_row(d)
+    assert row["placement_status"] == "measured", row
     steady = Steady(d, models_dir)
     try:
-        row = wait_status(d, "measured")
-        time.sleep(0.5)  # requests on the new engine too
+        poll(lambda: steady.sent > 10, 60)
     finally:
         steady.stop()
-    assert steady.failed == 0 and steady.sent > 10, steady.errors[:3]
+    assert steady.failed == 0, steady.errors[:3]
 
     # the decision: the fastest of those measured, never the wrong one, the journal says
     decision = json.loads((state / "decisions.json").read_text())["decisions"][
@@ -177,7 +205,11 @@ def test_shipped_cls_moves_to_the_fastest_correct_backend_and_keeps_the_decision
     assert row["chosen"].startswith(f"{chosen}, {times[chosen]:.2f} ms vs ")
     assert "(measured)" in row["chosen"]
     log = d.log()
-    assert "model ocr-cls version 1: placement measured on x=1x3x48x192 (" in log
+    # on its warm-up input, before READY
+    # (x's zeros: 1x3x64x64, its height and width dynamic and [cache] warmup_dim 64)
+    line = "model ocr-cls version 1: placement measured on x=1x3x64x64 (1 run)"
+    assert line in log and "ready; backends:" in log, log
+    assert log.index(line) < log.index("ready; backends:"), log
     assert (f"model ocr-cls version 1: off-by-half is never chosen for it: its output "
             f"'{OUTPUT}' differs by 0.5") in log
     shown = inferctl(d.endpoint, "models", "-v")
@@ -199,17 +231,49 @@ def test_shipped_cls_moves_to_the_fastest_correct_backend_and_keeps_the_decision
     assert f"ocr-cls version 1 loaded on {decision['backend']}" in d.log()
     assert "placement measured" not in d.log()
 
-    # inferctl reload --remeasure: forgotten, measured again on the next requests
-    out = inferctl(d.endpoint, "reload", "--remeasure", "ocr-cls")
-    assert "remeasured: ocr-cls version 1" in out
-    assert cls_row(d)["placement_status"] == "measuring"
+    # inferctl reload --remeasure: forgotten, measured again at once, beside serving
+    # (the requests keep coming while it is)
     steady = Steady(d, models_dir)
     try:
+        out = inferctl(d.endpoint, "reload", "--remeasure", "ocr-cls")
+        assert "remeasured: ocr-cls version 1" in out
         wait_status(d, "measured")
+        sent = steady.sent
+        poll(lambda: steady.sent > sent + 3, 60)  # requests on the new engine too
     finally:
         steady.stop()
     assert steady.failed == 0, steady.errors[:3]
     assert d.log().count("model ocr-cls version 1: placement measured on") == 1
+
+
+def test_a_rival_that_crashes_costs_its_own_worker_and_the_candidate_only(
+        start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
+    """Every candidate is measured in a worker of its own: one whose run aborts kills
+    that worker only (not started again), is never chosen and says why; the daemon
+    reports ready with ocr-cls measured, its own worker was never restarted, and it
+    serves."""
+    repo = repo_with_cls(short_tmp, models_dir)
+    plugins = short_tmp / "plugins"
+    plugins.mkdir()
+    (plugins / "aborts.py").write_text(ABORT_PLUGIN)
+    config = short_tmp / "inferd.toml"
+    config.write_text('[workers]\nisolation = "backend"\n')
+    d = start_daemon("--config", str(config), "--backends-dir", str(plugins), "--models",
+                     str(repo), "--preload", "ocr-cls")
+    row = cls_row(d)
+    assert row["placement_status"] == "measured", row
+    assert row["backend"] in ("onnxruntime", "openvino")
+    assert re.search(r"not chosen: .*aborts \(it failed to run: engine aborts \(worker "
+                     r"\d+\) died of SIGABRT while running ", row["chosen"]), row["chosen"]
+    log = d.log()
+    assert "worker ocr-cls version 1@aborts (measuring) started: pid" in log
+    assert log.count("worker ocr-cls version 1@aborts (measuring) started") == 1, log
+    assert len(re.findall(r"worker onnxruntime started: pid", log)) == 1, log
+    assert re.search(r"ERROR .*engine aborts \(worker \d+\) died of SIGABRT", log), log
+    x = np.ones((1, 3, 48, 192), np.float32)
+    with d.client() as c:
+        assert c.infer("ocr-cls", {"x": x})[OUTPUT].shape == (1, 2)
+    assert d.proc.poll() is None
 
 
 def test_measuring_waits_while_the_cache_is_short_of_memory(
