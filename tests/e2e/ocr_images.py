@@ -3,7 +3,9 @@ fonts-dejavu-core), as uint8 HxWx3 BGR arrays, with the lines that were drawn.""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -36,3 +38,23 @@ def render(lines: list[str], font: str, size: int, rotation: float = 0,
 
 def fonts_available() -> bool:
     return all((FONT_DIR / c[1]).exists() for c in CASES)
+
+
+@functools.cache
+def rapidocr_reads(case: int) -> tuple[list[str], np.ndarray]:
+    """rapidocr-onnxruntime's texts and boxes ([N,4,2] float32) on the image of
+    ``CASES[case]``, read once a test session (the OCR tests of several files compare
+    with them). Its onnxruntime sessions run on one thread: here its texts and boxes on
+    every case are its default's (two threads) to the bit, and its default threads
+    spin while the daemon under test measures placements on the same cores."""
+    import rapidocr_onnxruntime
+
+    result, _ = _rapidocr(rapidocr_onnxruntime)(render(*CASES[case]))
+    if not result:
+        return [], np.zeros((0, 4, 2), np.float32)
+    return [r[1] for r in result], np.array([r[0] for r in result], np.float32)
+
+
+@functools.cache
+def _rapidocr(module: Any) -> Any:
+    return module.RapidOCR(intra_op_num_threads=1, inter_op_num_threads=1)

@@ -19,7 +19,7 @@ from inferd.ipc.errors import ErrorCode
 from tests.links import link_tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ocr_images import CASES, fonts_available, render  # noqa: E402
+from ocr_images import CASES, fonts_available, rapidocr_reads, render  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not fonts_available(),
@@ -29,16 +29,8 @@ BOX_TOLERANCE_PX = 3.0
 
 
 @pytest.fixture(scope="module")
-def rapid() -> Any:
-    rapidocr = pytest.importorskip("rapidocr_onnxruntime")
-    return rapidocr.RapidOCR()
-
-
-def reference(engine: Any, image: np.ndarray) -> tuple[list[str], np.ndarray]:
-    result, _ = engine(image)
-    if not result:
-        return [], np.zeros((0, 4, 2), np.float32)
-    return [r[1] for r in result], np.array([r[0] for r in result], np.float32)
+def rapid() -> None:
+    pytest.importorskip("rapidocr_onnxruntime")
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +59,11 @@ def ocr_repo(workdir: Path, models_dir: Path) -> Path:
     return repo
 
 
-def test_ocr_graph_matches_rapidocr_on_generated_images(daemon: Any, rapid: Any) -> None:
+def test_ocr_graph_matches_rapidocr_on_generated_images(daemon: Any, rapid: None) -> None:
     with daemon.client(timeout=120) as c:
-        for lines, font, size, rotation in CASES:
+        for k, (lines, font, size, rotation) in enumerate(CASES):
             image = render(lines, font, size, rotation)
-            want_texts, want_boxes = reference(rapid, image)
+            want_texts, want_boxes = rapidocr_reads(k)
             assert want_texts, f"RapidOCR read nothing in {lines}"
             got = c.infer("ocr", {"image": image})
             case = f"{lines} {font} {size}px rotated {rotation}"
