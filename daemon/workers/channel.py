@@ -257,20 +257,16 @@ class Channel:
         data: Any = mem if copy or base == n else bytes(mem[base:n])
         at = base if data is mem else 0
         tensors: dict[str, NDArray[Any]] = {}
-        for name, code, shape, inline, offset, nbytes in specs:
+        for name, code, shape, inline, offset, _nbytes in specs:
             if code == "pickle":
                 tensors[name] = shape  # the array itself
                 continue
-            dtype = dtype_of(code)
-            count = nbytes // dtype.itemsize if dtype.itemsize else 0
             if inline:
-                a = np.frombuffer(data, dtype, count, at + offset)
+                a = np.ndarray(shape, dtype_of(code), data, at + offset)
             else:
                 assert self._peer is not None and self._peer.map is not None
-                a = np.frombuffer(self._peer.map, dtype, count, offset)
-            if copy:
-                a = a.copy()
-            tensors[name] = a.reshape(shape)
+                a = np.ndarray(shape, dtype_of(code), self._peer.map, offset)
+            tensors[name] = a.copy() if copy else a
         return header, tensors, passed
 
     def close(self) -> None:
