@@ -60,10 +60,12 @@ class PlacedModel(LoadedModel):
         model: the engine the placement loaded first.
         on_sample: called (without arguments) after a run whose inputs were kept.
         on_unload: called with this model once it is unloaded.
+        on_ran: called (without arguments) after every run.
     """
 
     def __init__(self, model: LoadedModel, on_sample: Callable[[], None] | None = None,
-                 on_unload: Callable[[PlacedModel], None] | None = None) -> None:
+                 on_unload: Callable[[PlacedModel], None] | None = None,
+                 on_ran: Callable[[], None] | None = None) -> None:
         self.inputs = model.inputs
         self.outputs = model.outputs
         self.device = model.device
@@ -74,6 +76,7 @@ class PlacedModel(LoadedModel):
         self._want = 0
         self._on_sample = on_sample
         self._on_unload = on_unload
+        self._on_ran = on_ran
         self._closed = False
         self._samples: list[Inputs] = []
         self._kept_bytes = 0
@@ -114,6 +117,8 @@ class PlacedModel(LoadedModel):
                 engine.unload()
             if kept and self._on_sample is not None:
                 self._on_sample()
+            if self._on_ran is not None:
+                self._on_ran()
 
     def _enter(self) -> LoadedModel:
         """The engine the next run goes into, counted as in use (caller holds ``_lock``)."""

@@ -63,9 +63,10 @@ SETTLE_S = 2.0
 """After its first request, how long a model waits for more runs to measure on."""
 RETRY_S = 30.0
 """How long measuring waits before it tries again when the cache is short of memory."""
-POLL_S = 0.005
-"""In-process only (rivals in the daemon): while the daemon serves, how often measuring
-looks whether it still does."""
+IDLE_WAIT_S = 0.05
+"""In-process only (rivals in the daemon): while the daemon serves, measuring waits for
+one of its models' runs to end, at most this long (a request can end without a run of
+a placed model: a graph's between its stages, a queued one that expired)."""
 MACHINE_SHARE = 0.5
 """A rival is loaded only if what it needs is at most this share of the memory the
 machine has available (with or without a cache budget, which counts it too)."""
@@ -269,6 +270,7 @@ class Placer:
         self._models: dict[tuple[str, int], PlacedModel] = {}  # every placed model
         self._thread: threading.Thread | None = None
         self._running: Job | None = None  # the job being measured now
+        self._waiting = 0  # in _turn, waiting for the daemon to serve nothing
         self._stopping = threading.Event()
         self._cpu = cpu_model()
         self._graphs = GraphIndex()
@@ -317,7 +319,8 @@ class Placer:
                 order = sorted(plan, key=lambda c: (c.backend.id, str(c.kind)) != won)
                 threads = decision.threads if threads is None else threads
         placement, engine = place(name, order, settings, config, load, threads)
-        model = PlacedModel(engine, on_sample=self._wake, on_unload=self._closed)
+        model = PlacedModel(engine, on_sample=self._wake, on_unload=self._closed,
+                            on_ran=None if isolated else self._ran)
         with self._cond:
             self._models[(name, version)] = model
         found = rivals(plan, placement.kind)
@@ -398,6 +401,12 @@ class Placer:
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+    def _ran(self) -> None:
+        """A run ended (in-process): wake measuring if it waits for the daemon to serve
+        nothing (read without the lock: a run missed here is seen at the wait's bound)."""
+        if self._waiting:
+            self._wake()
 
     def _closed(self, model: PlacedModel) -> None:
         """A placed model was unloaded: forget it (a measurement of it in progress
@@ -547,7 +556,12 @@ class Placer:
         began = time.monotonic()
         while not job.isolated and not (self._stopping.is_set() or job.model.closed) \
                 and self._busy():
-            self._stopping.wait(POLL_S)
+            with self._cond:
+                self._waiting += 1
+                try:
+                    self._cond.wait(IDLE_WAIT_S)  # woken by a run's end, or a stop
+                finally:
+                    self._waiting -= 1
         clock.waited += time.monotonic() - began
         if self._stopping.is_set() or job.model.closed:
             raise _Gone

@@ -341,10 +341,13 @@ def test_unloading_at_once_after_the_first_request_never_runs_a_freed_engine(
 
 @pytest.mark.slow
 def test_measuring_waits_while_the_daemon_serves_and_runs_between_requests(
-        repo: Path) -> None:
-    """While a request is in flight (busy() True) nothing is loaded or run for
-    measuring; once the daemon serves nothing it proceeds. Counted in busy() calls, not
-    in time: the placer is seen polling while the traffic lasts."""
+        repo: Path, monkeypatch: Any) -> None:
+    """In-process: while a request is in flight (busy() True) nothing is loaded or run
+    for measuring; once the daemon serves nothing it proceeds. It looks again when a run
+    ends (an event), not on a poll: with the wait's bound at 60 s, runs wake it."""
+    import inferd.daemon.placer as placer_module
+
+    monkeypatch.setattr(placer_module, "IDLE_WAIT_S", 60.0)
     serving = threading.Event()
     serving.set()
     polls = threading.Semaphore(0)
@@ -356,14 +359,24 @@ def test_measuring_waits_while_the_daemon_serves_and_runs_between_requests(
     slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
     placer, registry, room = make([slow, fast], None, busy)
     placement, model = place(placer, registry, repo)
+    x = np.ones((1, 4), np.float32)
+
+    def run_until_it_looks() -> int:
+        """Runs, one at a time, until measuring looked at busy() again; how many."""
+        for n in range(1, 200):
+            model.run({"x": x})
+            if polls.acquire(timeout=0.1):
+                return n
+        raise AssertionError("no run woke measuring")
     try:
         serve(model)
-        for _ in range(50):  # 50 looks while busy: it waits (it polls every 5 ms)
-            assert polls.acquire(timeout=60)
+        assert polls.acquire(timeout=60)  # its first look: busy
+        runs = 3 + run_until_it_looks() + run_until_it_looks()
         assert not fast.loads and not room.reserved
-        assert len(slow.models[0].seen) == 3  # the three requests only
+        assert len(slow.models[0].seen) == runs  # the requests only
         assert placement.to_json()["status"] == "measuring"
         serving.clear()
+        run_until_it_looks()  # the run's end: it sees the daemon idle and proceeds
         now = settled(placement)
         assert (now["backend"], now["status"]) == ("fast", "measured")
     finally:
