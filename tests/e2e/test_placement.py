@@ -298,3 +298,24 @@ def test_measuring_waits_while_the_cache_is_short_of_memory(
     assert f"but the cache budget is {budget / 2**20:.1f} MiB with" in line
     row = cls_row(d)
     assert (row["backend"], row["placement_status"]) == ("onnxruntime", "measuring")
+
+
+def test_a_lazily_loaded_model_is_measured_right_after_its_load_beside_serving(
+        start_daemon: Any, short_tmp: Path, models_dir: Path) -> None:
+    """No preload: the first request loads ocr-cls; its candidates are measured at once
+    (on its warm-up input, not on the client's) while a client keeps sending requests,
+    every one answered right, and it moves without a failed request."""
+    repo = repo_with_cls(short_tmp, models_dir)
+    d = start_daemon("--models", str(repo))
+    steady = Steady(d, models_dir)  # its first request loads the model
+    try:
+        row = wait_status(d, "measured", timeout=120)
+        sent = steady.sent
+        poll(lambda: steady.sent > sent + 3, 60)
+    finally:
+        steady.stop()
+    assert steady.failed == 0 and steady.sent > 3, steady.errors[:3]
+    assert row["backend"] in ("onnxruntime", "openvino"), row
+    log = d.log()
+    assert "model ocr-cls version 1: placement measured on x=1x3x64x64 (1 run)" in log, log
+    assert "ocr-cls version 1@openvino (measuring) started: pid" in log, log
