@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +132,8 @@ def test_ocr_graph_with_det_on_openvino_and_rec_on_onnxruntime(
         shutil.copy(models_dir / "ocr" / "graph.toml", repo / "ocr")
     images = [render(*case) for case in CASES[:4]]
     results = {}
-    for name, repo in (("split", split), ("plain", plain)):
+
+    def serve(name: str, repo: Path) -> None:
         workdir = short_tmp / name
         workdir.mkdir(exist_ok=True)
         daemon = start_daemon("--models", str(repo), workdir=workdir)
@@ -142,6 +144,11 @@ def test_ocr_graph_with_det_on_openvino_and_rec_on_onnxruntime(
                                                 else "onnxruntime")
         assert models["ocr-rec"]["backend"] == "onnxruntime"
         daemon.stop()
+
+    # the two daemons at once: each one's start and loads are mostly one thread's work
+    with ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(serve, "split", split), pool.submit(serve, "plain", plain)]:
+            done.result()
     for got, want in zip(results["split"], results["plain"]):
         assert got["texts"].tolist() == want["texts"].tolist()
         assert got["texts"].size > 0
