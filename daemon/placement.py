@@ -8,10 +8,11 @@ engine's reason and the next entry is tried; the first that loads serves the mod
 
 With ``placement = "measured"`` (model.toml, else ``[placement] mode``; the default),
 when the plan holds more than one backend of the kind that loaded, the placer
-(:mod:`inferd.daemon.placer`) measures them in the background once the model serves:
-each candidate is loaded beside it, run on the inputs its first requests brought (only
-those the serving engine answered; never made-up ones), checked against the reference
-backend (the plan's first) and timed (:mod:`inferd.daemon.measure`); the fastest
+(:mod:`inferd.daemon.placer`) measures them while the model serves: each candidate is
+loaded beside it (in a worker process of its own, where the daemon runs workers: then
+run on the model's warm-up inputs, right after its load; in-process, on the inputs its
+first requests brought, only those the serving engine answered), checked against the
+reference backend (the plan's first) and timed (:mod:`inferd.daemon.measure`); the fastest
 correct one takes over between two runs (:mod:`inferd.daemon.placed_model`). Within a
 graph, the slowest stage is given the cores the others leave idle, where that measures
 faster. The decision is kept under the state directory (:mod:`inferd.daemon.decisions`),

@@ -668,8 +668,7 @@ class Placer:
             choice = next(c for c in job.plan if c.backend.id == serving.backend)
             failed = self._load(job, serving, choice, copies)
             if failed is not None:
-                raise _Unseeded(f"{serving.label} {failed}") if job.seeded else \
-                    InferdError(f"the serving backend {serving.label} {failed}")
+                raise InferdError(f"a copy of the serving backend {serving.label}: {failed}")
         trials = [serving]
         reference: list[Inputs] = []
         if serving.backend == job.plan[0].backend.id:
@@ -677,7 +676,7 @@ class Placer:
             reference.extend(_outputs(serving, samples, pause))
             if serving.why_not is not None:
                 if job.seeded:
-                    raise _Unseeded(f"{serving.label} {serving.why_not}")
+                    raise _Unseeded(f"{serving.label}: {serving.why_not}")
                 self._impossible(job, serving)
                 return None, trials
         order = [c.backend.id for c in job.plan]
@@ -689,7 +688,7 @@ class Placer:
             trials.append(trial)
             if not reference:  # the reference backend itself failed
                 if job.seeded and not (trial.why_not or "").startswith("it failed to load"):
-                    raise _Unseeded(f"{trial.label} {trial.why_not}")
+                    raise _Unseeded(f"{trial.label}: {trial.why_not}")
                 self._impossible(job, trial)
                 return None, trials
             self._keep_best(trials, serving, order, rivals)

@@ -314,14 +314,16 @@ class WorkerPool:
         reason = "killed" if w.killed_for else (
             "signal" if os.WIFSIGNALED(status) else "exit")
         self.restarts[(w.backend, reason)] += 1
-        log.error("engine %s (worker %d) %s%s; its models load again in a new worker on "
-                  "their next request", w.backend, pid, w.reason, what,
-                  extra={"BACKEND": w.backend, "WORKER_PID": pid,
-                         "REASON": reason})
+        rival = w.name.endswith(MEASURING)  # nothing loads there again: the placer
+        log.error("engine %s (worker %d) %s%s; %s", w.backend, pid, w.reason, what,
+                  "it held a candidate being measured for placement, which is not chosen"
+                  if rival else "its models load again in a new worker on their next "
+                  "request", extra={"BACKEND": w.backend, "WORKER_PID": pid,
+                                    "REASON": reason})
         if self._on_restart is not None:
             self._on_restart(w.backend, reason)
-        if w.name.endswith(MEASURING):
-            return  # a rival's: the placer skips the candidate, nothing loads there again
+        if rival:
+            return
         threading.Thread(target=self._prestart, args=(w.name, w.backend),
                          name="inferd-worker-restart", daemon=True).start()
 

@@ -841,3 +841,31 @@ def test_settle_waits_for_measuring_within_its_bound(repo: Path) -> None:
         gate.set()
         placer.stop()
         model.unload()
+
+
+def test_warmup_inputs_the_model_refuses_fall_back_to_its_first_requests(
+        repo: Path, caplog: Any) -> None:
+    """A warm-up input the serving backend refuses (warmup/x.npy with a NaN) is never
+    given to a rival: measuring logs why and waits for the first requests' inputs."""
+    (repo / "m" / "1" / "warmup").mkdir()
+    np.save(repo / "m" / "1" / "warmup" / "x.npy", np.array([[1, np.nan, 3, 4]],
+                                                             np.float32))
+    slow, fast = SleepBackend("slow", SLOW_S), SleepBackend("fast", FAST_S)
+    placer, registry, _ = make([slow, fast], None)
+    caplog.set_level(logging.INFO, "inferd.daemon.placement")
+    placement, model = place_isolated(placer, registry, repo, [])
+    try:
+        assert placer.settle(30.0) == []
+        assert placement.to_json()["status"] == "measuring"
+        assert any("its warm-up inputs cannot measure its placement (slow: it failed to "
+                   "run: slow#2 refuses NaN); measured on its first requests instead"
+                   in r.getMessage() for r in caplog.records), caplog.text
+        assert not any(m.seen for m in fast.models)
+        serve(model)
+        now = settled(placement)
+        assert (now["backend"], now["status"]) == ("fast", "measured"), now
+        ran = [x for m in fast.models for x in m.seen]
+        assert ran and not any(np.isnan(x).any() for x in ran)
+    finally:
+        placer.stop()
+        model.unload()
