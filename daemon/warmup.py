@@ -18,6 +18,7 @@ from numpy.typing import NDArray
 
 from inferd.daemon.model_settings import ModelSettings
 from inferd.daemon.placed_model import PlacedModel
+from inferd.ipc.dtypes import numpy_dtype
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.libbackends.contract import LoadedModel, TensorSpec, check_inputs
 
@@ -27,7 +28,7 @@ WARMUP_DIR = "warmup"
 def _zeros(spec: TensorSpec, shape: list[int]) -> NDArray[Any]:
     if spec.dtype == "string":
         return np.full(shape, "", dtype=object)
-    return np.zeros(shape, dtype=np.dtype(spec.dtype))
+    return np.zeros(shape, dtype=numpy_dtype(spec.dtype))  # bfloat16, int4...: ml_dtypes'
 
 
 def _shape(spec: TensorSpec, dynamic: int) -> list[int]:

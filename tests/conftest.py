@@ -57,10 +57,16 @@ class Daemon:
                self.endpoint, *args]
         self._log = open(self.log_path, "ab")
         # Keep the host's /etc/inferd/inferd.toml (an installed package) out of tests:
-        # without --config the daemon reads an empty file of the test's own.
-        # Likewise the host's /usr/lib/inferd/backends: an empty backends dir by default.
+        # without --config the daemon reads a file of the test's own, which keeps each
+        # model on the first backend of its plan (placement "first"): a test compares
+        # bits with onnxruntime run in the test, and since measured placement measures
+        # a preload before READY (ready_within_s) it would move models while the test
+        # runs and make every start wait for it. Tests of measured placement pass their
+        # own --config. Likewise the host's /usr/lib/inferd/backends: an empty backends
+        # dir by default.
         isolated = workdir / "empty-inferd.toml"
-        isolated.touch()
+        if not isolated.exists():
+            isolated.write_text('[placement]\nmode = "first"\n')
         no_backends = workdir / "no-backends"
         no_backends.mkdir(exist_ok=True)
         env = {"INFERD_CONFIG": str(isolated), "INFERD_BACKENDS_PATH": str(no_backends),

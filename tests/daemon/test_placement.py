@@ -869,3 +869,15 @@ def test_warmup_inputs_the_model_refuses_fall_back_to_its_first_requests(
     finally:
         placer.stop()
         model.unload()
+
+
+def test_warm_up_zeros_of_the_newer_types():
+    """A model with bfloat16 / int4 inputs is sampled for measured placement on zeros of
+    its warm-up shapes: made through the wire's dtypes (ml_dtypes brought in on demand),
+    not np.dtype(name), which failed the whole load ('bfloat16' not understood)."""
+    from inferd.daemon.warmup import _zeros
+    from inferd.libbackends.contract import TensorSpec
+
+    for name in ("bfloat16", "int4", "float8_e4m3fn", "float32"):
+        z = _zeros(TensorSpec("x", name, (2, 3)), [2, 3])
+        assert z.shape == (2, 3) and z.dtype.name == name and not z.astype(float).any()
