@@ -729,7 +729,8 @@ class StreamTable:
         chunk: Chunk = item.chunk
         stream = chunk.stream
         bound = self.bound
-        assert bound is not None
+        if bound is None:  # a run given up by the drain ended after the unload
+            raise lost_error(chunk.ref.id, self.model, "model unloaded")
         state = {}
         for s in bound.spec.states:
             value = outputs.get(s.output)
