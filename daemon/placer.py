@@ -132,8 +132,8 @@ class GraphIndex:
 
 
 @dataclass
-class Job:
-    """One model version whose rivals are (to be) measured."""
+class Contest:
+    """One model version whose rivals are (to be) measured against each other."""
 
     entry: Any
     """The cache entry (a ModelEntry): what the budget recosts after a move."""
@@ -265,11 +265,11 @@ class Placer:
         self._busy_checks = [busy]
         self.store = store if store is not None else DecisionStore(state_directory(config))
         self._cond = threading.Condition()
-        self._queue: list[Job] = []
-        self._jobs: dict[tuple[str, int], Job] = {}  # placed models that have rivals
+        self._queue: list[Contest] = []
+        self._jobs: dict[tuple[str, int], Contest] = {}  # placed models that have rivals
         self._models: dict[tuple[str, int], PlacedModel] = {}  # every placed model
         self._thread: threading.Thread | None = None
-        self._running: Job | None = None  # the job being measured now
+        self._running: Contest | None = None  # the job being measured now
         self._waiting = 0  # in _turn, waiting for the daemon to serve nothing
         self._stopping = threading.Event()
         self._cpu = cpu_model()
@@ -330,7 +330,7 @@ class Placer:
             return placement, model
         if found != first or key is None:
             key = self._key(path, found, settings, config, graphs)
-        job = Job(entry, path, found, settings, load, key, model, placement,
+        job = Contest(entry, path, found, settings, load, key, model, placement,
                   graphs, loaded_why=placement.why, isolated=isolated)
         if decision is not None and placement.backend == decision.backend:
             # measured before: nothing to do unless `inferctl reload --remeasure`
@@ -344,7 +344,7 @@ class Placer:
         self._submit(job)
         return placement, model
 
-    def _sample(self, job: Job, config: Any) -> None:
+    def _sample(self, job: Contest, config: Any) -> None:
         """What ``job`` is measured on: isolated, its warm-up inputs (at once); else, or
         where they cannot be made, its first requests' inputs."""
         job.seeded = False
@@ -381,7 +381,7 @@ class Placer:
 
     # ----------------------------------------------------------------- the thread
 
-    def _submit(self, job: Job, queued: bool = True) -> None:
+    def _submit(self, job: Contest, queued: bool = True) -> None:
         """Know ``job`` (for :meth:`remeasure`) and, if ``queued``, measure it."""
         with self._cond:
             self._jobs[(job.name, job.version)] = job
@@ -419,7 +419,7 @@ class Placer:
                     self._queue.remove(job)
 
     @staticmethod
-    def _when(job: Job) -> float | None:
+    def _when(job: Contest) -> float | None:
         """When ``job`` can be measured (monotonic), or None while it waits for samples
         (a kept run wakes the thread)."""
         first = job.model.first_sample_at
@@ -504,7 +504,7 @@ class Placer:
 
     # ----------------------------------------------------------------- measuring
 
-    def _measure(self, job: Job) -> None:
+    def _measure(self, job: Contest) -> None:
         """Measure ``job``'s rivals one at a time beside the serving engine, while the
         daemon serves nothing; keep the decision, move the model to the winner."""
         # only inputs that clients sent and the serving engine answered: never made-up
@@ -548,7 +548,7 @@ class Placer:
                 if job not in self._queue:  # not postponed, nor queued by remeasure()
                     job.model.resample(0)  # the samples are not needed any more
 
-    def _turn(self, job: Job, clock: _Clock) -> None:
+    def _turn(self, job: Contest, clock: _Clock) -> None:
         """Wait until the daemon serves nothing (no request queued or running for any
         model): measuring runs and loads only between requests. Raises _Gone if the
         model was unloaded or the placer stops meanwhile. Isolated, measuring runs beside
@@ -566,7 +566,7 @@ class Placer:
         if self._stopping.is_set() or job.model.closed:
             raise _Gone
 
-    def _reserve(self, job: Job, need: int) -> AbstractContextManager[None]:
+    def _reserve(self, job: Contest, need: int) -> AbstractContextManager[None]:
         """Count ``need`` bytes (a rival) in the cache budget while it is loaded; with
         or without a budget, refuse (RESOURCE_EXHAUSTED) what passes ``MACHINE_SHARE``
         of the memory the machine has available."""
@@ -579,7 +579,7 @@ class Placer:
                               ErrorCode.RESOURCE_EXHAUSTED)
         return self._room.reserve(label, need)
 
-    def _load(self, job: Job, trial: measure.Trial, choice: Choice,
+    def _load(self, job: Contest, trial: measure.Trial, choice: Choice,
               rivals: _Rivals, rival: bool = True) -> str | None:
         """Load a fresh engine of ``choice`` into ``trial`` (held by ``rivals``, counted
         in the budget until released), its load's figures on ``trial``: the RSS delta
@@ -615,7 +615,7 @@ class Placer:
                                     rss, reported)
         return None
 
-    def _candidate(self, job: Job, choice: Choice, threads: int | None,
+    def _candidate(self, job: Contest, choice: Choice, threads: int | None,
                    samples: list[Inputs], reference: list[Inputs], serving: measure.Trial,
                    clock: _Clock, rivals: _Rivals) -> measure.Trial:
         """Load, check and time one rival beside the serving engine, the only rival
@@ -653,7 +653,7 @@ class Placer:
             rivals.release(trial)
         return trial
 
-    def _decide(self, job: Job, samples: list[Inputs], clock: _Clock, rivals: _Rivals,
+    def _decide(self, job: Contest, samples: list[Inputs], clock: _Clock, rivals: _Rivals,
                 copies: _Rivals) -> tuple[Decision | None, list[measure.Trial]]:
         """Measure every rival (see :meth:`_candidate`) and decide; None if the
         reference cannot be run. Returns the decision and every trial. Isolated, the
@@ -737,14 +737,14 @@ class Placer:
             if t is not best:
                 rivals.release(t)
 
-    def _impossible(self, job: Job, ref: measure.Trial) -> None:
+    def _impossible(self, job: Contest, ref: measure.Trial) -> None:
         log.warning("model %s: its placement cannot be measured: the reference backend "
                     "%s %s; it stays on %s", job.label, ref.backend, ref.why_not,
                     job.placement.backend, extra={"MODEL": job.name})
         job.placement.settled(Status.FIRST, f"{job.loaded_why}; measuring impossible: "
                               f"{ref.backend} {ref.why_not}")
 
-    def _share(self, job: Job) -> tuple[str, float] | None:
+    def _share(self, job: Contest) -> tuple[str, float] | None:
         """The graph in which ``job``'s model does the largest share of the busy time
         of the graph's models since they loaded, and that share; None outside graphs."""
         best: tuple[str, float] | None = None
@@ -760,7 +760,7 @@ class Placer:
                     best = (graph, part)
         return best
 
-    def _adopt(self, job: Job, decision: Decision, trials: list[measure.Trial],
+    def _adopt(self, job: Contest, decision: Decision, trials: list[measure.Trial],
                clock: _Clock, rivals: _Rivals) -> None:
         """Keep ``decision`` and move the model onto its winner (the winner's engine
         leaves ``trials``; loaded again if it was released for a later rival)."""

@@ -203,7 +203,8 @@ def _mapped(pid: int) -> set[str]:
 
 def _config(short_tmp: Path, isolation: str) -> str:
     path = short_tmp / "isolation.toml"
-    path.write_text(f'[workers]\nisolation = "{isolation}"\n')
+    # placement "first": the one worker of the backend, no measuring workers beside it
+    path.write_text(f'[workers]\nisolation = "{isolation}"\n[placement]\nmode = "first"\n')
     return str(path)
 
 

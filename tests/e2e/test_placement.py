@@ -310,7 +310,9 @@ def test_a_lazily_loaded_model_is_measured_right_after_its_load_beside_serving(
     (on its warm-up input, not on the client's) while a client keeps sending requests,
     every one answered right, and it moves without a failed request."""
     repo = repo_with_cls(short_tmp, models_dir)
-    d = start_daemon("--models", str(repo))
+    config = short_tmp / "measured.toml"  # the tests' own default is "first"
+    config.write_text('[placement]\nmode = "measured"\n')
+    d = start_daemon("--config", str(config), "--models", str(repo))
     steady = Steady(d, models_dir)  # its first request loads the model
     try:
         row = wait_status(d, "measured", timeout=120)

@@ -301,7 +301,9 @@ def test_limits(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     out.append(d1.log())
     # 3. Room for either small model, not both: the second evicts the first.
     config = short_tmp / "budget.toml"
-    config.write_text(f"[cache]\nmax_memory = {engines + max(vad, cls) + min(vad, cls) // 2}\n")
+    # placement "first": no rival on trial holds a share of this tight budget
+    config.write_text(f"[cache]\nmax_memory = {engines + max(vad, cls) + min(vad, cls) // 2}\n"
+                      '[placement]\nmode = "first"\n')
     d2 = start_daemon("--config", str(config), "--models", str(repo),
                       workdir=_dir(short_tmp / "d2"))
     with d2.client(timeout=60) as c:
