@@ -206,7 +206,7 @@ def limited(models_dir: Path, short_tmp: Path, start_daemon) -> Daemon:
     """A daemon of its own: two requests in flight per client at most."""
     repo = kit.make_repository(short_tmp / "repo", models_dir)
     config = short_tmp / "limited.toml"
-    config.write_text("[server]\nmax_requests_per_client = 2\n")
+    config.write_text("[server]\nmax_requests_per_client = 2\n[placement]\nmode = \"first\"\n")
     return start_daemon("--config", str(config), "--models", str(repo), "--preload", "slow",
                         "--preload", "ocr-cls")
 
