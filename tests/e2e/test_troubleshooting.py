@@ -792,7 +792,7 @@ def test_streams(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     repo2.mkdir()
     toy_model(repo2, "vad")
     mark = short_tmp / "running"
-    config.write_text('[workers]\nisolation = "backend"\n')
+    config.write_text('[workers]\nisolation = "backend"\n[placement]\nmode = "first"\n')
     d2 = start_daemon("--config", str(config), "--models", str(repo2),
                       workdir=_dir(short_tmp / "d2"), env={"SLOW_MARK": str(mark)})
     with d2.client(timeout=60) as c:
