@@ -220,21 +220,6 @@ class ModelManager:
         if estimate.bytes > 0:
             working.admit(estimate)  # it counts from now on (a settled one already does)
         return estimate
-        need = self.budget.run_need(entry, estimate, self.max_memory)
-        if need:
-            load = entry.memory.load
-            assert load is not None  # run_need asks room only for a measured load
-            try:
-                self.make_room(entry, need, f"{format_bytes(need - load.cost)} of it "
-                               f"working memory, {estimate.how}")
-            except InferdError as e:
-                if estimate.reliable:
-                    raise
-                log.debug("model %s: no room made for its working memory: %s",
-                          entry.label, e.message, extra={"MODEL": entry.name})
-        if estimate.bytes > 0 or not estimate.settled:
-            working.admit(estimate)
-        return estimate
 
     def grew(self, entry: ModelEntry) -> None:
         """A run of ``entry`` needed more working memory than any before: it counts now;
