@@ -72,8 +72,8 @@ def three_stage() -> None:
     workers.start()
     t0 = time.perf_counter()
     for i in range(n):
-        work.put(Queued(Request(str(i), Op.INFER, model="rec3", inputs={"x": x}),
-                          LocalTicket(str(i), lambda r: done.release())))
+        work.put(Queued(LocalTicket(Request(str(i), Op.INFER, model="rec3", inputs={"x": x}),
+                                    lambda r: done.release())))
     for _ in range(n):
         done.acquire()
     elapsed = time.perf_counter() - t0

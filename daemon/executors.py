@@ -44,7 +44,7 @@ from inferd.daemon.pipeline import Pinning, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, failure
 from inferd.ipc.protocol import Op, Reply, Request
-from inferd.ipc.replies import LocalTicket, ReplySink
+from inferd.ipc.replies import AnyTicket, LocalTicket, ReplySink
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ModelQueues(Protocol):
     """What a graph needs of the model manager: queue a request (refusing it with an
     InferdError), and wait until a model's queue has room."""
 
-    def submit(self, request: Request, ticket: Any) -> None: ...
+    def submit(self, ticket: AnyTicket) -> None: ...
 
     def wait_for_room(self, request: Request, timeout: float | None) -> bool: ...
 
@@ -83,14 +83,14 @@ class ModelCaller:
             else:
                 future.set_exception(InferdError(f"model {model}: {reply.error.message}",
                                                  reply.error.code))
-        rid = f"graph-{next(_ids)}"
-        timeout_ms = None if deadline is None else max(1, int((deadline - time.monotonic())
-                                                              * 1000))
-        request = Request(rid, Op.INFER, model=model, inputs=inputs, timeout_ms=timeout_ms)
-        ticket = LocalTicket(rid, deliver, deadline, model=model, peer=peer)
+        now = time.monotonic()  # the call's deadline counts from here (its ticket's)
+        timeout_ms = None if deadline is None else max(1, int((deadline - now) * 1000))
+        request = Request(f"graph-{next(_ids)}", Op.INFER, model=model, inputs=inputs,
+                          timeout_ms=timeout_ms)
+        ticket = LocalTicket(request, deliver, now, peer=peer)
         while True:  # a full model queue is backpressure here, not a failure
             try:
-                self._models.submit(request, ticket)
+                self._models.submit(ticket)
                 return future
             except InferdError as e:
                 if e.code is not ErrorCode.RESOURCE_EXHAUSTED:
@@ -121,15 +121,6 @@ its array is not held until the frame's last node: the OCR detector's 18 MiB inp
 let go when the detector has it, not when the last node reads the image's size."""
 
 
-def _deadline(ticket: Any) -> float | None:
-    return getattr(ticket, "deadline", None)
-
-
-def _peer(ticket: Any) -> bytes:
-    peer = getattr(ticket, "peer", b"")
-    return peer if isinstance(peer, bytes) else b""
-
-
 # --------------------------------------------------------------------------- task-parallel
 
 
@@ -158,9 +149,9 @@ class TaskExecutor:
         with self._cond:
             return [p.thread for p in self.pinnings]
 
-    def submit(self, request: Request, ticket: Any) -> None:
-        check_graph_inputs(self.spec, request)
-        run = _TaskRun(self, request, ticket)
+    def submit(self, ticket: AnyTicket) -> None:
+        check_graph_inputs(self.spec, ticket.request)
+        run = _TaskRun(self, ticket)
         with self._cond:
             self._runs.add(run)
         run.start()
@@ -209,9 +200,9 @@ class TaskExecutor:
 class _TaskRun:
     """One request through a task-parallel graph."""
 
-    def __init__(self, ex: TaskExecutor, request: Request, ticket: Any) -> None:
-        self.ex, self.request, self.ticket = ex, request, ticket
-        self.packets: dict[str, dict[str, Any]] = {INPUT: dict(request.inputs)}
+    def __init__(self, ex: TaskExecutor, ticket: AnyTicket) -> None:
+        self.ex, self.ticket = ex, ticket
+        self.packets: dict[str, dict[str, Any]] = {INPUT: dict(ticket.request.inputs)}
         self.waiting = {n.name: {p for p in n.producers if p != INPUT} for n in ex.spec.nodes}
         # the nodes still to read each value (the graph's outputs, read at the end, are
         # not counted): a value is released once they have all run
@@ -223,6 +214,10 @@ class _TaskRun:
         self.ran = 0  # nodes that finished
         self.lock = threading.Lock()
         self.finished = False
+
+    @property
+    def request(self) -> Request:
+        return self.ticket.request
 
     def start(self) -> None:
         with self.lock:
@@ -247,7 +242,7 @@ class _TaskRun:
             self.ex.busy.begin("task", f"node {name}, request {self.request.id}")
             try:
                 out = run_node(spec, node, gather(spec.name, node, self.packets),
-                               self.ex._call, _deadline(self.ticket), _peer(self.ticket))
+                               self.ex._call, self.ticket.deadline, self.ticket.peer)
             finally:
                 self.ex.busy.end()
         except Exception as e:
@@ -297,10 +292,14 @@ class _TaskRun:
 class Packet:
     """One frame's values on an edge, or the error that ended it upstream."""
 
-    request: Request
-    ticket: Any
+    ticket: AnyTicket
     values: dict[str, Any] | None
     error: Reply | None = None
+
+    @property
+    def request(self) -> Request:
+        """The frame's request (its ticket's)."""
+        return self.ticket.request
 
 
 class EdgeClosed(Exception):
@@ -389,7 +388,7 @@ class Edge:
         values = packet.values or {}
         if all(k in keep or v is RELEASED for k, v in values.items()):
             return packet
-        return Packet(packet.request, packet.ticket,
+        return Packet(packet.ticket,
                       {k: v if k in keep else RELEASED for k, v in values.items()},
                       packet.error)
 
@@ -451,12 +450,13 @@ class PipelineExecutor:
                            self.spec.cpu_affinity, self.spec.name)
         loop(*args)
 
-    def submit(self, request: Request, ticket: Any) -> None:
+    def submit(self, ticket: AnyTicket) -> None:
+        request = ticket.request
         check_graph_inputs(self.spec, request)
         with self._lock:
             if self._stopping:
                 raise InferdError(f"graph {self.spec.name} is stopping", ErrorCode.UNAVAILABLE)
-            if not self.edges[INPUT].put(Packet(request, ticket, dict(request.inputs)),
+            if not self.edges[INPUT].put(Packet(ticket, dict(request.inputs)),
                                          block=False):
                 raise InferdError(f"graph {self.spec.name}: queue is full "
                                   f"({self.spec.input_queue_size} frames waiting)",
@@ -519,7 +519,7 @@ class PipelineExecutor:
         first = packets[0]
         failed = next((p.error for p in packets if p.error is not None), None)
         if failed is not None:
-            return Packet(first.request, first.ticket, None, failed)
+            return Packet(first.ticket, None, failed)
         try:
             if first.ticket.expired():
                 raise InferdError(f"graph {self.spec.name}: deadline passed before node "
@@ -529,12 +529,12 @@ class PipelineExecutor:
             self.busy.begin("node", f"request {first.request.id}", (first,))
             try:
                 result = run_node(self.spec, node, values, self._call,
-                                  _deadline(first.ticket), _peer(first.ticket))
+                                  first.ticket.deadline, first.ticket.peer)
             finally:
                 self.busy.end()
-            return Packet(first.request, first.ticket, result)
+            return Packet(first.ticket, result)
         except Exception as e:
-            return Packet(first.request, first.ticket, None,
+            return Packet(first.ticket, None,
                           graph_failure(first.request, self.spec.name, e))
 
     def _sink_loop(self) -> None:

@@ -24,8 +24,7 @@ from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.processors import ProcessorRegistry
 from inferd.daemon.repository import Repository
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure
-from inferd.ipc.protocol import Request
-from inferd.ipc.replies import ReplySink
+from inferd.ipc.replies import AnyTicket, ReplySink
 
 log = logging.getLogger(__name__)
 
@@ -96,26 +95,29 @@ class GraphManager:
                 self._errors.pop(name, None)
         return ex
 
-    def submit(self, request: Request, ticket: Any) -> None:
-        """Queue one infer request for a graph (I/O thread); raises to refuse it.
+    def submit(self, ticket: AnyTicket) -> None:
+        """Queue one infer request (its ticket) for a graph (I/O thread); raises to
+        refuse it.
 
         A graph not loaded yet is loaded on the graph loader thread (parsing it may read
         model files), and the request is answered from there if the load fails."""
+        request = ticket.request
         if request.stream is not None:  # a graph keeps no state between requests
             raise ModelError(f"graph {request.model} cannot run as a stream: only a model "
                              f"with a [stream] table in its model.toml can",
                              ErrorCode.INVALID_ARGUMENT)
         ex = self._graphs.get(request.model or "")
         if ex is not None:
-            ex.submit(request, ticket)
+            ex.submit(ticket)
             return
-        self._loader.submit(self._load_and_submit, request, ticket)
+        self._loader.submit(self._load_and_submit, ticket)
 
-    def _load_and_submit(self, request: Request, ticket: Any) -> None:
+    def _load_and_submit(self, ticket: AnyTicket) -> None:
+        name = ticket.request.model or ""
         try:
-            self.executor(request.model or "").submit(request, ticket)
+            self.executor(name).submit(ticket)
         except Exception as e:
-            self._sink.send(ticket, graph_failure(request, request.model or "", e))
+            self._sink.send(ticket, graph_failure(ticket.request, name, e))
 
     def describe(self) -> list[dict[str, Any]]:
         out = []

@@ -30,7 +30,7 @@ from typing import Any
 from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.stages import Sleeper
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, failure
-from inferd.ipc.protocol import Reply, Request
+from inferd.ipc.protocol import Reply
 from inferd.ipc.replies import Ticket
 
 log = logging.getLogger(__name__)
@@ -69,14 +69,14 @@ class InlineOps(Sleeper):
         self._reply = reply
         self._collect_metrics = collect_metrics
         self._clients: dict[bytes, _Client] = {}
-        self._ready: list[tuple[float, int, bytes, Request, Ticket, Deferred]] = []
+        self._ready: list[tuple[float, int, bytes, Ticket, Deferred]] = []
         self._order = itertools.count()
         super().__init__("inferd-inline", self._run)
         self._metrics: tuple[float, dict[str, Any]] | None = None
         self.refused = 0
 
-    def submit(self, request: Request, ticket: Ticket, job: Deferred) -> None:
-        """Run ``job`` for ``request`` in its client's turn (I/O thread).
+    def submit(self, ticket: Ticket, job: Deferred) -> None:
+        """Run ``job`` for ``ticket``'s request in its client's turn (I/O thread).
 
         Raises:
             InferdError: RESOURCE_EXHAUSTED, too many of this client's wait already.
@@ -98,8 +98,8 @@ class InlineOps(Sleeper):
             start = max(now, client.tat - BURST / RATE)
             client.tat = max(client.tat, now) + 1 / RATE
             client.waiting += 1
-            heapq.heappush(self._ready, (start, next(self._order), ticket.peer, request,
-                                         ticket, job))
+            heapq.heappush(self._ready, (start, next(self._order), ticket.peer, ticket,
+                                         job))
             self._wake.notify()
 
     def metrics(self) -> dict[str, Any]:
@@ -119,9 +119,9 @@ class InlineOps(Sleeper):
                                     if self._ready else None)
                 if self._stopping:
                     return
-                _, _, peer, request, ticket, job = heapq.heappop(self._ready)
+                _, _, peer, ticket, job = heapq.heappop(self._ready)
             try:
-                self._one(request, ticket, job)
+                self._one(ticket, job)
             finally:
                 with self._lock:
                     client = self._clients.get(peer)
@@ -130,7 +130,8 @@ class InlineOps(Sleeper):
                         if client.waiting <= 0 and client.tat <= time.monotonic():
                             del self._clients[peer]
 
-    def _one(self, request: Request, ticket: Ticket, job: Deferred) -> None:
+    def _one(self, ticket: Ticket, job: Deferred) -> None:
+        request = ticket.request
         if ticket.expired():
             self._reply(ticket, Reply(request.id, error=Failure(
                 ErrorCode.DEADLINE_EXCEEDED, f"{request.op}: its timeout passed while it "

@@ -66,10 +66,17 @@ IO_RUN_MAX_BYTES = 64 * 2**10
 
 @dataclass(slots=True)
 class Queued:
-    request: Request
+    """A request in a model's queue: its ticket (which holds the request), and its
+    part in a stream."""
+
     ticket: AnyTicket
     chunk: Chunk | None = None
     """Its part in a stream (daemon/streams.py), if the request names one."""
+
+    @property
+    def request(self) -> Request:
+        """The queued request (its ticket's)."""
+        return self.ticket.request
 
 
 @dataclass(frozen=True, slots=True)

@@ -280,24 +280,24 @@ class ModelManager:
 
     # ----------------------------------------------------------------- requests
 
-    def submit(self, request: Request, ticket: AnyTicket, io_thread: bool = False) -> None:
+    def submit(self, ticket: AnyTicket, io_thread: bool = False) -> None:
         """Queue an infer request. Raises InferdError to refuse it.
 
         Args:
-            request: the request.
-            ticket: its record.
+            ticket: the request's record (``ticket.request``: the request).
             io_thread: the caller is the I/O thread with a wire request: a small one
                 (``ticket.tensor_bytes``, its tensors wherever they travel, frames or
                 shared memory) to a model that runs it in less time than the two thread
                 hand-overs would cost is run here and now (``[models] io_run_max_us``,
                 :meth:`ModelThreads.may_run_on_io_thread`).
         """
+        request = ticket.request
         if request.model is None:
             raise ModelError("infer needs 'model'")
         keep_alive = request_keep_alive(request.params)
-        self.quarantine.check(request.model, getattr(ticket, "uid", None))
+        self.quarantine.check(request.model, ticket.uid)
         entry = self.entry(request.model, request.version)
-        item = Queued(request, ticket)
+        item = Queued(ticket)
         if request.stream is not None and not self._stream_turn(entry, item, keep_alive):
             return  # held behind an earlier chunk of its stream, or answered
         try:
@@ -359,7 +359,7 @@ class ModelManager:
                                       entry.error_code)
                 entry.retry()
             if entry.queue.qsize() >= entry.queue_size and not entry.queue.below_share(
-                    getattr(item.ticket, "peer", b"")):
+                    item.ticket.peer):
                 raise InferdError(f"model {entry.label}: queue is full "
                                   f"({entry.queue_size} requests waiting)",
                                   ErrorCode.RESOURCE_EXHAUSTED)

@@ -421,23 +421,24 @@ class Runtime:
 
     # ----------------------------------------------------------------- ops
 
-    def handle(self, request: Request, ticket: Ticket) -> Reply | None:
-        """Answer one request (I/O thread): inline for cheap ops, later for the rest."""
+    def handle(self, ticket: Ticket) -> Reply | None:
+        """Answer one request, held by its ticket (I/O thread): inline for cheap ops,
+        later for the rest."""
+        request = ticket.request
         op = request.op
         known = self.models.catalog.knows(request.model)  # a dict lookup
         if op is Op.INFER:
             self.watch.track(ticket)  # answered at its deadline, whatever a stage does
             if known:
-                self.models.submit(request, ticket, io_thread=True)
+                self.models.submit(ticket, io_thread=True)
             else:  # a graph, a model added since the scan, or a wrong name: the disk
-                self.inline.submit(request, ticket, lambda: self._infer_unknown(request,
-                                                                                ticket))
+                self.inline.submit(ticket, lambda: self._infer_unknown(ticket))
             return None
         if op is Op.PING:
             return Reply(request.id, result={"pong": True, "ready": self.ready.is_set(),
                                              "max_message_bytes": self.server.max_message_bytes})
         if op in (Op.STATUS, Op.MODELS, Op.METRICS, Op.BACKENDS):
-            self.inline.submit(request, ticket, lambda: Reply(request.id, result=(
+            self.inline.submit(ticket, lambda: Reply(request.id, result=(
                 self._inline_result(request))))
             return None
         if op in (Op.LOAD, Op.UNLOAD):
@@ -446,10 +447,9 @@ class Runtime:
             if known:  # an unload of a model the catalog knows always goes ahead
                 if op is Op.LOAD:
                     self.models.entry(request.model)  # a version it does not have
-                self._control.submit(self._control_op, request, ticket)
+                self._control.submit(self._control_op, ticket)
             else:  # a graph, or a bad or unknown name, refused right away
-                self.inline.submit(request, ticket, lambda: self._control_unknown(
-                    request, ticket))
+                self.inline.submit(ticket, lambda: self._control_unknown(ticket))
             return None
         if op is Op.RELOAD:
             names = remeasure_names(request.params.get("remeasure"))
@@ -497,23 +497,24 @@ class Runtime:
             return
         self.models.entry(name or "", request.version)  # or a model added since the scan
 
-    def _infer_unknown(self, request: Request, ticket: Ticket) -> None:
+    def _infer_unknown(self, ticket: Ticket) -> None:
         """An infer naming what the catalog does not know (inline thread): a graph, a
         model directory added since the scan, or NOT_FOUND."""
-        if self.graphs.is_graph(request.model):
-            self.graphs.submit(request, ticket)
+        if self.graphs.is_graph(ticket.request.model):
+            self.graphs.submit(ticket)
         else:
-            self.models.submit(request, ticket)
+            self.models.submit(ticket)
 
-    def _control_unknown(self, request: Request, ticket: Ticket) -> None:
+    def _control_unknown(self, ticket: Ticket) -> None:
         """A load or unload naming what the catalog does not know (inline thread)."""
-        if not self.graphs.is_graph(request.model):
-            self.models.entry(request.model)  # NOT_FOUND, or a model added since
-        self._control.submit(self._control_op, request, ticket)
+        if not self.graphs.is_graph(ticket.request.model):
+            self.models.entry(ticket.request.model)  # NOT_FOUND, or a model added since
+        self._control.submit(self._control_op, ticket)
 
-    def _control_op(self, request: Request, ticket: Ticket) -> None:
+    def _control_op(self, ticket: Ticket) -> None:
         """Run a load or unload (of a model or a graph) on the control thread and
         answer it; whatever it raises becomes the request's coded reply."""
+        request = ticket.request
         try:
             reply = self._control_reply(request, self._run_control_op(request), None)
         except Exception as e:

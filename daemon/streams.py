@@ -405,7 +405,7 @@ class StreamTable:
                room: tuple[int, int] | None) -> Admission | Reply:
         ref: StreamRef = item.request.stream
         ticket = item.ticket
-        key: StreamKey = (getattr(ticket, "peer", b""), getattr(ticket, "uid", None), ref.id)
+        key: StreamKey = (ticket.peer, ticket.uid, ref.id)
         stream = self._streams.get(key)
         if stream is None:
             lost = self._lost.get(key)

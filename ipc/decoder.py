@@ -31,7 +31,7 @@ cost more."""
 Resolve = Callable[[Request], None]
 """Raises (an ``InferdError``: NOT_FOUND...) if the model or graph a request names does
 not exist; may read the model repository."""
-Decoded = Callable[[Ticket, Request, "Exception | None"], None]
+Decoded = Callable[[Ticket, "Exception | None"], None]
 """Told (on the decode thread) that a request was decoded, or why it was refused."""
 
 
@@ -48,16 +48,16 @@ class Decoder:
     def __init__(self, resolve: Resolve | None, decoded: Decoded) -> None:
         self._resolve = resolve
         self._decoded = decoded
-        self._queue: queue.SimpleQueue[tuple[Ticket, Request] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Ticket | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, ticket: Ticket, request: Request) -> None:
-        """Queue ``request`` for its name check and decoding (I/O thread)."""
+    def submit(self, ticket: Ticket) -> None:
+        """Queue ``ticket``'s request for its name check and decoding (I/O thread)."""
         if self._thread is None:  # started on first use: most daemons never need it
             self._thread = threading.Thread(target=self._loop, name="inferd-decode",
                                             daemon=True)
             self._thread.start()
-        self._queue.put((ticket, request))
+        self._queue.put(ticket)
 
     def stop(self, timeout: float = 1.0) -> None:
         """End the thread after what it is decoding now; what is still queued is left
@@ -69,10 +69,10 @@ class Decoder:
 
     def _loop(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            ticket = self._queue.get()
+            if ticket is None:
                 return
-            ticket, request = job
+            request = ticket.request
             if ticket.code is not None:  # answered meanwhile (the stop): nothing to do
                 continue
             error: Exception | None = None
@@ -83,6 +83,6 @@ class Decoder:
             except Exception as e:  # noqa: BLE001  the request's reply says what failed
                 error = e
             try:
-                self._decoded(ticket, request, error)
+                self._decoded(ticket, error)
             except Exception:  # noqa: BLE001  a bug there must not end the thread
                 log.exception("handing decoded request %s back failed", request.id)

@@ -6,12 +6,15 @@ server, the per-client limits, the model queues and the metrics read it instead 
 keeping ledgers of their own.
 
 - :class:`Ticket`: a client on the wire. The server makes it when the request's frames
-  arrive (sequence number, client, envelope, bytes, receipt time), fills in what the
-  header says once it is decoded (id, deadline, the model or graph an ``infer`` names)
-  and turns it back into the client's envelope
+  arrive (sequence number, client, envelope, bytes, receipt time), gives it the decoded
+  :class:`~inferd.ipc.protocol.Request` once the header is read, hands the ticket alone
+  to the daemon, and turns it back into the client's envelope
   (:meth:`inferd.ipc.server.Server.send_reply`).
 - :class:`LocalTicket`: a caller inside the daemon (a graph node calling a model); the
   reply is handed to its ``deliver`` callback.
+
+Both hold their request (``ticket.request``): the id, the model or graph an ``infer``
+names, the deadline and the output slot are read from it, never copied beside it.
 
 Both are answered once: :meth:`Ticket.answer` notes the outcome (the code and when) and
 says whether this was the first answer, thread-safe, so that whoever answers first (a
@@ -29,9 +32,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from inferd.ipc.protocol import Reply, Slot
+from inferd.ipc.protocol import Op, Reply, Request, Slot
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +56,84 @@ def _answer(ticket: Ticket | LocalTicket, reply: Reply) -> bool:
     return True
 
 
+UNREAD = Request("", Op.PING)
+"""The request of a ticket whose header is not decoded (not yet, or never: a message
+refused unread): no id, no model, no timeout. Shared, never changed."""
+
+
+def _unread() -> Request:
+    return UNREAD
+
+
+class _Record:
+    """What both kinds of ticket read from the request they hold: one record, so the
+    request's id, model, deadline and output slot are read from its decoded
+    :class:`~inferd.ipc.protocol.Request` and kept nowhere else."""
+
+    __slots__ = ()
+    request: Request
+    received: float
+    code: str | None
+    answered: float | None
+
+    @property
+    def request_id(self) -> str:
+        """The client's id ("" until decoded, or if it cannot be read)."""
+        return self.request.id
+
+    @property
+    def model(self) -> str | None:
+        """The model or graph an ``infer`` names ("-" if none); None for the other ops
+        (and a request not decoded), which the request metrics do not count."""
+        request = self.request
+        return (request.model or "-") if request.op is Op.INFER else None
+
+    @property
+    def deadline(self) -> float | None:
+        """Monotonic seconds past which it is not run: its receipt plus the request's
+        ``timeout_ms`` (None: no timeout)."""
+        timeout_ms = self.request.timeout_ms
+        return self.received + timeout_ms / 1000.0 if timeout_ms else None
+
+    @property
+    def outputs_into(self) -> Slot | None:
+        """The shared-memory slot the client asked the outputs into."""
+        return self.request.outputs_into
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of its tensors once decoded, wherever they travel (frames or a
+        shared-memory region), from the header before anything is decoded: what a run
+        reads. The I/O thread's fast path decides by it (0 for an in-process call)."""
+        return self.request.cost.tensor_bytes
+
+    def expired(self) -> bool:
+        timeout_ms = self.request.timeout_ms
+        return bool(timeout_ms) and time.monotonic() > self.received + timeout_ms / 1000.0
+
+    def answer(self, reply: Reply) -> bool:
+        """Note the reply's outcome if it is the first answer (any thread).
+
+        Returns:
+            True for the first answer; False if the ticket was answered already (then
+            ``reply`` must not be sent).
+        """
+        return _answer(cast("Ticket | LocalTicket", self), reply)
+
+
 @dataclass(slots=True, eq=False)
-class Ticket:
+class Ticket(_Record):
     """The record of one wire request, from its receipt to its reply.
 
-    Made by the I/O thread when the frames arrive; ``request_id``, ``deadline`` and
-    ``model`` are filled in once the header is decoded (they stay empty for a message
-    refused unread). ``code`` and ``answered`` are set once, by the first
-    :meth:`answer`, on the thread that answers.
+    Made by the I/O thread when the frames arrive; ``request`` is set once the header
+    is decoded (it stays :data:`UNREAD` for a message refused unread), and the id,
+    model, deadline and output slot are read from it. ``code`` and ``answered`` are
+    set once, by the first :meth:`answer`, on the thread that answers.
 
     Attributes:
         seq: the server's number for the request (unique in one server's life).
-        request_id: the client's id ("" until decoded, or if it cannot be read).
         received: monotonic seconds at receipt.
-        deadline: monotonic seconds past which it is not run (None: no timeout).
+        request: the decoded request (:data:`UNREAD` until then).
         peer: the client connection (its ZeroMQ routing id): the limits count per peer,
             the model queues take turns between peers.
         uid: the client's user id (SO_PEERCRED), None if unknown: a worker's death is
@@ -77,73 +144,51 @@ class Ticket:
             and once its header is read what decoding its tensors will make (unpacked
             packed types, string objects; :class:`~inferd.ipc.clients.ClientLimits`
             sets it, and gives back what it set).
-        tensor_bytes: bytes of its tensors once decoded, wherever they travel (frames
-            or a shared-memory region), from the header before anything is decoded:
-            what a run reads. The I/O thread's fast path decides by it.
-        model: the model or graph an ``infer`` names ("-" if none); None for the other
-            ops, which the request metrics do not count.
         code: "OK" or the reply's error code, once answered.
         answered: monotonic seconds when the reply was made.
-        outputs_into: the shared-memory slot the client asked the outputs into.
+        unread_id: the id read from a message refused before its header was decoded
+            (its reply carries it), "" otherwise.
     """
 
     seq: int
-    request_id: str
     received: float
-    deadline: float | None = None
+    request: Request = field(default_factory=_unread)
     peer: bytes = b""
     uid: int | None = None
     envelope: list[Any] = field(default_factory=list)
     size: int = 0
     held: int = 0
-    tensor_bytes: int = 0
-    model: str | None = None
     code: str | None = None
     answered: float | None = None
-    outputs_into: Slot | None = None
+    unread_id: str = ""
 
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
-
-    def answer(self, reply: Reply) -> bool:
-        """Note the reply's outcome if it is the first answer (any thread).
-
-        Returns:
-            True for the first answer; False if the ticket was answered already (then
-            ``reply`` must not be sent).
-        """
-        return _answer(self, reply)
+    @property
+    def request_id(self) -> str:
+        """The client's id ("" until decoded, or if it cannot be read)."""
+        return self.request.id or self.unread_id
 
 
 @dataclass(slots=True, eq=False)
-class LocalTicket:
-    """An in-process reply target: the reply is handed to ``deliver`` (any thread).
+class LocalTicket(_Record):
+    """An in-process request (a graph node calling a model): the reply is handed to
+    ``deliver`` (any thread).
 
     Attributes:
-        request_id, deadline, received, model, code, answered: as for :class:`Ticket`
-            (``model``: the model the caller asked, for the request metrics).
+        request: the request (an ``infer``; its ``timeout_ms`` counts from
+            ``received``).
         deliver: called with the reply.
-        peer: b"" (the daemon itself, for the fair queues); uid None.
-        tensor_bytes: 0 (an in-process call never runs on the I/O thread).
+        received, code, answered: as for :class:`Ticket`.
+        peer: the client the call is made for (b"": the daemon itself, for the fair
+            queues); uid None.
     """
 
-    request_id: str
+    request: Request
     deliver: Callable[[Reply], None]
-    deadline: float | None = None
-    model: str | None = None
     received: float = field(default_factory=time.monotonic)
     code: str | None = None
     answered: float | None = None
     peer: bytes = b""
     uid: int | None = None
-    tensor_bytes: int = 0
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
-
-    def answer(self, reply: Reply) -> bool:
-        """Note the reply's outcome if it is the first answer (see :meth:`Ticket.answer`)."""
-        return _answer(self, reply)
 
 
 AnyTicket = Ticket | LocalTicket

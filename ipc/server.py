@@ -1,6 +1,7 @@
 """The daemon's side of the wire: one I/O thread owns the ROUTER socket.
 
-Requests are decoded here and handed to a handler. A handler either answers at once
+Requests are decoded here and handed to a handler as their ticket (which holds the
+decoded request: ``ticket.request``). A handler either answers at once
 (returns a :class:`Reply`) or keeps the :class:`~inferd.ipc.replies.Ticket` and answers
 later from any thread with :meth:`Server.send_reply`; a reply from another thread is
 encoded there and handed to the I/O thread in a queue, with an eventfd that wakes its
@@ -42,7 +43,7 @@ from inferd.ipc.access import Access, Peer, Peers
 from inferd.ipc.clients import REPLY_TRACK_BYTES, ClientLimits, Connections
 from inferd.ipc.decoder import INLINE_DECODE_BYTES, Decoder, Resolve
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ProtocolError, failure
-from inferd.ipc.protocol import Op, Reply, Request, decode_request, encode_reply, peek_request_id
+from inferd.ipc.protocol import Reply, decode_request, encode_reply, peek_request_id
 from inferd.ipc.replies import Observer, Ticket
 from inferd.ipc.shm import Regions, shm_path
 from inferd.ipc.shmcheck import RegionLimits
@@ -52,7 +53,7 @@ from inferd.ipc.transport import NOBLOCK, ipc_path, recv_frames, send_frames, tu
 log = logging.getLogger(__name__)
 
 
-Handler = Callable[[Request, Ticket], Reply | None]
+Handler = Callable[[Ticket], Reply | None]
 
 
 RECEIVE_HWM = 1
@@ -554,7 +555,7 @@ class Server:
         envelope, body = frames[:split], frames[split:]
         self._seq += 1
         # The request's record from here until its reply leaves (_deliver).
-        ticket = Ticket(self._seq, "", time.monotonic(), peer=frames[0].bytes,
+        ticket = Ticket(self._seq, time.monotonic(), peer=frames[0].bytes,
                         envelope=envelope, size=sum(map(len, body)))
         self._inflight[ticket.seq] = ticket
         self.stats["requests"] += 1
@@ -590,13 +591,7 @@ class Server:
                                     request_id=peek_request_id(body))
             request = decode_request(body, self.regions.resolver(peer)
                                      if self.regions is not None else None, defer=True)
-            ticket.request_id = request.id
-            ticket.outputs_into = request.outputs_into
-            ticket.tensor_bytes = request.cost.tensor_bytes
-            if request.op is Op.INFER:
-                ticket.model = request.model or "-"
-            if request.timeout_ms:
-                ticket.deadline = ticket.received + request.timeout_ms / 1000.0
+            ticket.request = request  # its id, model, deadline, slot: read from it
             over = self.clients.decoding(ticket, request.cost.decoded_bytes)
             if over is not None:
                 raise InferdError(over, ErrorCode.RESOURCE_EXHAUSTED)
@@ -604,18 +599,19 @@ class Server:
                 raise InferdError("inferd is shutting down", ErrorCode.UNAVAILABLE)
             if request.pending is not None:
                 if request.cost.decoded_bytes > INLINE_DECODE_BYTES:
-                    self._decoder.submit(ticket, request)
+                    self._decoder.submit(ticket)
                     return
                 request.decode()
         except Exception as e:
             self._refused(ticket, e)
             return
-        self._dispatch(ticket, request)
+        self._dispatch(ticket)
 
-    def _dispatch(self, ticket: Ticket, request: Request) -> None:
-        """Give a decoded request to the handler and send its reply if it has one."""
+    def _dispatch(self, ticket: Ticket) -> None:
+        """Give a decoded request's ticket to the handler and send its reply if it has
+        one."""
         try:
-            reply = self._handler(request, ticket)
+            reply = self._handler(ticket)
         except Exception as e:
             self._refused(ticket, e)
             return
@@ -630,12 +626,11 @@ class Server:
                       extra={"REQUEST_ID": rid or "", "CODE": str(e.code)})
         self._answer_error(ticket, error, rid)
 
-    def _decoded(self, ticket: Ticket, request: Request, error: Exception | None) -> None:
+    def _decoded(self, ticket: Ticket, error: Exception | None) -> None:
         """The decode thread's outcome of a request, back to the I/O thread."""
-        self.call_soon(partial(self._after_decoding, ticket, request, error))
+        self.call_soon(partial(self._after_decoding, ticket, error))
 
-    def _after_decoding(self, ticket: Ticket, request: Request,
-                        error: Exception | None) -> None:
+    def _after_decoding(self, ticket: Ticket, error: Exception | None) -> None:
         if ticket.code is not None:  # answered meanwhile (the stop)
             return
         if error is None and self._stop:
@@ -643,7 +638,7 @@ class Server:
         if error is not None:
             self._refused(ticket, error)
             return
-        self._dispatch(ticket, request)
+        self._dispatch(ticket)
 
     def _answer_error(self, ticket: Ticket, error: Failure,
                       request_id: str | None = None) -> None:
@@ -651,13 +646,14 @@ class Server:
         is the id of a message refused before it was decoded (None: unknown, then the
         reply's id is "")."""
         if request_id and not ticket.request_id:  # read without decoding the header
-            ticket.request_id = request_id
-        reply = Reply(ticket.request_id, error=error)
+            ticket.unread_id = request_id
+        rid = ticket.request_id
+        reply = Reply(rid, error=error)
         if not ticket.answer(reply):
             # answered, but that reply never left (the stop, or a failed hand-over to
             # the I/O thread): this one goes, the record keeps the first outcome
             log.debug("request %s answered %s, but its reply was lost: answering %s",
-                      ticket.request_id, ticket.code, error.code)
+                      rid, ticket.code, error.code)
         self._deliver(ticket.seq, encode_reply(reply))
 
     def _close(self) -> None:

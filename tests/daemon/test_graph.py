@@ -119,8 +119,8 @@ class Harness:
                     cond.notify_all()
             return put
         for i, inputs in enumerate(batch):
-            self.graphs.submit(Request(f"q{i}", Op.INFER, model=graph, inputs=inputs),
-                               LocalTicket(f"q{i}", deliver(i)))
+            self.graphs.submit(LocalTicket(Request(f"q{i}", Op.INFER, model=graph,
+                                                   inputs=inputs), deliver(i)))
         with cond:
             assert cond.wait_for(lambda: len(replies) == len(batch), timeout)
         return [replies[i] for i in range(len(batch))]
@@ -171,8 +171,8 @@ def test_graph_request_errors_reach_only_their_own_request(harness: Harness) -> 
     message = replies[1].error.message
     assert "graph g: node cls" in message or "node cls2" in message
     with pytest.raises(InferdError) as e:
-        harness.graphs.submit(Request("x", Op.INFER, model="g", inputs={"y": good["x"]}),
-                              LocalTicket("x", lambda r: None))
+        harness.graphs.submit(LocalTicket(Request("x", Op.INFER, model="g",
+                                                  inputs={"y": good["x"]}), lambda r: None))
     assert e.value.code is ErrorCode.INVALID_ARGUMENT and "missing ['x']" in e.value.message
 
 
@@ -376,13 +376,15 @@ class Replies:
         self.cond = threading.Condition()
         self.tickets: list[LocalTicket] = []
 
-    def ticket(self, rid: str, deadline: float | None = None) -> LocalTicket:
+    def ticket(self, request: Request) -> LocalTicket:
+        rid = request.id
+
         def deliver(reply: Reply) -> None:
             with self.cond:
                 assert rid not in self.got, f"second reply to {rid}"
                 self.got[rid] = reply
                 self.cond.notify_all()
-        t = LocalTicket(rid, deliver, deadline, model="hang")
+        t = LocalTicket(request, deliver)
         self.tickets.append(t)
         return t
 
@@ -430,13 +432,13 @@ def test_a_stuck_node_cannot_hold_deadlines_an_unload_or_its_frames(
     try:
         h.write("hang", HANG.format(executor=executor))
         x = {"x": np.ones((1, 4), np.float32)}
-        soon = time.monotonic() + 0.5
-        tickets = [replies.ticket("first"), replies.ticket("d1", soon),
-                   replies.ticket("d2", soon), replies.ticket("forever")]
+        tickets = [replies.ticket(Request(rid, Op.INFER, model="hang", inputs=x,
+                                          timeout_ms=timeout_ms))
+                   for rid, timeout_ms in (("first", None), ("d1", 500), ("d2", 500),
+                                           ("forever", None))]
         for t in tickets:
             watch.track(t)
-            h.graphs.executor("hang").submit(Request(t.request_id, Op.INFER, model="hang",
-                                                     inputs=x), t)
+            h.graphs.executor("hang").submit(t)
         for r in replies.wait("d1", "d2"):
             assert r.error.code is ErrorCode.DEADLINE_EXCEEDED, r.error
         ex = h.graphs.executor("hang")
@@ -479,8 +481,8 @@ def test_a_graph_call_to_a_full_model_queue_waits_for_room_within_its_deadline(
         assert reply.ok, reply.error
         assert np.asarray(reply.outputs["p"]).shape == (40, 1, 2)
         late = Replies()
-        t = late.ticket("late", time.monotonic() + 0.02)
-        h.graphs.submit(Request("late", Op.INFER, model="each", inputs={"x": crops}), t)
+        h.graphs.submit(late.ticket(Request("late", Op.INFER, model="each",
+                                            inputs={"x": crops}, timeout_ms=20)))
         (r,) = late.wait("late")
         assert r.error.code is ErrorCode.DEADLINE_EXCEEDED, r.error
     finally:
@@ -553,8 +555,8 @@ def test_a_value_is_let_go_once_every_node_that_reads_it_has_it(
     try:
         h.write("rel", RELEASE.format(executor=executor))
         x = np.arange(4, dtype=np.float32)
-        h.graphs.executor("rel").submit(Request("r", Op.INFER, model="rel",
-                                                inputs={"x": x}), replies.ticket("r"))
+        h.graphs.executor("rel").submit(replies.ticket(Request("r", Op.INFER, model="rel",
+                                                               inputs={"x": x})))
         _until(lambda: len(mod.REFS) == 1 and mod.REFS[0]() is None, 5)
         assert "r" not in replies.got  # still in flight: held at the gate
     finally:
@@ -577,7 +579,7 @@ def test_an_edge_releases_a_value_once_its_readers_took_the_packet() -> None:
     edge = Edge("e", ["a", "b", "c"], 2, {"a": frozenset({"x"}), "b": frozenset({"meta"})})
     req = Request("r", Op.INFER, model="g", inputs={})
     values = {"x": np.zeros(3), "meta": 1}
-    edge.put(Packet(req, None, values))
+    edge.put(Packet(LocalTicket(req, lambda r: None), values))
     got = edge.get("a").values
     assert got["x"] is values["x"] and got["meta"] is RELEASED
     assert edge.get("c").values is values  # c reads all: the packet as put
@@ -639,8 +641,8 @@ def test_a_pipeline_node_does_not_make_a_frame_its_full_edge_cannot_take(
         h.write("ahead", AHEAD_GRAPH)
         ex = h.graphs.executor("ahead")
         for i in range(5):
-            ex.submit(Request(f"r{i}", Op.INFER, model="ahead",
-                              inputs={"x": np.zeros(1, np.float32)}), replies.ticket(f"r{i}"))
+            ex.submit(replies.ticket(Request(f"r{i}", Op.INFER, model="ahead",
+                                             inputs={"x": np.zeros(1, np.float32)})))
         for i in range(5):
             _until(lambda: len(mod.REFS) >= min(5, i + 2))  # the edge holds the next
             mod.PASS.release()

@@ -34,10 +34,10 @@ def test_a_flooding_client_waits_behind_its_own_requests_not_the_others() -> Non
     try:
         for i in range(30):
             req = Request(f"a{i}", Op.STATUS)
-            ops.submit(req, Ticket(i, req.id, 0.0, peer=b"A"),
+            ops.submit(Ticket(i, 0.0, req, peer=b"A"),
                        lambda i=i: (ran.append(f"a{i}"), Reply(f"a{i}", result={}))[1])
         req = Request("b", Op.STATUS)
-        ops.submit(req, Ticket(99, "b", 0.0, peer=b"B"),
+        ops.submit(Ticket(99, 0.0, req, peer=b"B"),
                    lambda: (ran.append("b"), Reply("b", result={}))[1])
         assert done.wait(30)
     finally:

@@ -47,12 +47,14 @@ class Replies:
         self.got: dict[str, tuple[Reply, str]] = {}
         self.cond = threading.Condition()
 
-    def ticket(self, rid: str) -> LocalTicket:
+    def ticket(self, request: Request) -> LocalTicket:
+        rid = request.id
+
         def deliver(reply: Reply) -> None:
             with self.cond:
                 self.got[rid] = (reply, threading.current_thread().name)
                 self.cond.notify_all()
-        return LocalTicket(rid, deliver)
+        return LocalTicket(request, deliver)
 
     def wait(self, n: int) -> None:
         with self.cond:
@@ -70,8 +72,7 @@ def workers_for(model: Any, settings: dict[str, Any], max_s: float = 10.0,
 
 
 def item(rid: str, replies: Replies) -> Queued:
-    return Queued(Request(rid, Op.INFER, model="cls", inputs={"x": x()}),
-                    replies.ticket(rid))
+    return Queued(replies.ticket(Request(rid, Op.INFER, model="cls", inputs={"x": x()})))
 
 
 def serve(work: FairQueue, replies: Replies, n: int, start: int = 0) -> None:

@@ -77,7 +77,7 @@ class Harness:
                **params: Any) -> str:
         rid = rid or f"r{next(self._seq)}"
         request = Request(rid, Op.INFER, model, version, self.inputs[model], params=params)
-        self.manager.submit(request, Ticket(next(self._seq), rid, time.monotonic(), None))
+        self.manager.submit(Ticket(next(self._seq), time.monotonic(), request))
         return rid
 
     def reply(self, rid: str, timeout: float = 30) -> Reply:
@@ -252,7 +252,7 @@ def test_failed_load_is_remembered_with_its_reason_then_retried(
 def _submit_x(h: Harness, rid: str | None) -> str:
     rid = rid or f"x{next(h._seq)}"
     request = Request(rid, Op.INFER, "broken", None, {"x": np.zeros(1, np.float32)})
-    h.manager.submit(request, Ticket(next(h._seq), rid, time.monotonic(), None))
+    h.manager.submit(Ticket(next(h._seq), time.monotonic(), request))
     return rid
 
 
@@ -303,7 +303,7 @@ def test_versions_highest_by_default_pinned_kept_and_named(
 def _submit_named(h: Harness, model: str, version: int | None) -> str:
     rid = f"n{next(h._seq)}"
     request = Request(rid, Op.INFER, model, version, h.inputs["ocr-cls"])
-    h.manager.submit(request, Ticket(next(h._seq), rid, time.monotonic(), None))
+    h.manager.submit(Ticket(next(h._seq), time.monotonic(), request))
     return rid
 
 

@@ -34,13 +34,15 @@ class Collector:
         self.replies: dict[str, Reply] = {}
         self.cond = threading.Condition()
 
-    def ticket(self, rid: str) -> LocalTicket:
+    def ticket(self, request: Request, **kw: Any) -> LocalTicket:
+        rid = request.id
+
         def deliver(reply: Reply) -> None:
             with self.cond:
                 assert rid not in self.replies, f"second reply for {rid}"
                 self.replies[rid] = reply
                 self.cond.notify_all()
-        return LocalTicket(rid, deliver)
+        return LocalTicket(request, deliver, **kw)
 
     def wait(self, n: int, timeout: float = 60.0) -> dict[str, Reply]:
         with self.cond:
@@ -59,8 +61,8 @@ def start(name: str, model: Any, settings: dict[str, Any], items: list[tuple[str
     """Queue ``items`` first, then start the workers (so batching sees them together)."""
     work = FairQueue()
     for rid, inputs in items:
-        work.put(Queued(Request(rid, Op.INFER, model=name, inputs=inputs),
-                          collector.ticket(rid)))
+        work.put(Queued(collector.ticket(Request(rid, Op.INFER, model=name,
+                                                 inputs=inputs))))
     spec = parse_spec(name, check_settings(name, settings), registry or ProcessorRegistry())
     workers = ModelThreads(name, model, work, ReplySink(), instances, spec=spec,
                            backend="onnxruntime")
@@ -233,11 +235,9 @@ def _fair_run(model: Any, settings: dict[str, Any]) -> tuple[Gated, ModelThreads
     workers.start()
 
     def put(peer: int, n: int) -> None:
-        ticket = collector.ticket(f"{peer}-{n}")
-        ticket.peer = bytes([peer])  # type: ignore[attr-defined]
-        work.put(Queued(Request(f"{peer}-{n}", Op.INFER, model="cls",
-                                  inputs={"x": np.full((1, 3, 48, 192), peer, np.float32)}),
-                          ticket))
+        work.put(Queued(collector.ticket(Request(
+            f"{peer}-{n}", Op.INFER, model="cls",
+            inputs={"x": np.full((1, 3, 48, 192), peer, np.float32)}), peer=bytes([peer]))))
     put(0, 0)
     assert gated.entered.wait(60)
     for n in range(1, 500):
@@ -351,10 +351,10 @@ def test_bad_model_toml_pipeline_settings_name_the_key(settings: dict[str, Any],
 def test_deadline_passed_in_queue_is_answered_not_run(cls_model: Any) -> None:
     collector = Collector()
     work = FairQueue()
-    ticket = collector.ticket("late")
-    ticket.deadline = time.monotonic() - 1
-    work.put(Queued(Request("late", Op.INFER, model="m", inputs={"x": cls_input(0)},
-                              timeout_ms=1), ticket))
+    # received a second ago with a timeout of 1 ms: its deadline has passed
+    work.put(Queued(collector.ticket(Request("late", Op.INFER, model="m",
+                                             inputs={"x": cls_input(0)}, timeout_ms=1),
+                                     received=time.monotonic() - 1)))
     workers = ModelThreads("m", cls_model, work, ReplySink())
     workers.start()
     try:
@@ -368,8 +368,8 @@ def test_deadline_passed_in_queue_is_answered_not_run(cls_model: Any) -> None:
 
 def _queue(work: FairQueue, collector: Collector, *rids: str) -> None:
     for rid in rids:
-        work.put(Queued(Request(rid, Op.INFER, model="m", inputs={"x": cls_input(0)}),
-                          collector.ticket(rid)))
+        work.put(Queued(collector.ticket(Request(rid, Op.INFER, model="m",
+                                                 inputs={"x": cls_input(0)}))))
 
 
 def _until(condition: Any, timeout: float = 30) -> None:

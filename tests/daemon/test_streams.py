@@ -101,7 +101,7 @@ def item(sid: str, start: bool = False, end: bool = False, peer: bytes = b"p",
         inputs["sr"] = np.array(16000, np.int64)
     req = Request(id=f"{sid}-{x}", op=Op.INFER, model="vad", inputs=inputs,
                   stream=StreamRef(sid, start, end))
-    return Queued(req, LocalTicket(req.id, lambda r: None, peer=peer))
+    return Queued(LocalTicket(req, lambda r: None, peer=peer))
 
 
 @pytest.fixture
@@ -299,10 +299,10 @@ def test_many_streams_pipelined_on_two_threads_keep_their_order(tmp_path, models
             rid = f"s{i}-{t}"
             with lock:
                 n = next(seq)
-            manager.submit(Request(rid, Op.INFER, "vad", None, inputs,
-                                   stream=StreamRef(f"s{i}", start=t == 0,
-                                                    end=t == steps - 1)),
-                           Ticket(n, rid, time.monotonic(), None, peer=peer, uid=1000))
+            manager.submit(Ticket(n, time.monotonic(), Request(
+                rid, Op.INFER, "vad", None, inputs,
+                stream=StreamRef(f"s{i}", start=t == 0, end=t == steps - 1)),
+                peer=peer, uid=1000))
     try:
         threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
         for th in threads:

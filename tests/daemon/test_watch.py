@@ -53,12 +53,12 @@ class _Replies:
         self.got: dict[str, list[Reply]] = {}
         self.cond = threading.Condition()
 
-    def ticket(self, rid: str, deadline: float | None) -> LocalTicket:
+    def ticket(self, rid: str, timeout_ms: int | None) -> LocalTicket:
         def deliver(reply: Reply) -> None:
             with self.cond:
                 self.got.setdefault(rid, []).append(reply)
                 self.cond.notify_all()
-        return LocalTicket(rid, deliver, deadline, model="m")
+        return LocalTicket(Request(rid, Op.INFER, model="m", timeout_ms=timeout_ms), deliver)
 
     def wait(self, rid: str, timeout: float = 30) -> Reply:
         with self.cond:
@@ -79,23 +79,23 @@ def test_a_deadline_is_answered_when_it_passes_and_only_if_nothing_answered_firs
     watch.start()
     replies = _Replies()
 
-    def arrive(rid: str, deadline: float | None) -> LocalTicket:
-        t = replies.ticket(rid, deadline)
+    def arrive(rid: str, timeout_ms: int | None) -> LocalTicket:
+        t = replies.ticket(rid, timeout_ms)
         requests.tickets.append(t)
         watch.track(t)
         return t
     try:
-        arrive("later", time.monotonic() + 3600)
+        arrive("later", 3600_000)
         t0 = time.monotonic()
-        arrive("soon", time.monotonic() + 0.05)
-        answered = arrive("answered", time.monotonic() + 0.05)
+        arrive("soon", 50)
+        answered = arrive("answered", 50)
         ReplySink().send(answered, Reply("answered", outputs={}))
         arrive("none", None)  # no deadline: never expires
         reply = replies.wait("soon")
         assert reply.error.code is ErrorCode.DEADLINE_EXCEEDED
         assert "deadline of 50 ms passed" in reply.error.message
         assert time.monotonic() - t0 < 30
-        arrive("end", time.monotonic() + 0.1)
+        arrive("end", 100)
         replies.wait("end")
         assert len(replies.got["answered"]) == 1 and replies.got["answered"][0].ok
         assert "later" not in replies.got and "none" not in replies.got
@@ -104,7 +104,7 @@ def test_a_deadline_is_answered_when_it_passes_and_only_if_nothing_answered_firs
         while not watch._idle:  # the case under test: the thread sleeping, woken
             assert time.monotonic() - t0 < 30
             time.sleep(0.01)
-        arrive("woken", time.monotonic() + 0.05)
+        arrive("woken", 50)
         assert replies.wait("woken").error.code is ErrorCode.DEADLINE_EXCEEDED
     finally:
         watch.stop()
@@ -118,8 +118,8 @@ def test_a_stuck_stage_is_reported_once_and_again_when_it_returns(
     workers.start()
     watch = _watch([workers], stuck_after=0.1)
     got: list[Reply] = []
-    work.put(Queued(Request("r1", Op.INFER, model="m", inputs={"x": cls_input(0)}),
-                      LocalTicket("r1", got.append)))
+    work.put(Queued(LocalTicket(Request("r1", Op.INFER, model="m",
+                                        inputs={"x": cls_input(0)}), got.append)))
     try:
         assert gated.entered.wait(30)
         deadline = time.monotonic() + 30

@@ -34,8 +34,8 @@ RSS_RETURNED_BOUND = 96 * 2**20
 
 def test_client_limits_count_and_forget():
     limits = ClientLimits(max_requests=2, max_bytes=1000)
-    a = [Ticket(i, "", 0.0, peer=b"a", size=size) for i, size in enumerate((600, 600, 1))]
-    b = Ticket(3, "", 0.0, peer=b"b", size=5000)
+    a = [Ticket(i, 0.0, peer=b"a", size=size) for i, size in enumerate((600, 600, 1))]
+    b = Ticket(3, 0.0, peer=b"b", size=5000)
     assert limits.admit(a[0]) is None
     assert "max_bytes_per_client" in (limits.admit(a[1]) or "")
     assert "max_requests_per_client" in (limits.admit(a[2]) or "")
@@ -59,11 +59,11 @@ def test_unread_big_replies_count_against_their_client_until_libzmq_lets_go():
     limits = ClientLimits(max_requests=8, max_bytes=1000)
     first, second = _Tracker(), _Tracker()
     for i, tracker in enumerate((first, second)):
-        t = Ticket(i, "", 0.0, peer=b"a", size=10)
+        t = Ticket(i, 0.0, peer=b"a", size=10)
         assert limits.admit(t) is None
         limits.done(t, (400, tracker))  # replies of 400 bytes wait in libzmq
     assert limits.held == 800 and not limits.holds(b"a") and limits.unread() == 2
-    refused = Ticket(2, "", 0.0, peer=b"a", size=300)
+    refused = Ticket(2, 0.0, peer=b"a", size=300)
     why = limits.admit(refused)  # even a lone request
     assert why is not None and "2 replies it has not read" in why, why
     limits.done(refused)  # gives back what admit counted on that ticket
@@ -71,7 +71,7 @@ def test_unread_big_replies_count_against_their_client_until_libzmq_lets_go():
     limits.settle_if_due()
     assert limits.held == 800
     first.done = True
-    t = Ticket(3, "", 0.0, peer=b"a", size=300)
+    t = Ticket(3, 0.0, peer=b"a", size=300)
     assert limits.admit(t) is None  # both looked at, in order, before counting
     assert limits.held == 300 and limits.unread() == 0
     limits.done(t)
@@ -81,7 +81,7 @@ def test_unread_big_replies_count_against_their_client_until_libzmq_lets_go():
 def test_a_client_gone_with_unread_replies_is_counted_out_by_the_settling():
     limits = ClientLimits(max_requests=8, max_bytes=1000)
     tracker = _Tracker()
-    t = Ticket(0, "", 0.0, peer=b"gone", size=10)
+    t = Ticket(0, 0.0, peer=b"gone", size=10)
     assert limits.admit(t) is None
     limits.done(t, (500, tracker))
     assert limits.settle_in() is not None and limits.held == 500

@@ -10,13 +10,16 @@ import pytest
 from inferd.ipc import clients
 from inferd.ipc.clients import TRIM_AFTER_BYTES, ClientLimits, Connections
 from inferd.ipc.libc import malloc_trim
+from inferd.ipc.protocol import Op, Request
 from inferd.ipc.replies import Ticket
 
 pytestmark = pytest.mark.skipif(not malloc_trim(), reason="malloc_trim is glibc's")
 
+_INFER = Request("", Op.INFER, model="m")  # an inference's ticket: counted as one
+
 
 def _ticket(i: int) -> Ticket:
-    return Ticket(i, "", 0.0, peer=b"a", size=TRIM_AFTER_BYTES, model="m")
+    return Ticket(i, 0.0, peer=b"a", size=TRIM_AFTER_BYTES, request=_INFER)
 
 
 def test_no_trim_between_requests_of_a_steady_client() -> None:
@@ -35,7 +38,7 @@ def test_no_trim_between_requests_of_a_steady_client() -> None:
 def test_trim_once_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(clients, "IDLE_TRIM_S", 0.0)
     limits = ClientLimits(8, 2**40)
-    small = Ticket(0, "", 0.0, peer=b"a", size=10, model="m")
+    small = Ticket(0, 0.0, peer=b"a", size=10, request=_INFER)
     limits.admit(small)
     limits.done(small)
     assert limits.trim_in() is None  # too little received to be worth a trim
@@ -54,13 +57,13 @@ def test_only_inferences_put_the_trim_off() -> None:
     limits.done(t)
     first = limits.trim_in()
     for i in range(1, 20):  # a status poll while the daemon is otherwise quiet
-        ping = Ticket(i, "", 0.0, peer=b"b", size=200)  # model None: not an inference
+        ping = Ticket(i, 0.0, peer=b"b", size=200)  # model None: not an inference
         limits.admit(ping)
         assert limits.trim_in() is None  # in flight: not now
         limits.done(ping)
     wait = limits.trim_in()
     assert first is not None and wait is not None and wait <= first
-    shm = Ticket(99, "", 0.0, peer=b"a", size=300, model="m")  # tensors in a region
+    shm = Ticket(99, 0.0, peer=b"a", size=300, request=_INFER)  # tensors in a region
     limits.admit(shm)
     limits.done(shm)  # an inference finished: the quiet starts again
     again = limits.trim_in()
@@ -90,7 +93,7 @@ def test_the_daemon_wide_bound_keeps_a_polite_users_turn() -> None:
     seq = iter(range(1000))
 
     def send(conn: bytes, uid: int) -> str | None:
-        t = Ticket(next(seq), "", 0.0, peer=conn, size=size)
+        t = Ticket(next(seq), 0.0, peer=conn, size=size)
         over = limits.admit(t, uid)
         if over is not None:
             limits.done(t)  # answered at once
@@ -112,9 +115,9 @@ def test_the_daemon_wide_bound_keeps_a_polite_users_turn() -> None:
 
 def test_a_lone_request_on_an_idle_daemon_is_taken_whatever_its_size() -> None:
     limits = ClientLimits(512, 2**40, max_held=2**20)
-    big = Ticket(1, "", 0.0, peer=b"a", size=64 * 2**20)  # bounded by max_message_bytes
+    big = Ticket(1, 0.0, peer=b"a", size=64 * 2**20)  # bounded by max_message_bytes
     assert limits.admit(big, 1) is None
-    assert limits.admit(Ticket(2, "", 0.0, peer=b"b", size=10), 2) is not None
+    assert limits.admit(Ticket(2, 0.0, peer=b"b", size=10), 2) is not None
 
 
 def test_what_decoding_makes_is_counted_and_given_back_and_no_request_is_exempt() -> None:
@@ -122,17 +125,17 @@ def test_what_decoding_makes_is_counted_and_given_back_and_no_request_is_exempt(
     them would make (unpacked int4, string objects) is counted before it is made and
     refused past a bound, and done() gives back exactly what was counted."""
     limits = ClientLimits(max_requests=8, max_bytes=100 * 2**20, max_held=64 * 2**20)
-    lone = Ticket(1, "r", 0.0, peer=b"a", size=200)
+    lone = Ticket(1, 0.0, peer=b"a", size=200)
     assert limits.admit(lone) is None
     over = limits.decoding(lone, 80 * 2**20)  # 80 MiB once decoded, alone
     assert over is not None and "would take 80.0 MiB once decoded" in over
     assert "server.max_bytes_in_flight" in over and limits.held == lone.held
     limits.done(lone)
     assert limits.held == 0 and not limits.holds(b"a")
-    ok = Ticket(2, "s", 0.0, peer=b"a", size=200)
+    ok = Ticket(2, 0.0, peer=b"a", size=200)
     assert limits.admit(ok) is None and limits.decoding(ok, 10 * 2**20) is None
     assert limits.held == ok.held == 200 + 10 * 2**20
-    other = Ticket(3, "t", 0.0, peer=b"b", size=100)
+    other = Ticket(3, 0.0, peer=b"b", size=100)
     assert limits.admit(other, owner=7) is None
     big = limits.decoding(other, 60 * 2**20)
     assert big is not None and "with the 10.0 MiB of requests the daemon holds already" in big
@@ -140,6 +143,6 @@ def test_what_decoding_makes_is_counted_and_given_back_and_no_request_is_exempt(
     limits.done(ok)
     assert limits.held == 0
     per_client = ClientLimits(max_requests=8, max_bytes=2**20, max_held=0)
-    t = Ticket(4, "u", 0.0, peer=b"c", size=10)
+    t = Ticket(4, 0.0, peer=b"c", size=10)
     assert per_client.admit(t) is None
     assert "server.max_bytes_per_client" in (per_client.decoding(t, 2**20) or "")

@@ -44,7 +44,8 @@ class Harness:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.server.endpoint)
 
-    def handle(self, request: Request, ticket: Ticket) -> Reply | None:
+    def handle(self, ticket: Ticket) -> Reply | None:
+        request = ticket.request
         if request.model == "bad":
             raise ModelError("model 'bad' cannot run this")
         if request.model == "later":  # answered from another thread
@@ -147,7 +148,7 @@ def test_a_local_ticket_is_answered_once() -> None:
     got: list[Reply] = []
     observed: list[LocalTicket] = []
     sink = ReplySink(observe=observed.append)
-    ticket = LocalTicket("g1", got.append, model="ocr-det")
+    ticket = LocalTicket(Request("g1", Op.INFER, model="ocr-det"), got.append)
     sink.send(ticket, Reply("g1", error=Failure(ErrorCode.CANCELLED, "gone")))
     sink.send(ticket, Reply("g1"))
     assert [r.error.code for r in got if r.error] == [ErrorCode.CANCELLED] and len(got) == 1

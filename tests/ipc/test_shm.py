@@ -28,7 +28,7 @@ import zmq
 from inferd.ipc import Client, Region, RequestError
 from inferd.ipc.access import Access
 from inferd.ipc.errors import ErrorCode
-from inferd.ipc.protocol import Reply, Request, decode_reply
+from inferd.ipc.protocol import Reply, decode_reply
 from inferd.ipc.replies import Ticket
 from inferd.ipc.shm import Registration, shm_path
 from inferd.ipc.server import Server
@@ -47,7 +47,8 @@ class Echo:
         self.thread = threading.Thread(target=self.server.run, name="test-io")
         self.thread.start()
 
-    def handle(self, request: Request, ticket: Ticket) -> Reply:
+    def handle(self, ticket: Ticket) -> Reply:
+        request = ticket.request
         self.seen.append(request.inputs)
         return Reply(request.id, outputs=dict(request.inputs))
 
