@@ -10,8 +10,12 @@ header. A tensor of :data:`INLINE_BYTES` or more is written into the sender's
 reused from call to call: it is passed to the peer (``SCM_RIGHTS``) once, and again only
 when it has to grow. A call is strictly request -> reply on its channel, so a sender's
 arena is free again once the answer to what it sent is in: the worker reads the inputs
-in place, and the daemon copies the outputs out of the worker's arena before the next
-call on the channel.
+in place. The daemon either copies the outputs out of the worker's arena, or takes them
+as views of it (``lend``: a run's outputs go on to a reply frame that libzmq sends
+without a copy); then the worker's arena is lent to those views, and the channel carries
+no call until the last of them is gone (:meth:`Channel.lent`): the worker writes its
+arena only to answer a call on its channel, so nothing overwrites bytes a reply frame
+still points into.
 
 A peer that died is an empty read (the kernel closes its end); :class:`Gone` says so.
 """
@@ -24,6 +28,7 @@ import os
 import pickle
 import socket
 import struct
+import weakref
 from typing import Any
 
 import numpy as np
@@ -132,12 +137,21 @@ class Channel:
     """One end of a channel: :meth:`send` a header and tensors, :meth:`receive` them.
 
     Not thread-safe: one caller at a time (the daemon keeps a pool of them per worker).
+
+    Args:
+        sock: this end's socket.
+        writable_peer: map the peer's arena writable (the daemon's end: outputs it takes
+            as views, ``receive(lend=True)``, are writable as copies would be; a worker
+            reads the daemon's arena read-only).
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, writable_peer: bool = False) -> None:
         self.sock = sock
         self._own: _Arena | None = None
         self._peer: _Arena | None = None
+        self._writable_peer = writable_peer
+        self._lease: weakref.ref[NDArray[np.uint8]] | None = None
+        """The peer's arena as lent to the last message's tensors (all views of it)."""
         # received into, then copied out by its length: recvmsg(4 MiB) allocates and
         # frees 4 MiB per call (21 us against 3.6 here)
         self._buf: bytearray | None = None
@@ -217,16 +231,28 @@ class Channel:
 
     # ----------------------------------------------------------------- receiving
 
-    def receive(self, copy: bool = False
+    def lent(self) -> bool:
+        """Whether tensors of the last message received with ``lend`` still view the
+        peer's arena (then the channel must carry no call: the peer's answer would be
+        written over them)."""
+        return self._lease is not None and self._lease() is not None
+
+    def receive(self, copy: bool = False, lend: bool = False
                 ) -> tuple[dict[str, Any], dict[str, NDArray[Any]], list[int]]:
         """The next message: its header, its tensors (views of the datagram or of the
         peer's arena; ``copy`` makes them the receiver's own) and any descriptors passed
         with it (other than an arena's).
 
+        ``lend``: the inline tensors are the receiver's own (one writable copy of them
+        all) and those in the peer's arena are views of it, lent to them until the last
+        of them (and of any view of them) is gone; :meth:`lent` says when.
+
         Raises:
             Gone: the peer closed its end.
             TimeoutError: nothing came within the socket's timeout.
         """
+        assert not self.lent(), "a call on a channel whose peer's arena is still lent"
+        self._lease = None
         if self._buf is None:
             self._buf = bytearray(MAX_DATAGRAM)
         try:
@@ -251,13 +277,17 @@ class Channel:
             fd = passed.pop()
             if self._peer is not None:
                 self._peer.close()
-            self._peer = _Arena(fd, arena_size, False)
+            self._peer = _Arena(fd, arena_size, self._writable_peer)
         # the datagram's buffer is the next message's: inline tensors are copied out of
         # it (one copy of them all unless ``copy`` makes each its own)
-        data: Any = mem if copy or base == n else bytes(mem[base:n])
+        if copy or base == n:
+            data: Any = mem
+        else:
+            data = (bytearray if lend else bytes)(mem[base:n])
         at = base if data is mem else 0
+        lease: NDArray[np.uint8] | None = None
         tensors: dict[str, NDArray[Any]] = {}
-        for name, code, shape, inline, offset, _nbytes in specs:
+        for name, code, shape, inline, offset, nbytes in specs:
             if code == "pickle":
                 tensors[name] = shape  # the array itself
                 continue
@@ -265,8 +295,18 @@ class Channel:
                 a = np.ndarray(shape, dtype_of(code), data, at + offset)
             else:
                 assert self._peer is not None and self._peer.map is not None
+                if lend:
+                    if lease is None:
+                        # every tensor is a view of this one array (numpy makes a view
+                        # of a view the base's view): it lives while any of them does
+                        lease = np.frombuffer(self._peer.map, np.uint8)
+                    dtype = dtype_of(code)
+                    tensors[name] = lease[offset:offset + nbytes].view(dtype).reshape(shape)
+                    continue
                 a = np.ndarray(shape, dtype_of(code), self._peer.map, offset)
             tensors[name] = a.copy() if copy else a
+        if lease is not None:
+            self._lease = weakref.ref(lease)
         return header, tensors, passed
 
     def close(self) -> None:

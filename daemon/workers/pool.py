@@ -31,6 +31,16 @@ worker one descriptor and one mapping; a worker holds at most :data:`REGION_SHAR
 its open-files limit in them, past which a region's tensors are copied through the
 channel's arena as before.
 
+**Outputs without a copy.** A run's outputs that come back through the worker's arena
+(those of :data:`~inferd.daemon.workers.channel.INLINE_BYTES` or more) are views of it,
+not copies: the reply frames libzmq sends point into the arena. The channel is *lent*
+to them (:meth:`Channel.lent <inferd.daemon.workers.channel.Channel.lent>`) and carries
+no call until the last view is gone (libzmq let go of the frame, every array made from
+them dropped); the worker writes its arena only to answer a call on that channel, so no
+reply is overwritten while it is sent. A caller meanwhile takes another channel. A
+worker has at most :data:`LENT_MAX` channels lent; past that a run's outputs are copied
+out as before.
+
 **Again.** A model whose worker died loads again, in a new worker, on its next run; a
 worker that died is started again no sooner than ``restart_backoff_s`` after the
 previous start (doubling while deaths follow each other within a minute).
@@ -89,6 +99,10 @@ OUTPUTS_INTO = _OutputsInto()
 outputs into (set by daemon/model_threads.py for a request with ``outputs_into`` whose outputs
 go straight to its reply; the first :meth:`WorkerModel.run` takes it)."""
 
+LENT_MAX = 8
+"""Channels of one worker lent to reply tensors at most (each holds its arena, the
+size of its biggest reply); past that a run's outputs are copied out of the arena."""
+
 REGION_SHARE = 2
 """A worker holds at most 1/REGION_SHARE of its open-files limit in regions' descriptors
 (one each); the rest is its engines' and channels'."""
@@ -128,6 +142,12 @@ class Worker:
     running: dict[int, str] = field(default_factory=dict)
     """Calls in progress, by thread id: what each runs (``vad version 1``)."""
     idle: list[Channel] = field(default_factory=list)
+    lent: list[Channel] = field(default_factory=list)
+    """Channels whose last reply's tensors are (or were) views of the worker's arena
+    (``lock``); each goes back to use once they are gone."""
+    lending: int = 0
+    """Calls under way whose outputs may be lent (``lock``): with the channels still
+    lent, at most :data:`LENT_MAX`."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     ended: threading.Event = field(default_factory=threading.Event)
     killed_for: str = ""
@@ -230,7 +250,7 @@ class WorkerPool:
                 ours.close()
                 raise InferdError(f"cannot start a worker for {key}: {e}",
                                   ErrorCode.UNAVAILABLE) from e
-            w = Worker(key, backend, pid, Channel(ours))
+            w = Worker(key, backend, pid, Channel(ours, writable_peer=True))
             try:
                 w.pidfd = os.pidfd_open(pid)
             except OSError:
@@ -348,12 +368,13 @@ class WorkerPool:
 
     def call(self, w: Worker, header: dict[str, Any], what: str,
              tensors: dict[str, NDArray[Any]] | None = None, timeout: float | None = None,
-             key: str = "workers.kill_after_s", into: Slot | None = None
-             ) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+             key: str = "workers.kill_after_s", into: Slot | None = None,
+             lend: bool = False) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
         """One call on one of ``w``'s channels; the reply's tensors are the daemon's own
-        (copied out of the worker's arena), or views of the shared-memory slot ``into``
-        for those the worker wrote there. Tensors in a registered region go by
-        reference (the module's "Shared memory").
+        (copied out of the worker's arena; with ``lend``, views of it while fewer than
+        :data:`LENT_MAX` channels are lent: the module's "Outputs without a copy"), or
+        views of the shared-memory slot ``into`` for those the worker wrote there.
+        Tensors in a registered region go by reference (the module's "Shared memory").
 
         Raises:
             WorkerDied: the worker ended (or was killed) during the call.
@@ -362,20 +383,34 @@ class WorkerPool:
         channel = self._channel(w, what)
         plan = self._by_reference(w, header, tensors, into) if (
             tensors or into is not None) else _Plan(tensors)
+        reserved = False  # a place among the LENT_MAX, until the channel is put back
+        if lend:
+            with w.lock:
+                reserved = lend = w.lending + sum(c.lent() for c in w.lent) < LENT_MAX
+                w.lending += reserved
         try:
-            reply, out = self._exchange(w, channel, header, plan, what, timeout, key)
+            try:
+                reply, out = self._exchange(w, channel, header, plan, what, timeout, key,
+                                            lend)
+            finally:
+                if plan.used:
+                    self._unuse(plan.used)
+            if self.max_memory is not None and header.get("op") == "run":
+                rss = _resident(w.pid)
+                if rss > self.max_memory:  # this run made it grow: it is charged with it
+                    channel.close()
+                    self.kill(w, f"was killed: its resident memory {rss / 2**20:.1f} MiB "
+                                 f"passed workers.max_memory "
+                                 f"({self.max_memory / 2**20:.1f} MiB)")
+                    raise self.death(w, what)
+            with w.lock:
+                (w.lent if channel.lent() else w.idle).append(channel)
+                w.lending -= reserved
+                reserved = False
         finally:
-            if plan.used:
-                self._unuse(plan.used)
-        if self.max_memory is not None and header.get("op") == "run":
-            rss = _resident(w.pid)
-            if rss > self.max_memory:  # this run made it grow: it is charged with it
-                channel.close()
-                self.kill(w, f"was killed: its resident memory {rss / 2**20:.1f} MiB passed "
-                             f"workers.max_memory ({self.max_memory / 2**20:.1f} MiB)")
-                raise self.death(w, what)
-        with w.lock:
-            w.idle.append(channel)
+            if reserved:
+                with w.lock:
+                    w.lending -= 1
         if "error" in reply:
             raise decode_error(reply["error"])
         placed = reply.get("placed")
@@ -385,7 +420,7 @@ class WorkerPool:
         return reply, out
 
     def _exchange(self, w: Worker, channel: Channel, header: dict[str, Any], plan: _Plan,
-                  what: str, timeout: float | None, key: str
+                  what: str, timeout: float | None, key: str, lend: bool = False
                   ) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
         me = threading.get_ident()
         w.running[me] = what
@@ -401,7 +436,7 @@ class WorkerPool:
             raise
         try:
             channel.settimeout(limit)
-            reply, out, _ = channel.receive(copy=True)
+            reply, out, _ = channel.receive(copy=not lend, lend=lend)
         except TimeoutError:
             channel.close()
             self.kill(w, f"was killed after {limit:g} s in one call ({key})")
@@ -546,6 +581,11 @@ class WorkerPool:
 
     def _channel(self, w: Worker, what: str) -> Channel:
         with w.lock:
+            if w.lent:  # those whose reply's tensors are gone serve again
+                back = [c for c in w.lent if not c.lent()]
+                if back:
+                    w.lent = [c for c in w.lent if c.lent()]
+                    w.idle.extend(back)
             if w.idle:
                 return w.idle.pop()
         if not w.alive:
@@ -561,7 +601,7 @@ class WorkerPool:
                 raise self.death(w, what) from None
             finally:
                 theirs.close()
-        return Channel(ours)
+        return Channel(ours, writable_peer=True)
 
     def rss(self, w: Worker) -> int | None:
         try:
@@ -610,9 +650,10 @@ class WorkerPool:
         log.info("worker %s (pid %d) ends: no model left in it for %g s", w.name, w.pid,
                  self.idle_exit_s, extra={"BACKEND": w.backend, "WORKER_PID": w.pid})
         with w.lock:  # closing its control channel ends it
-            for channel in (w.control, *w.idle):
-                channel.close()
+            for channel in (w.control, *w.idle, *w.lent):
+                channel.close()  # a lent arena stays mapped while its tensors live
             w.idle.clear()
+            w.lent.clear()
 
     def pids(self) -> dict[str, int]:
         with self._lock:
@@ -632,9 +673,10 @@ class WorkerPool:
             self.zygote.close()  # reaped: every worker's end is reported before this
         for w in workers:
             with w.lock:
-                for channel in (w.control, *w.idle):
+                for channel in (w.control, *w.idle, *w.lent):
                     channel.close()
                 w.idle.clear()
+                w.lent.clear()
             if w.pidfd >= 0:
                 os.close(w.pidfd)
                 w.pidfd = -1
@@ -739,7 +781,7 @@ class WorkerModel(LoadedModel):
             OUTPUTS_INTO.slot = None
         reply, out = self.pool.call(self._live(), {"op": "run", "handle": self.handle,
                                                    "outputs": outputs}, self.call.model,
-                                    inputs, into=into)
+                                    inputs, into=into, lend=True)
         ENGINE_TIME.seconds = reply["took"]
         return out
 

@@ -306,3 +306,80 @@ def test_a_message_the_worker_cannot_read_is_answered_not_left_hanging(pool, mod
         model.run(VAD)  # and the worker serves on
     finally:
         model.unload()
+
+
+def identity_call(tmp_path: Path) -> LoadCall:
+    """An onnxruntime Identity on float32 [a, b], loaded in the pool's onnxruntime worker."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", "b"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "id", [x], [y])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    path = tmp_path / "identity" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    onnx.save(m, path)
+    return LoadCall("onnxruntime", path, LoadOptions(), "identity version 1",
+                    path.parents[1], (), {}, 10.0, key="onnxruntime")
+
+
+def test_reply_tensors_lent_the_worker_arena_are_never_written_over(pool, tmp_path):
+    """A run's big outputs are views of the worker's arena, not copies (issue 30, item
+    2); its channel carries no call while any of them lives. Hostile: replies held while
+    many more big runs go, from one thread and from several at once, each compared bit
+    for bit with its input at the end."""
+    from inferd.daemon.workers.pool import LENT_MAX
+
+    model = WorkerModel(pool, identity_call(tmp_path), 60.0)
+    rng = np.random.default_rng(11)
+    try:
+        # distinct sizes and values (>= INLINE_BYTES: through the arena): a reply
+        # written over by a later one cannot compare equal
+        xs = [rng.random((64, 1024 + i), dtype=np.float32) for i in range(LENT_MAX + 3)]
+        held = [model.run({"x": x})["y"] for x in xs]
+        w = model.worker
+        assert len(w.lent) == LENT_MAX
+        # lent: views (no copy), writable as copies are; past LENT_MAX copied out
+        assert [not y.flags.owndata for y in held] == [True] * LENT_MAX + [False] * 3
+        assert all(y.flags.writeable for y in held)
+        for x, y in zip(xs, held):
+            assert y.shape == x.shape and y.tobytes() == x.tobytes()
+        channels = len(w.idle) + len(w.lent)
+        assert channels == LENT_MAX + 1
+        del held, y
+        for x in xs:  # their tensors gone: the lent channels serve again, none is made
+            assert model.run({"x": x})["y"].tobytes() == x.tobytes()
+        assert len(w.idle) + len(w.lent) == channels
+
+        failures: list[str] = []
+        views: list[int] = []
+        all_ran = threading.Barrier(6, timeout=60)
+
+        def client(k: int) -> None:
+            mine = np.random.default_rng(100 + k)
+            kept = []
+            for i in range(12):
+                x = mine.random((32 + k, 2048 + i), dtype=np.float32)
+                y = model.run({"x": x})["y"]
+                if i % 3:  # some held to the end, some dropped at once
+                    kept.append((x, y))
+                elif y.tobytes() != x.tobytes():
+                    failures.append(f"client {k} run {i}: wrong at once")
+            views.append(sum(not y.flags.owndata for _, y in kept))
+            all_ran.wait()  # every client's kept replies alive at once
+            for i, (x, y) in enumerate(kept):
+                if y.tobytes() != x.tobytes():
+                    failures.append(f"client {k} kept {i}: written over")
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert failures == []
+        assert 1 <= sum(views) <= LENT_MAX  # 48 kept, at most LENT_MAX of them lent
+    finally:
+        model.unload()

@@ -96,7 +96,9 @@ def mappings(pid: int, name: str) -> list[str]:
 
 
 def arena_bytes(model: WorkerModel) -> int:
-    return sum(c.arena_bytes for c in model.worker.idle)
+    """Bytes the daemon copied into its arenas, on every channel of ``model``'s worker
+    (those lent to a run's outputs too)."""
+    return sum(c.arena_bytes for c in (*model.worker.idle, *model.worker.lent))
 
 
 def test_a_region_crosses_by_reference_and_outputs_land_where_the_daemon_places_them(
@@ -115,6 +117,7 @@ def test_a_region_crosses_by_reference_and_outputs_land_where_the_daemon_places_
     np.testing.assert_array_equal(out["z"], np.abs(X))
     assert pool.by_reference == X.nbytes and arena_bytes(model) == copied
     assert mappings(pid, "inferd-t1") == ["r--s"] and fds(pid, "inferd-t1") == 1
+    del out  # its tensors view the worker's arena: the next run takes the same channel
     model.run({"x": x})  # the descriptor is passed once
     assert fds(pid, "inferd-t1") == 1 and arena_bytes(model) == copied
     # 2. outputs into the region: written by the worker where Slot.place puts them

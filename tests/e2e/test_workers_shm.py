@@ -138,3 +138,53 @@ def test_a_region_is_read_and_written_by_the_worker_and_released_there(daemon) -
     for name in ("inferd-e2e2", "inferd-e2e3"):
         poll(lambda: not mappings(pid, name) and not fds(d.proc.pid, name), 10)
     poll(lambda: (steady(d.proc.pid), steady(pid)) == before, 10)
+
+
+def test_replies_libzmq_still_holds_are_never_written_over(start_daemon,
+                                                           short_tmp: Path) -> None:
+    """A run's big outputs go from the worker's arena into the reply frame without a
+    copy (issue 30, item 2): hostile, a client that sends many big requests and does not
+    read, so that libzmq holds every reply frame while the next runs go; each request
+    gets exactly one reply, bit for bit its own."""
+    import zmq
+
+    from inferd.daemon.workers.pool import LENT_MAX
+    from inferd.ipc.protocol import Op, Request, decode_reply, encode_request
+
+    repo = short_tmp / "repo"
+    neg_model(repo)
+    conf = short_tmp / "inferd.toml"
+    conf.write_text('[workers]\nisolation = "backend"\n[placement]\nmode = "first"\n'
+                    '[server]\nmax_message_bytes = "8MiB"\n[metrics]\ntextfile = ""\n')
+    d = start_daemon("--config", str(conf), "--models", str(repo), "--preload", "neg")
+    n = 2 * LENT_MAX
+    rng = np.random.default_rng(23)
+    xs = {f"r{i}": rng.random((256, 1024 + 16 * i), dtype=np.float32) for i in range(n)}
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)  # libzmq here takes one reply, the kernel a little
+    sock.setsockopt(zmq.RCVBUF, 64 * 1024)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    try:
+        for rid, x in xs.items():
+            sock.send_multipart(encode_request(Request(rid, Op.INFER, "neg",
+                                                       inputs={"x": x})), copy=False)
+        # the daemon holds replies unsent: their frames view arenas of the worker (one
+        # per channel, LENT_MAX at most; then copies), its own arenas one per channel
+        poll(lambda: len(mappings(d.proc.pid, "inferd-worker-arena")) >= LENT_MAX, 30)
+        got: dict[str, bytes] = {}
+        for _ in range(n):
+            reply = decode_reply(sock.recv_multipart(copy=False))
+            assert reply.error is None, reply.error
+            assert reply.id in xs and reply.id not in got
+            got[reply.id] = reply.outputs["y"].tobytes()
+        assert not sock.poll(200)  # exactly one reply each
+    finally:
+        sock.close(0)
+        ctx.term()
+    for rid, x in xs.items():
+        assert got[rid] == (-x).tobytes(), rid
+    with d.client() as c:  # and the channels serve on
+        np.testing.assert_array_equal(c.infer("neg", {"x": X})["y"], -X)
