@@ -142,6 +142,21 @@ class LoadedModel(ABC):
             ModelError or BackendError: the run failed; the message names the model.
         """
 
+    def run_into(self, inputs: dict[str, NDArray[Any]], outputs: list[str] | None,
+                 into: dict[str, NDArray[Any]]) -> dict[str, NDArray[Any]]:
+        """:meth:`run`, writing the outputs named in ``into`` into the arrays given there
+        (C-contiguous, writable, of the dtype and shape the caller expects from an earlier
+        run on inputs of these shapes: a worker process's shared arena, so that its reply
+        carries them without a copy). Optional: the default runs as :meth:`run` and
+        ignores ``into``.
+
+        Returns:
+            The requested outputs by name: for a name in ``into``, that very array when
+            the engine wrote it there; else the engine's own (an output of another
+            shape than expected: the caller stops asking for this model).
+        """
+        return self.run(inputs, outputs)
+
     @abstractmethod
     def unload(self) -> None:
         """Free everything the model holds. Called once; ``run`` is not called after."""

@@ -216,6 +216,8 @@ class OrtModel(LoadedModel):
         # another execution provider to the CPU (2 us a run).
         cpu_only = session.get_providers() == ["CPUExecutionProvider"]
         self._run = getattr(session, "_sess", session).run if cpu_only else session.run
+        self._cpu_only = cpu_only
+        self._bindings = threading.local()  # run_into's IOBinding, one per thread
         self.inputs = tuple(_spec(a, str(path)) for a in session.get_inputs())
         self.outputs = tuple(_spec(a, str(path)) for a in session.get_outputs())
         self._output_names = [o.name for o in self.outputs]
@@ -240,6 +242,43 @@ class OrtModel(LoadedModel):
             raise run_error(f"onnxruntime failed to run {self._path}: {e}", inputs,
                             client=type(e).__name__ == "InvalidArgument") from e
         return {name: np.asarray(value) for name, value in zip(names, results)}
+
+    def run_into(self, inputs: dict[str, NDArray[Any]], outputs: list[str] | None,
+                 into: dict[str, NDArray[Any]]) -> dict[str, NDArray[Any]]:
+        """:meth:`run` with the outputs in ``into`` bound to those arrays (an IOBinding:
+        onnxruntime writes them there, no copy after). Only on the CPU provider and for
+        the plain dtypes; an output whose shape is not the one bound fails the bound run
+        (onnxruntime checks it) and the model runs again the plain way."""
+        if not into or self._raw or not self._cpu_only:
+            return self.run(inputs, outputs)
+        names = outputs or self._output_names
+        binding = getattr(self._bindings, "binding", None)
+        if binding is None:
+            binding = self._bindings.binding = self._session.io_binding()
+        ready = aligned(inputs, scratch=True) if self._align else inputs
+        ort_value = sys.modules["onnxruntime"].OrtValue
+        try:
+            # OrtValues, not bind_cpu_input: the binding keeps a reference to an array
+            # bound that way after clear_binding_inputs (a client's region it views
+            # would stay mapped in the worker)
+            for name, value in ready.items():
+                binding.bind_ortvalue_input(name, ort_value.ortvalue_from_numpy(value))
+            for name in names:
+                dest = into.get(name)
+                if dest is None:
+                    binding.bind_output(name, "cpu")
+                else:
+                    binding.bind_output(name, "cpu", 0, dest.dtype, list(dest.shape),
+                                        dest.ctypes.data)
+            self._session.run_with_iobinding(binding, self._run_options)
+            values = binding.get_outputs()
+        except Exception:  # noqa: BLE001  another shape, or the run's own failure:
+            return self.run(inputs, outputs)  # the plain run answers (and its error)
+        finally:
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+        return {name: into[name] if name in into else np.asarray(value.numpy())
+                for name, value in zip(names, values)}
 
     def _run_raw(self, inputs: dict[str, NDArray[Any]],
                  names: list[str]) -> dict[str, NDArray[Any]]:

@@ -65,6 +65,19 @@ class _Arena:
         self.size = size
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot) if size else None
+        self.address = 0
+        """Where it is mapped in this process (0: not mapped)."""
+        if self.map is not None:
+            self.address = np.frombuffer(self.map, np.uint8, 1).__array_interface__[
+                "data"][0]
+
+    def offset_of(self, a: NDArray[Any]) -> int | None:
+        """Where C-contiguous ``a`` lies in this arena, None if it does not."""
+        at = a.__array_interface__["data"][0] - self.address
+        if self.address and 0 <= at and at + a.nbytes <= self.size \
+                and a.flags.c_contiguous:
+            return int(at)
+        return None
 
     @classmethod
     def make(cls, size: int) -> _Arena:
@@ -117,6 +130,38 @@ def dtype_of(code: str) -> np.dtype[Any]:
     return dtype
 
 
+def _layout(tensors: dict[str, NDArray[Any]], placed: dict[str, int]
+            ) -> tuple[list[_Spec], list[Any], list[tuple[_Spec, NDArray[Any]]], int]:
+    """Where each tensor of a message goes: its specs, the inline buffers, the tensors to
+    copy into the arena (with their specs) and the arena bytes used. ``placed``: tensors
+    already in the arena, at these offsets (the copies go after the last of them)."""
+    specs: list[_Spec] = []
+    inline: list[Any] = []
+    big: list[tuple[_Spec, NDArray[Any]]] = []
+    inline_at = 0
+    arena_at = max((-(-(at + tensors[name].nbytes) // ALIGN) * ALIGN
+                    for name, at in placed.items()), default=0)
+    for name, value in tensors.items():
+        a = value if type(value) is np.ndarray else np.asarray(value)
+        if a.dtype.hasobject or a.dtype.kind in "US":  # strings: pickled with the header
+            specs.append((name, "pickle", a, True, 0, 0))
+            continue
+        nbytes = a.nbytes
+        if name in placed:
+            spec = (name, dtype_code(a), a.shape, False, placed[name], nbytes)
+        elif nbytes < INLINE_BYTES and inline_at + nbytes <= INLINE_TOTAL:
+            spec = (name, dtype_code(a), a.shape, True, inline_at, nbytes)
+            # sent as it lies (a C-contiguous array is a buffer of its bytes)
+            inline.append(a if a.flags.c_contiguous else np.ascontiguousarray(a))
+            inline_at += nbytes
+        else:
+            spec = (name, dtype_code(a), a.shape, False, arena_at, nbytes)
+            big.append((spec, a))
+            arena_at += -(-nbytes // ALIGN) * ALIGN
+        specs.append(spec)
+    return specs, inline, big, arena_at
+
+
 def _tune(sock: socket.socket) -> None:
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
@@ -152,6 +197,7 @@ class Channel:
         self._writable_peer = writable_peer
         self._lease: weakref.ref[NDArray[np.uint8]] | None = None
         """The peer's arena as lent to the last message's tensors (all views of it)."""
+        self._announce = False  # this end's arena is new: its fd goes with the next send
         # received into, then copied out by its length: recvmsg(4 MiB) allocates and
         # frees 4 MiB per call (21 us against 3.6 here)
         self._buf: bytearray | None = None
@@ -179,48 +225,68 @@ class Channel:
 
     # ----------------------------------------------------------------- sending
 
+    def _grow(self, size: int) -> _Arena:
+        """This end's arena, made at least ``size`` bytes (a new memfd, passed to the peer
+        with the next message, when it is smaller)."""
+        if self._own is None or self._own.size < size:
+            old = self._own
+            self._own = _Arena.make(max(size, 2 * old.size if old else 0))
+            if old is not None:
+                old.close()
+            self._announce = True
+        return self._own
+
+    def reserve(self, specs: list[tuple[str, np.dtype[Any], tuple[int, ...]]]
+                ) -> dict[str, NDArray[Any]]:
+        """Room for tensors of the next message in this end's arena: a writable array of
+        each ``(name, dtype, shape)``, laid out as :meth:`send` lays them. Written by
+        their maker (an engine writing its outputs there), they are sent in place, not
+        copied. Valid until the next :meth:`send` or :meth:`reserve`."""
+        places = []
+        at = 0
+        for name, dtype, shape in specs:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            places.append((name, dtype, shape, at))
+            at += -(-nbytes // ALIGN) * ALIGN
+        arena = self._grow(at)
+        assert arena.map is not None
+        return {name: np.ndarray(shape, dtype, arena.map, offset)
+                for name, dtype, shape, offset in places}
+
     def send(self, header: dict[str, Any],
              tensors: dict[str, NDArray[Any]] | None = None, fds: list[int] | None = None
              ) -> None:
-        """Send ``header`` with ``tensors`` (big ones through this end's arena)."""
+        """Send ``header`` with ``tensors`` (big ones through this end's arena: copied
+        there, unless they lie there already, :meth:`reserve`)."""
         tensors = tensors or {}
-        specs: list[_Spec] = []
-        inline: list[Any] = []
-        big: list[tuple[_Spec, NDArray[Any]]] = []
-        inline_at = 0
-        arena_at = 0
-        for name, value in tensors.items():
-            a = value if type(value) is np.ndarray else np.asarray(value)
-            if a.dtype.hasobject or a.dtype.kind in "US":  # strings: pickled with the header
-                specs.append((name, "pickle", a, True, 0, 0))
-                continue
-            nbytes = a.nbytes
-            if nbytes < INLINE_BYTES and inline_at + nbytes <= INLINE_TOTAL:
-                spec = (name, dtype_code(a), a.shape, True, inline_at, nbytes)
-                # sent as it lies (a C-contiguous array is a buffer of its bytes)
-                inline.append(a if a.flags.c_contiguous else np.ascontiguousarray(a))
-                inline_at += nbytes
-            else:
-                spec = (name, dtype_code(a), a.shape, False, arena_at, nbytes)
-                big.append((spec, a))
-                arena_at += -(-nbytes // ALIGN) * ALIGN
-            specs.append(spec)
-        send_fds = list(fds or ())
-        arena_size = None
+        own = self._own
+        placed: dict[str, int] = {}
+        if own is not None and own.address:
+            for name, value in tensors.items():
+                if type(value) is np.ndarray and value.nbytes >= INLINE_BYTES:
+                    at = own.offset_of(value)
+                    if at is not None:
+                        placed[name] = at
+        specs, inline, big, arena_at = _layout(tensors, placed)
+        if big and (own is None or own.size < arena_at):
+            if placed:  # the arena is made anew: every tensor is copied into the new one
+                specs, inline, big, arena_at = _layout(tensors, {})
+            self._grow(arena_at)
         if big:
-            if self._own is None or self._own.size < arena_at:
-                old = self._own
-                self._own = _Arena.make(max(arena_at, 2 * old.size if old else 0))
-                if old is not None:
-                    old.close()
-                send_fds.append(self._own.fd)
-                arena_size = self._own.size
+            assert self._own is not None
             view = self._own.view()
             for spec, a in big:
                 dest = np.frombuffer(view, a.dtype, a.size, spec[4]).reshape(a.shape)
                 np.copyto(dest, a, casting="no")
                 self.arena_bytes += spec[5]
             del view
+        send_fds = list(fds or ())
+        arena_size = None
+        if self._announce:
+            assert self._own is not None
+            send_fds.append(self._own.fd)
+            arena_size = self._own.size
+            self._announce = False
         body = pickle.dumps((header, specs, arena_size), protocol=pickle.HIGHEST_PROTOCOL)
         parts: list[Any] = [_LEN.pack(len(body)), body, *inline]
         if send_fds:

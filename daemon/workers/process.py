@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from inferd.daemon.workers.channel import Channel, Gone, dtype_code, dtype_of
+from inferd.daemon.workers.channel import INLINE_BYTES, Channel, Gone, dtype_code, dtype_of
 from inferd.ipc.dtypes import PACKED, STRING, dtype_name
 from inferd.ipc.errors import BackendError, ErrorCode, InferdError, ModelError
 from inferd.ipc.libc import malloc_trim
@@ -90,6 +90,7 @@ class WorkerProcess:
         # clients' shared-memory regions the daemon handed over: id -> (mapping, writable)
         self._regions: dict[int, tuple[mmap.mmap, bool]] = {}
         self._regions_lock = threading.Lock()
+        self._outputs = OutputsInArena()
 
     def rss(self) -> int:
         return int(self._proc.memory_info().rss)
@@ -119,9 +120,12 @@ class WorkerProcess:
                 if "refs" in header:
                     tensors = self._referenced(header, tensors, unmapped)
                 if op == "run":  # first: the one on every request
-                    model = self.models[header["handle"]]
+                    handle = header["handle"]
+                    model = self.models[handle]
+                    wanted = header.get("outputs")
                     t0 = time.perf_counter()
-                    outputs = model.run(tensors, header.get("outputs"))
+                    outputs = self._outputs.run(handle, model, channel, tensors, wanted,
+                                                "into" not in header)
                     took = time.perf_counter() - t0
                     del tensors
                     reply: dict[str, Any] = {"ok": True, "took": took}
@@ -143,6 +147,7 @@ class WorkerProcess:
                 elif op == "unload":
                     model = self.models.pop(header["handle"], None)
                     self._graphs.pop(header["handle"], None)
+                    self._outputs.forget(header["handle"])
                     if model is not None:
                         model.unload()
                     malloc_trim()
@@ -313,6 +318,62 @@ class WorkerProcess:
                 "describe": model.describe(), "batch_sizes": model.batch_sizes(),
                 "reported": model.memory_bytes(), "added": added, "engine": engine,
                 "pid": os.getpid()}
+
+
+class OutputsInArena:
+    """Runs whose big outputs the engine writes straight into the channel's arena
+    (:meth:`LoadedModel.run_into <inferd.libbackends.contract.LoadedModel.run_into>`),
+    so that the reply carries them without a copy (issue 30, item 2).
+
+    The shapes an engine's outputs will have are known only from a run: a model's
+    outputs are remembered per input signature (names, dtypes, shapes, outputs asked),
+    and the next run with that signature has room for them reserved in the arena. A
+    model whose outputs come back elsewhere (an engine that does not bind, outputs of
+    another shape: onnxruntime refuses the bound run and runs it plainly) is not asked
+    again."""
+
+    MAX_SIGNATURES = 64
+    """Signatures remembered per model (past it, forgotten all at once)."""
+
+    def __init__(self) -> None:
+        self._shapes: dict[int, dict[Any, list[tuple[str, np.dtype[Any], tuple[int, ...]]]]] = {}
+        self._plain: set[int] = set()  # models that do not write where asked
+        self._lock = threading.Lock()
+
+    def run(self, handle: int, model: LoadedModel, channel: Channel,
+            tensors: dict[str, Any], wanted: list[str] | None, allowed: bool
+            ) -> dict[str, Any]:
+        """``model``'s run on ``tensors``; ``allowed``: its outputs may go to the
+        channel's arena (not when the daemon placed them in a client's region)."""
+        if not allowed or handle in self._plain:
+            return model.run(tensors, wanted)
+        key = (tuple((n, a.dtype.str, a.shape) for n, a in tensors.items()
+                     if isinstance(a, np.ndarray)),
+               None if wanted is None else tuple(wanted))
+        with self._lock:
+            expected = self._shapes.get(handle, {}).get(key)
+        if not expected:
+            outputs = model.run(tensors, wanted)
+            big = [(n, a.dtype, a.shape) for n, a in outputs.items()
+                   if isinstance(a, np.ndarray) and a.nbytes >= INLINE_BYTES
+                   and a.dtype.kind in "biuf" and a.dtype.isnative]
+            with self._lock:
+                seen = self._shapes.setdefault(handle, {})
+                if len(seen) >= self.MAX_SIGNATURES:
+                    seen.clear()
+                seen[key] = big
+            return outputs
+        into = channel.reserve(expected)
+        outputs = model.run_into(tensors, wanted, into)
+        if any(outputs.get(n) is not a for n, a in into.items()):
+            with self._lock:  # written elsewhere: this model runs plainly from now on
+                self._plain.add(handle)
+        return outputs
+
+    def forget(self, handle: int) -> None:
+        with self._lock:
+            self._shapes.pop(handle, None)
+            self._plain.discard(handle)
 
 
 def _unmap(mm: mmap.mmap) -> None:

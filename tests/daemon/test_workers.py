@@ -19,7 +19,7 @@ from inferd.daemon.workers.channel import INLINE_BYTES, Channel, Gone, pair
 from inferd.daemon.workers.pool import LoadCall, WorkerDied, WorkerModel, WorkerPool
 from inferd.daemon.workers.zygote import Zygote, describe_status
 from inferd.ipc.errors import ErrorCode, InferdError
-from inferd.libbackends.contract import LoadOptions
+from inferd.libbackends.contract import LoadedModel, LoadOptions
 from inferd.libbackends.customops.contract import OpRegistry
 from inferd.libbackends.loader import _onnxruntime_cpu
 from inferd.libbackends.registry import Registry
@@ -360,8 +360,9 @@ def test_reply_tensors_lent_the_worker_arena_are_never_written_over(pool, tmp_pa
         def client(k: int) -> None:
             mine = np.random.default_rng(100 + k)
             kept = []
-            for i in range(12):
-                x = mine.random((32 + k, 2048 + i), dtype=np.float32)
+            for i in range(12):  # one shape after the first runs: the engine writes
+                # its outputs into the arena itself (their shapes known from a run)
+                x = mine.random((32 + k, 2048 + min(i, 2)), dtype=np.float32)
                 y = model.run({"x": x})["y"]
                 if i % 3:  # some held to the end, some dropped at once
                     kept.append((x, y))
@@ -383,3 +384,79 @@ def test_reply_tensors_lent_the_worker_arena_are_never_written_over(pool, tmp_pa
         assert 1 <= sum(views) <= LENT_MAX  # 48 kept, at most LENT_MAX of them lent
     finally:
         model.unload()
+
+
+def nonzero_call(tmp_path: Path) -> LoadCall:
+    """NonZero: outputs whose shape depends on the input's values."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.INT64, [1, "k"])
+    graph = helper.make_graph([helper.make_node("NonZero", ["x"], ["y"])], "nz", [x], [y])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    path = tmp_path / "nonzero" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    onnx.save(m, path)
+    return LoadCall("onnxruntime", path, LoadOptions(), "nonzero version 1",
+                    path.parents[1], (), {}, 10.0, key="onnxruntime")
+
+
+def test_outputs_of_another_shape_than_the_last_run_are_still_right(pool, tmp_path):
+    """An engine writes outputs into the arena at the shapes the last run of the same
+    input shapes gave; NonZero's depend on the values: the bound run is refused by
+    onnxruntime and the run answered plainly, right each time."""
+    model = WorkerModel(pool, nonzero_call(tmp_path), 60.0)
+    rng = np.random.default_rng(5)
+    try:
+        for zeros in (0.5, 0.2, 0.2, 0.7, 0.5):
+            x = (rng.random(200_000) > zeros).astype(np.float32) * 3
+            y = model.run({"x": x})["y"]
+            expected = np.stack(np.nonzero(x))
+            assert y.shape == expected.shape and y.tobytes() == expected.tobytes()
+    finally:
+        model.unload()
+
+
+def test_an_engine_writes_its_outputs_into_the_arena_and_they_are_sent_in_place(tmp_path):
+    """The worker's side (no process): the second run of a shape has onnxruntime write
+    its big outputs into the channel's arena (IOBinding), and sending them copies
+    nothing; the peer reads them right. A model whose engine does not write there is
+    asked once."""
+    from inferd.daemon.workers.process import OutputsInArena
+
+    backend = _onnxruntime_cpu()
+    model = backend.load(identity_call(tmp_path).path, LoadOptions())
+    a, b = pair()
+    ours, theirs = Channel(a), Channel(b)
+    outputs = OutputsInArena()
+    rng = np.random.default_rng(9)
+    try:
+        copied = []
+        for _ in range(3):
+            x = rng.random((256, 512), dtype=np.float32)
+            before = ours.arena_bytes
+            out = outputs.run(1, model, ours, {"x": x}, None, True)
+            ours.send({"ok": True}, out)
+            copied.append(ours.arena_bytes - before)
+            _, got, _ = theirs.receive(copy=True)
+            assert got["y"].tobytes() == x.tobytes()
+        assert copied == [x.nbytes, 0, 0]  # the first run's shapes learnt, then in place
+
+        class Plain(LoadedModel):  # an engine without run_into: the contract's default
+            def run(self, inputs, outputs=None):
+                return model.run(inputs, outputs)
+
+            def unload(self):
+                pass
+
+        for _ in range(3):
+            x = rng.random((256, 512), dtype=np.float32)
+            out = outputs.run(2, Plain(), ours, {"x": x}, None, True)
+            assert out["y"].tobytes() == x.tobytes()
+        assert 2 in outputs._plain  # asked once, then run plainly
+    finally:
+        model.unload()
+        ours.close()
+        theirs.close()
