@@ -554,8 +554,7 @@ class ModelThreads:
         # outputs that go straight to the reply: a worker writes them into the client's
         # slot itself (daemon/workers/pool.py, "Shared memory"); never a stream's, whose
         # state outputs the daemon keeps
-        into = None if self.spec.post or chunk is not None else getattr(
-            job.item.ticket, "outputs_into", None)
+        into = None if self.spec.post or chunk is not None else job.item.ticket.outputs_into
         began = time.monotonic()
         try:
             if into is not None:

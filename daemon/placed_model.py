@@ -261,8 +261,3 @@ class PlacedModel(LoadedModel):
 
     def batch_sizes(self) -> BatchSizes | None:
         return self._current.batch_sizes()  # adaptive batching asks the engine
-
-    def __getattr__(self, name: str) -> Any:  # backend extras (metadata...) pass through
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._current, name)
