@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,14 +43,20 @@ class Catalog:
 
     Args:
         repo: the model repository.
-        config: the daemon configuration (replaced by :meth:`use_config`).
+        config: returns the daemon configuration in force: read from the one place
+            that holds it (the runtime's), never copied here.
     """
 
-    def __init__(self, repo: Repository, config: Any) -> None:
+    def __init__(self, repo: Repository, config: Callable[[], Any]) -> None:
         self.repo = repo
-        self.config = config
+        self._config = config
         self._specs: dict[str, ModelSpec] = repo.scan()
         self._lock = threading.Lock()
+
+    @property
+    def config(self) -> Any:
+        """The configuration in force (read through the getter it was given)."""
+        return self._config()
 
     # ----------------------------------------------------------------- lookup
 
@@ -126,18 +133,20 @@ class Catalog:
         return (spec is not None and spec.default == version
                 and (spec.settings.pin or name in self.config.models.preload))
 
-    def pinned_names(self) -> list[str]:
-        """Models to keep loaded: ``models.preload`` first, then model.toml pins."""
-        names = list(self.config.models.preload)
+    def pinned_names(self, config: Any = None) -> list[str]:
+        """Models to keep loaded: ``models.preload`` first, then model.toml pins (by the
+        configuration in force, or by ``config``: the one before a reload)."""
+        names = list((config or self.config).models.preload)
         names += [n for n, s in sorted(self._specs.items())
                   if s.settings.pin and n not in names]
         return names
 
     # ----------------------------------------------------------------- changes
 
-    def use_config(self, config: Any) -> dict[str, ModelSpec]:
-        """Adopt ``config`` (its repository too); the repository's models as of now."""
-        self.config = config
+    def rescan(self) -> dict[str, ModelSpec]:
+        """The repository's models as of now, from the repository the configuration in
+        force names (a reload: it may name another)."""
+        config = self.config
         root = Path(config.models.repository).resolve()
         if root != self.repo.root:
             self.repo = Repository(root)

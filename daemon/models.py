@@ -69,7 +69,9 @@ class ModelManager:
     Args:
         repo: the model repository.
         registry: backends to choose from.
-        config: the daemon configuration (replaced on reload: :meth:`reload`).
+        config: returns the daemon configuration in force: read from the one place that
+            holds it (the runtime's ``config``; a reload replaces it there), never copied
+            by the cache, its catalog or its placer.
         sink: where the workers' replies go (any thread).
         observer: metrics hooks (:class:`~inferd.daemon.metrics.Metrics`: ``loaded``,
             ``unloaded``, ``for_model``), or None.
@@ -77,7 +79,7 @@ class ModelManager:
         customops: the daemon's custom ops (filled by the runtime at start), or None.
     """
 
-    def __init__(self, repo: Repository, registry: Registry, config: Any,
+    def __init__(self, repo: Repository, registry: Registry, config: Callable[[], Any],
                  sink: ReplySink, *, observer: Any = None,
                  processors: ProcessorRegistry | None = None,
                  customops: OpRegistry | None = None, workers: WorkerPool | None = None
@@ -90,7 +92,7 @@ class ModelManager:
                              busy=lambda: any(e.in_flight for e in self.entries()))
         self._loader = ModelLoader(self.catalog, registry, self.budget, self.make_room, processors,
                                    customops, self.placer, workers)
-        w = config.workers
+        w = config().workers
         # who keeps killing a model's worker (daemon/workers/quarantine.py)
         self.quarantine = Quarantine(w.refuse_client_after, w.refuse_client_s,
                                      w.set_aside_after)
@@ -519,13 +521,15 @@ class ModelManager:
 
     # ----------------------------------------------------------------- reload
 
-    def reload(self, config: Any) -> dict[str, list[str]]:
-        """Take a new configuration and re-read the repository, failing no request
-        (see :func:`inferd.daemon.reload.reload_catalog`). Returns what changed."""
+    def reload(self, previous: Any) -> dict[str, list[str]]:
+        """Apply the configuration now in force (its holder replaced it) and re-read the
+        repository, failing no request (see
+        :func:`inferd.daemon.reload.reload_catalog`); ``previous``: the configuration
+        before (what was pinned). Returns what changed."""
         with self._reload_lock:
-            self.placer.use_config(config)
+            self.placer.reloaded()
             self.quarantine.lift()  # set-aside models are tried again
-            return reload_catalog(self, config)
+            return reload_catalog(self, previous)
 
     # Used by reload_catalog: each step keeps every request answered.
 

@@ -250,20 +250,22 @@ class Placer:
     """Places models and measures the ones with rivals (see the module docstring).
 
     Args:
-        config: the daemon configuration (``[placement]``, ``[cache] warmup_dim``);
-            replaced on reload with :meth:`use_config`.
+        config: returns the daemon configuration in force (``[placement]``, ``[cache]
+            warmup_dim``): read from the one place that holds it (the runtime's),
+            never copied here.
         room: the cache's memory budget, which counts a candidate being measured.
         store: where decisions are kept (default: from ``[placement] directory``).
         busy: whether the daemon serves a request now (queued or running, any model):
             measuring loads and runs only while it does not (more: :meth:`yield_to`).
     """
 
-    def __init__(self, config: Any, room: Room, store: DecisionStore | None = None,
+    def __init__(self, config: Callable[[], Any], room: Room,
+                 store: DecisionStore | None = None,
                  busy: Callable[[], bool] = lambda: False) -> None:
-        self.config = config
+        self._config = config
         self._room = room
         self._busy_checks = [busy]
-        self.store = store if store is not None else DecisionStore(state_directory(config))
+        self.store = store if store is not None else DecisionStore(state_directory(config()))
         self._cond = threading.Condition()
         self._queue: list[Contest] = []
         self._jobs: dict[tuple[str, int], Contest] = {}  # placed models that have rivals
@@ -283,9 +285,14 @@ class Placer:
     def _busy(self) -> bool:
         return any(check() for check in self._busy_checks)
 
-    def use_config(self, config: Any) -> None:
-        """Measure by ``config`` from now on (a reload: graphs are read again)."""
-        self.config = config
+    @property
+    def config(self) -> Any:
+        """The configuration in force (read through the getter it was given)."""
+        return self._config()
+
+    def reloaded(self) -> None:
+        """A reload happened: graphs are read again (the configuration in force is read
+        through the getter, so nothing else changes here)."""
         self._graphs.clear()
 
     # ----------------------------------------------------------------- the loader's call

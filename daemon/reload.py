@@ -112,16 +112,18 @@ class Cache(Protocol):
     def load_after(self, name: str, version: int, first: Any) -> ModelEntry: ...
 
 
-def reload_catalog(manager: Cache, config: Any) -> dict[str, list[str]]:
-    """Apply ``config`` and the repository as it is now (see the module docstring).
+def reload_catalog(manager: Cache, previous: Any) -> dict[str, list[str]]:
+    """Apply the configuration now in force (the runtime's, which the catalog reads)
+    and the repository as it is now (see the module docstring); ``previous`` is the
+    configuration before the reload (what was pinned).
 
     Returns:
         Model names by what happened: added, removed, changed ("name: version a -> b"),
         failed (a new version or a pinned model that did not load; the old one serves).
     """
     catalog = manager.catalog
-    old, old_pins = catalog.snapshot(), set(catalog.pinned_names())
-    new = catalog.use_config(config)
+    old, old_pins = catalog.snapshot(), set(catalog.pinned_names(previous))
+    new = catalog.rescan()
     summary: dict[str, list[str]] = {"added": sorted(new.keys() - old.keys()),
                                      "removed": sorted(old.keys() - new.keys()),
                                      "changed": [], "failed": []}

@@ -165,7 +165,7 @@ class Runtime:
                                    config.workers.restart_backoff_s,
                                    config.workers.max_memory,
                                    config.workers.idle_exit_s))
-        self.models = ModelManager(self.repo, self.registry, config, sink,
+        self.models = ModelManager(self.repo, self.registry, lambda: self.config, sink,
                                    observer=self.metrics, processors=self.processors,
                                    customops=self.customops, workers=self.workers)
         self.graphs = GraphManager(self.repo, self.processors, self.models, sink)
@@ -373,8 +373,10 @@ class Runtime:
             setattr(config, section, getattr(self.config, section))
         logs.set_levels(config.logging.level, config.logging.modules)
         self.server.access = Access.of(config.access.uids, config.access.gids)
-        self.config = config
-        summary: dict[str, Any] = dict(self.models.reload(config))
+        # the one place the configuration is held: the cache, its catalog and its
+        # placer, the watch and the metrics read it from here
+        previous, self.config = self.config, config
+        summary: dict[str, Any] = dict(self.models.reload(previous))
         self.repo = self.models.repo
         summary["graphs_retired"] = self.graphs.reload(self.repo,
                                                        config.server.shutdown_grace_s,

@@ -143,9 +143,8 @@ def test_the_engines_switch_free_sizes_reach_the_workers_through_the_cache(
         'backends = ["openvino"]\nmax_batch = 8\n[openvino]\nstatic_shapes = 4\n')
     registry = Registry()
     registry.register(OpenVinoBackend())
-    manager = ModelManager(Repository(tmp_path), registry,
-                           load_config(None, {"models.repository": str(tmp_path)}),
-                           ReplySink())
+    config = load_config(None, {"models.repository": str(tmp_path)})
+    manager = ModelManager(Repository(tmp_path), registry, lambda: config, ReplySink())
     try:
         entry = manager.load("m")
         assert entry.threads is not None

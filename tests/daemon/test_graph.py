@@ -83,14 +83,14 @@ class Harness:
             (root / name).mkdir()
             link_tree(models_dir / name / "1", root / name / "1")
         self.root = root
-        self.config = config = load_config(None, {"models.repository": str(root),
-                                                  **settings})
+        self.config = load_config(None, {"models.repository": str(root), **settings})
         repo = Repository(root)
         registry = Registry()
         registry.register(OnnxRuntimeCpuBackend())
         sink = ReplySink(self._wire_reply)
         self.processors = ProcessorRegistry()
-        self.models = ModelManager(repo, registry, config, sink, processors=self.processors)
+        self.models = ModelManager(repo, registry, lambda: self.config, sink,
+                                   processors=self.processors)
         self.graphs = GraphManager(repo, self.processors, self.models, sink)
         self.sink = sink
 

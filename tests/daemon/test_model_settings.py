@@ -140,9 +140,8 @@ def test_the_chosen_backend_gets_its_own_table_as_load_options(
     backend = _Recording()
     registry = Registry()
     registry.register(backend)
-    manager = ModelManager(Repository(tmp_path), registry,
-                           load_config(None, {"models.repository": str(tmp_path)}),
-                           ReplySink())
+    config = load_config(None, {"models.repository": str(tmp_path)})
+    manager = ModelManager(Repository(tmp_path), registry, lambda: config, ReplySink())
     try:
         assert manager.load("m").backend == "recording"
         assert backend.options == [{"threads": 3}]

@@ -58,7 +58,7 @@ class Harness:
         self.held: set[str] = set()  # held requests whose reply has come (see hold)
         self._cond = threading.Condition()
         self._seq = itertools.count(1)
-        self.manager = ModelManager(Repository(repo.resolve()), registry, self.config,
+        self.manager = ModelManager(Repository(repo.resolve()), registry, lambda: self.config,
                                     ReplySink(self._reply))
 
     def _reply(self, ticket: Ticket, reply: Reply) -> None:
@@ -79,6 +79,12 @@ class Harness:
         request = Request(rid, Op.INFER, model, version, self.inputs[model], params=params)
         self.manager.submit(Ticket(next(self._seq), time.monotonic(), request))
         return rid
+
+    def reload(self, config: Any) -> dict[str, list[str]]:
+        """Put ``config`` in force (the harness holds it, as the runtime does) and
+        reload the cache."""
+        previous, self.config = self.config, config
+        return self.manager.reload(previous)
 
     def reply(self, rid: str, timeout: float = 30) -> Reply:
         with self._cond:
@@ -423,7 +429,7 @@ def test_reload_swaps_a_new_version_in_under_load(
     config = load_config(None, {"models.repository": str(repo), "models.preload": ["vad"],
                                 "cache.max_memory": budget})
     caplog.set_level(logging.INFO, "inferd.daemon.reload")
-    assert m.reload(config)["changed"] == ["ocr-det: version 1 -> 2"]
+    assert h.reload(config)["changed"] == ["ocr-det: version 1 -> 2"]
     before = load.ok  # from here every request goes to version 2 (the old one served
     wait_for(lambda: load.ok >= before + 3,  # those that came during the reload)
              why=load.failures)

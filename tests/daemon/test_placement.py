@@ -144,7 +144,7 @@ def make(backends: list[Backend], directory: Path | None, busy: Any = lambda: Fa
     for b in backends:
         registry.register(b)
     room = RecordingRoom()
-    return Placer(config, room, DecisionStore(directory), busy), registry, room
+    return Placer(lambda: config, room, DecisionStore(directory), busy), registry, room
 
 
 def place(placer: Placer, registry: Registry, repo: Path,

@@ -283,7 +283,7 @@ def test_many_streams_pipelined_on_two_threads_keep_their_order(tmp_path, models
             with cond:
                 replies[ticket.request_id] = reply
                 cond.notify_all()
-    manager = ModelManager(Repository(tmp_path), registry, config, ReplySink(send))
+    manager = ModelManager(Repository(tmp_path), registry, lambda: config, ReplySink(send))
     rng = np.random.default_rng(5)
     streams, steps = 6, 30
     audio = rng.standard_normal((streams, steps, 1, 512)).astype(np.float32) * 0.3
