@@ -624,7 +624,9 @@ class WorkerPool:
         """A model left ``w``. A worker with no model left ends after
         ``idle_exit_s`` unless a load comes first (memory a worker keeps after an
         unload is not room; an engine imported again for each of a run of loads and
-        unloads costs a second each)."""
+        unloads costs a second each); a measuring worker (:data:`MEASURING`) at once:
+        its one candidate is done with, and its 60-130 MiB left for ``idle_exit_s``
+        beside the workers that serve made the daemon's peak (bench/bench_memory.py)."""
         with self._lock:
             w.models -= 1
         self._idle_soon(w)
@@ -633,11 +635,18 @@ class WorkerPool:
         with self._lock:
             if w.models > 0 or w.pending > 0 or self._closed:
                 return
-            timer = threading.Timer(self.idle_exit_s, self._retire, (w,))
-            timer.name = f"inferd-worker-idle-{w.pid}"
-            timer.daemon = True
-            self._timers.add(timer)
-        timer.start()
+            if w.name.endswith(MEASURING):
+                now = True
+            else:
+                now = False
+                timer = threading.Timer(self.idle_exit_s, self._retire, (w,))
+                timer.name = f"inferd-worker-idle-{w.pid}"
+                timer.daemon = True
+                self._timers.add(timer)
+        if now:
+            self._retire(w)
+        else:
+            timer.start()
 
     def _retire(self, w: Worker) -> None:
         with self._lock:
@@ -647,8 +656,13 @@ class WorkerPool:
                 return
             del self._workers[w.name]
             w.killed_for = "unloaded"
-        log.info("worker %s (pid %d) ends: no model left in it for %g s", w.name, w.pid,
-                 self.idle_exit_s, extra={"BACKEND": w.backend, "WORKER_PID": w.pid})
+        if w.name.endswith(MEASURING):
+            log.info("worker %s (pid %d) ends: its candidate is measured", w.name, w.pid,
+                     extra={"BACKEND": w.backend, "WORKER_PID": w.pid})
+        else:
+            log.info("worker %s (pid %d) ends: no model left in it for %g s", w.name,
+                     w.pid, self.idle_exit_s,
+                     extra={"BACKEND": w.backend, "WORKER_PID": w.pid})
         with w.lock:  # closing its control channel ends it
             for channel in (w.control, *w.idle, *w.lent):
                 channel.close()  # a lent arena stays mapped while its tensors live

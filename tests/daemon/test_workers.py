@@ -270,6 +270,31 @@ def test_a_worker_with_no_model_ends_after_idle_exit_s_unless_a_load_comes(model
         p.close()
 
 
+def test_a_measuring_worker_ends_as_soon_as_its_candidate_is_unloaded(models_dir):
+    """Not after idle_exit_s: its memory beside the serving workers made the peak."""
+    import dataclasses
+
+    from inferd.daemon.workers.pool import MEASURING
+
+    registry = Registry()
+    registry.register(_onnxruntime_cpu())
+    p = WorkerPool(registry, OpRegistry(), kill_after_s=30.0, idle_exit_s=600.0)
+    p.start()
+    try:
+        call = dataclasses.replace(vad_call(models_dir), key="vad@onnxruntime" + MEASURING)
+        rival = WorkerModel(p, call, 60.0)
+        serving = WorkerModel(p, vad_call(models_dir), 60.0)
+        rival.run(VAD)
+        rival.unload()
+        poll(lambda: not rival.worker.alive, 20)  # well within idle_exit_s
+        serving.unload()
+        assert serving.worker.alive  # a serving worker still waits idle_exit_s
+        assert p.pids() == {"onnxruntime": serving.pid}
+        assert p.restarts == {}  # an expected end, not a death
+    finally:
+        p.close()
+
+
 def test_the_activations_of_a_model_in_a_worker_are_sized_there(pool, models_dir):
     from inferd.daemon.activations import Activations
 
