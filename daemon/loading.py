@@ -20,7 +20,7 @@ from inferd.daemon.streams import StreamModel
 from inferd.daemon.activations import Activations
 from inferd.daemon.budget import MemoryBudget, estimate_cost, format_bytes
 from inferd.daemon.catalog import Catalog, Settings
-from inferd.daemon.memory import METER, LoadFigures, MemoryMeter, model_cost
+from inferd.daemon.memory import METER, LoadFigures, MemoryMeter
 from inferd.daemon.model_entry import ModelEntry
 from inferd.daemon.pipeline import PipelineSpec, parse_spec
 from inferd.daemon.placement import ModelPlacement, backend_options
@@ -195,10 +195,11 @@ class ModelLoader:
             graph = (_EngineGraph(model) if isinstance(model.engine, WorkerModel)
                      else _graph(entry, source.path))
             METER.trim()
-            reported = model.memory_bytes()
-            figures = LoadFigures(model_cost(rss, reported,
-                                             placement.kind is not DeviceKind.CPU),
-                                  rss, reported)
+            device_memory = placement.kind is not DeviceKind.CPU
+            engine = model.engine
+            figures = (LoadFigures.of(engine.added, engine.reported, device_memory)
+                       if isinstance(engine, WorkerModel)  # measured in its worker
+                       else LoadFigures.of(rss, model.memory_bytes(), device_memory))
             # plus the working memory measured at earlier loads
             total = figures.cost + entry.memory.working.peak
             entry.reserve(total)
@@ -230,10 +231,12 @@ class ModelLoader:
                              else f"{entry.label}@{backend}" if own else backend),
                         strict_modes=config.security.strict_modes)
         model = WorkerModel(self.workers, call, config.workers.load_kill_after_s)
-        if model.engine_bytes and self.budget.engine(backend) is None:
+        # the engine as the worker that serves holds it (a measuring worker ends with its
+        # candidate: counted by the candidate's reservation)
+        if not rival and model.engine_bytes and self.budget.engine(backend) is None:
             self.budget.engine_imported(backend, model.engine_bytes)
-            log.info("engine %s imported in worker %d: %s resident, counted in the cache "
-                     "budget from now on", backend, model.pid,
+            log.info("engine %s imported in worker %d: the worker holds %s with it (PSS), "
+                     "counted in the cache budget from now on", backend, model.pid,
                      format_bytes(model.engine_bytes), extra={"BACKEND": backend})
         return model
 

@@ -264,6 +264,12 @@ class LoadFigures:
     rss: int
     reported: int | None
 
+    @classmethod
+    def of(cls, rss_delta: int, reported: int | None, device_memory: bool) -> LoadFigures:
+        """The figures of a load that grew the process it ran in by ``rss_delta`` bytes
+        (see :func:`model_cost`)."""
+        return cls(model_cost(rss_delta, reported, device_memory), rss_delta, reported)
+
 
 def format_mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"

@@ -39,7 +39,7 @@ import psutil
 
 from inferd.daemon import measure
 from inferd.daemon.budget import estimate_cost, format_bytes
-from inferd.daemon.memory import METER, LoadFigures, model_cost
+from inferd.daemon.memory import METER, LoadFigures
 from inferd.daemon.graph import GRAPH_FILE
 from inferd.daemon.decisions import (
     Decision, DecisionKey, DecisionStore, candidate_label, cpu_model, file_sha256,
@@ -51,6 +51,7 @@ from inferd.daemon.placement import (
 )
 from inferd.daemon.units import PROCESS_CORES
 from inferd.daemon.warmup import warmup_inputs
+from inferd.daemon.workers.pool import WorkerModel
 from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.libbackends.contract import DeviceKind, LoadedModel
 from inferd.libbackends.registry import Choice
@@ -614,12 +615,14 @@ class Placer:
             raise
         trial.model = engine
         rivals.hold(trial, stack)
+        if isinstance(engine, WorkerModel):  # measured in its worker, not the daemon
+            trial.figures = LoadFigures.of(engine.added, engine.reported,
+                                           choice.kind is not DeviceKind.CPU)
+            return None
         # an engine this load imported is the engine's, counted apart by the budget
         rss = METER.rss() - before - (sum(self._room.engines().values()) - imported)
-        reported = engine.memory_bytes()
-        trial.figures = LoadFigures(model_cost(rss, reported,
-                                               choice.kind is not DeviceKind.CPU),
-                                    rss, reported)
+        trial.figures = LoadFigures.of(rss, engine.memory_bytes(),
+                                       choice.kind is not DeviceKind.CPU)
         return None
 
     def _candidate(self, job: Contest, choice: Choice, threads: int | None,

@@ -300,8 +300,12 @@ class WorkerProcess:
             if callable(bring_in):
                 bring_in()
                 malloc_trim()
-                engine = max(0, self.rss() - before)
-                before += engine
+                grew = max(0, self.rss() - before)
+                before += grew
+                # imported now: the engine counts the worker as it stands (its share of
+                # the interpreter it was forked with, 20-25 MiB, and the engine), which
+                # no model's load counts
+                engine = _pss() if grew else 0
             model = load_planned(record.backend, Path(h["path"]), h["options"],
                                  model=h["model"], model_dir=Path(h["model_dir"]),
                                  ops=self.customops, fallbacks=fallbacks,
@@ -376,6 +380,19 @@ class OutputsInArena:
         with self._lock:
             self._shapes.pop(handle, None)
             self._plain.discard(handle)
+
+
+def _pss() -> int:
+    """This process's proportional set size (the pages it shares with the zygote, the
+    daemon and the other workers counted in part), 0 if it cannot be read."""
+    try:
+        with open("/proc/self/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _unmap(mm: mmap.mmap) -> None:
