@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +43,29 @@ def short_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+PLACEMENT_FIRST = '[placement]\nmode = "first"\n'
+
+
+def _placement_first(config: Path) -> None:
+    """The tests' placement policy for a test's own config file: where neither the file
+    nor a ``conf.d`` drop-in beside it has a ``[placement]`` table, the table
+    ``mode = "first"`` is appended to the file (a test of measured placement says
+    ``mode = "measured"``). Measured placement measures every model's candidates in
+    worker processes of their own right after its load, and a preload's before READY:
+    in a test that is CPU the test does not use (make test's time), and models that
+    move to another backend while a test compares bits with onnxruntime. A file that is
+    not TOML (a test of a bad config) is left as it is."""
+    try:
+        texts = [config.read_text()] + [p.read_text()
+                                        for p in sorted((config.parent / "conf.d").glob("*.toml"))]
+        tables = [tomllib.loads(text) for text in texts]
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return
+    if not any("placement" in table for table in tables):
+        with open(config, "a") as f:
+            f.write("\n# tests/conftest.py: the tests' placement policy\n" + PLACEMENT_FIRST)
+
+
 class Daemon:
     """A real ``inferd`` process on a private socket."""
 
@@ -66,7 +90,9 @@ class Daemon:
         # dir by default.
         isolated = workdir / "empty-inferd.toml"
         if not isolated.exists():
-            isolated.write_text('[placement]\nmode = "first"\n')
+            isolated.write_text(PLACEMENT_FIRST)
+        if "--config" in args[:-1]:
+            _placement_first(Path(args[args.index("--config") + 1]))
         no_backends = workdir / "no-backends"
         no_backends.mkdir(exist_ok=True)
         env = {"INFERD_CONFIG": str(isolated), "INFERD_BACKENDS_PATH": str(no_backends),

@@ -103,6 +103,8 @@ def test_five_seconds_of_bad_requests_at_full_speed_write_a_few_lines(
     kinds = ("empty image", "broken model", "graph cycle", "unknown model")
     with d.client(timeout=120) as c:  # the OCR graph's models, loaded before the clock
         assert c.call(Op.LOAD, "ocr")
+        with pytest.raises(RequestError):  # and the broken model's one real try (a worker
+            c.load("garbage")               # started, an engine imported: seconds at load)
     counts = dict.fromkeys(kinds, 0)
     codes: dict[str, set[str]] = {k: set() for k in kinds}
     before = _lines(d)

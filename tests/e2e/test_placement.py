@@ -259,7 +259,7 @@ def test_a_rival_that_crashes_costs_its_own_worker_and_the_candidate_only(
     plugins.mkdir()
     (plugins / "aborts.py").write_text(ABORT_PLUGIN)
     config = short_tmp / "inferd.toml"
-    config.write_text('[workers]\nisolation = "backend"\n')
+    config.write_text('[workers]\nisolation = "backend"\n[placement]\nmode = "measured"\n')
     d = start_daemon("--config", str(config), "--backends-dir", str(plugins), "--models",
                      str(repo), "--preload", "ocr-cls")
     row = cls_row(d)
@@ -285,7 +285,7 @@ def test_measuring_waits_while_the_cache_is_short_of_memory(
     repo = repo_with_cls(short_tmp, models_dir)
     budget = short_budget(start_daemon, short_tmp, repo)
     config = short_tmp / "inferd.toml"
-    config.write_text(f'[cache]\nmax_memory = {budget}\n')
+    config.write_text(f'[cache]\nmax_memory = {budget}\n[placement]\nmode = "measured"\n')
     (short_tmp / "short").mkdir()
     d = start_daemon("--config", str(config), "--models", str(repo), "--preload", "ocr-cls",
                      workdir=short_tmp / "short")

@@ -428,7 +428,7 @@ def test_placement(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     short = short_budget(start_daemon, short_tmp, repo, "--backends-dir", str(plugins))
     for budget in ("unlimited", short):
         config = short_tmp / f"inferd-{budget}.toml"
-        config.write_text(f'[cache]\nmax_memory = {budget!r}\n')
+        config.write_text(f'[cache]\nmax_memory = {budget!r}\n[placement]\nmode = "measured"\n')
         workdir = short_tmp / str(budget)
         workdir.mkdir()
         d = start_daemon("--config", str(config), "--backends-dir", str(plugins),
