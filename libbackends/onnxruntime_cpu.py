@@ -157,6 +157,9 @@ def installed_version(distribution: str) -> str:
         return ""
 
 
+SHRINKAGE = "memory.enable_memory_arena_shrinkage"
+"""The run option that shrinks onnxruntime's CPU arena after each run."""
+
 THREAD_KEYS = ("intra_op_threads", "inter_op_threads", "allow_spinning")
 OPTION_KEYS = ("memory_arena", "arena_extend_strategy", "arena_max_memory",
                "arena_shrinkage", "memory_pattern")
@@ -218,6 +221,7 @@ class OrtModel(LoadedModel):
         self._run = getattr(session, "_sess", session).run if cpu_only else session.run
         self._cpu_only = cpu_only
         self._bindings = threading.local()  # run_into's IOBinding, one per thread
+        self._bound_options: Any = None  # run_into's RunOptions, made at its first run
         self.inputs = tuple(_spec(a, str(path)) for a in session.get_inputs())
         self.outputs = tuple(_spec(a, str(path)) for a in session.get_outputs())
         self._output_names = [o.name for o in self.outputs]
@@ -270,7 +274,7 @@ class OrtModel(LoadedModel):
                 else:
                     binding.bind_output(name, "cpu", 0, dest.dtype, list(dest.shape),
                                         dest.ctypes.data)
-            self._session.run_with_iobinding(binding, self._run_options)
+            self._session.run_with_iobinding(binding, self._bound_run_options())
             values = binding.get_outputs()
         except Exception:  # noqa: BLE001  another shape, or the run's own failure:
             return self.run(inputs, outputs)  # the plain run answers (and its error)
@@ -279,6 +283,22 @@ class OrtModel(LoadedModel):
             binding.clear_binding_outputs()
         return {name: into[name] if name in into else np.asarray(value.numpy())
                 for name, value in zip(names, values)}
+
+    def _bound_run_options(self) -> Any:
+        """The model's run options, with onnxruntime's own logging of a failed run off: a
+        bound run refused for another output shape is run again plainly, which logs
+        a real failure (the refusal alone would be an ERROR line in the journal)."""
+        if self._bound_options is None:
+            options = sys.modules["onnxruntime"].RunOptions()
+            options.log_severity_level = 4
+            if self._run_options is not None:
+                try:
+                    options.add_run_config_entry(SHRINKAGE, self._run_options
+                                                 .get_run_config_entry(SHRINKAGE))
+                except RuntimeError:
+                    pass  # not set on the model's own
+            self._bound_options = options
+        return self._bound_options
 
     def _run_raw(self, inputs: dict[str, NDArray[Any]],
                  names: list[str]) -> dict[str, NDArray[Any]]:
@@ -436,7 +456,7 @@ class OnnxRuntimeCpuBackend(LazyOnnxRuntime, Backend):
         run_options = None
         if policy.memory_arena and policy.arena_shrinkage:
             run_options = self._ort.RunOptions()
-            run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+            run_options.add_run_config_entry(SHRINKAGE, "cpu:0")
         try:
             session = self._ort.InferenceSession(
                 str(model_path), sess_options=so, providers=["CPUExecutionProvider"])

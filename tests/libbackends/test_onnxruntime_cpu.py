@@ -147,3 +147,44 @@ def test_an_engine_failure_on_non_empty_inputs_stays_internal(tmp_path):
         assert e.value.code is ErrorCode.INTERNAL and "empty" not in e.value.message
     finally:
         model.unload()
+
+
+def test_run_into_writes_the_outputs_where_asked_and_refuses_another_shape_quietly(
+        models_dir, tmp_path, capfd):
+    """run_into binds the outputs to the arrays given (IOBinding: the same bits as run,
+    in those very arrays, the shrinkage option kept); an output of another shape than
+    given is run again plainly, right, and onnxruntime logs no ERROR for the refusal."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    backend = OnnxRuntimeCpuBackend()
+    cls = backend.load(models_dir / "ocr-cls" / "1" / "model.onnx",
+                       LoadOptions(options={"arena_shrinkage": True}))
+    x = {"x": np.random.default_rng(2).random((8, 3, 48, 192), dtype=np.float32)}
+    try:
+        expected = cls.run(x)
+        into = {name: np.full_like(a, np.nan) for name, a in expected.items()}
+        got = cls.run_into(x, None, into)
+        for name, a in expected.items():
+            assert got[name] is into[name] and got[name].tobytes() == a.tobytes()
+        assert cls._bound_run_options().get_run_config_entry(
+            "memory.enable_memory_arena_shrinkage") == "cpu:0"
+    finally:
+        cls.unload()
+    v = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.INT64, [1, "k"])
+    graph = helper.make_graph([helper.make_node("NonZero", ["x"], ["y"])], "nz", [v], [y])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "nz.onnx")
+    nz = backend.load(tmp_path / "nz.onnx", LoadOptions())
+    try:
+        capfd.readouterr()
+        x = {"x": np.array([0, 1, 2, 0, 5], np.float32)}
+        wrong = {"y": np.zeros((1, 2), np.int64)}  # the values give (1, 3)
+        got = nz.run_into(x, None, wrong)
+        assert got["y"] is not wrong["y"] and got["y"].tolist() == [[1, 2, 4]]
+        assert "[E:onnxruntime" not in capfd.readouterr().err
+    finally:
+        nz.unload()
