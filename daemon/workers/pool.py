@@ -145,9 +145,6 @@ class Worker:
     lent: list[Channel] = field(default_factory=list)
     """Channels whose last reply's tensors are (or were) views of the worker's arena
     (``lock``); each goes back to use once they are gone."""
-    lending: int = 0
-    """Calls under way whose outputs may be lent (``lock``): with the channels still
-    lent, at most :data:`LENT_MAX`."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     ended: threading.Event = field(default_factory=threading.Event)
     killed_for: str = ""
@@ -383,34 +380,30 @@ class WorkerPool:
         channel = self._channel(w, what)
         plan = self._by_reference(w, header, tensors, into) if (
             tensors or into is not None) else _Plan(tensors)
-        reserved = False  # a place among the LENT_MAX, until the channel is put back
-        if lend:
-            with w.lock:
-                reserved = lend = w.lending + sum(c.lent() for c in w.lent) < LENT_MAX
-                w.lending += reserved
         try:
-            try:
-                reply, out = self._exchange(w, channel, header, plan, what, timeout, key,
-                                            lend)
-            finally:
-                if plan.used:
-                    self._unuse(plan.used)
-            if self.max_memory is not None and header.get("op") == "run":
-                rss = _resident(w.pid)
-                if rss > self.max_memory:  # this run made it grow: it is charged with it
-                    channel.close()
-                    self.kill(w, f"was killed: its resident memory {rss / 2**20:.1f} MiB "
-                                 f"passed workers.max_memory "
-                                 f"({self.max_memory / 2**20:.1f} MiB)")
-                    raise self.death(w, what)
-            with w.lock:
-                (w.lent if channel.lent() else w.idle).append(channel)
-                w.lending -= reserved
-                reserved = False
+            reply, out = self._exchange(w, channel, header, plan, what, timeout, key, lend)
         finally:
-            if reserved:
-                with w.lock:
-                    w.lending -= 1
+            if plan.used:
+                self._unuse(plan.used)
+        if self.max_memory is not None and header.get("op") == "run":
+            rss = _resident(w.pid)
+            if rss > self.max_memory:  # this run made it grow: it is charged with it
+                channel.close()
+                self.kill(w, f"was killed: its resident memory {rss / 2**20:.1f} MiB passed "
+                             f"workers.max_memory ({self.max_memory / 2**20:.1f} MiB)")
+                raise self.death(w, what)
+        over = False
+        with w.lock:
+            if not channel.lent():
+                w.idle.append(channel)
+            elif sum(c.lent() for c in w.lent) < LENT_MAX:
+                w.lent.append(channel)
+            else:
+                over = True
+        if over:  # LENT_MAX lent already: copied, and the channel is free once they are
+            out = _owned(out)
+            with w.lock:
+                w.lent.append(channel)  # taken back by _channel when no view is left
         if "error" in reply:
             raise decode_error(reply["error"])
         placed = reply.get("placed")
@@ -697,6 +690,11 @@ class WorkerPool:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _owned(tensors: dict[str, NDArray[Any]]) -> dict[str, NDArray[Any]]:
+    """``tensors`` as copies of their own (those that view a lent arena let go of it)."""
+    return {name: np.array(a, copy=True) for name, a in tensors.items()}
 
 
 def _resident(pid: int) -> int:
