@@ -59,6 +59,9 @@ class ModelEntry:
         self.queue: WorkQueue = WorkQueue()
         self.queue_size = queue_size
         self.placement: ModelPlacement | None = None  # backend, device and why
+        # the placer's contest of its current load's rivals (daemon/placer.py), while
+        # one is open: measured, or kept for `inferctl reload --remeasure`
+        self.contest: Any = None
         self.model: LoadedModel | None = None
         self.threads: ModelThreads | None = None
         self.error: str | None = None
@@ -252,6 +255,24 @@ class ModelEntry:
                     items.append(item)
             self.in_flight -= len(items)
             return items
+
+    # ----------------------------------------------------------------- placement
+
+    def open_contest(self, contest: Any) -> None:
+        """Its current load has rivals, measured (or to be) by ``contest`` (the
+        placer's: daemon/placer.py)."""
+        with self.lock:
+            self.contest = contest
+
+    def close_contest(self, model: Any) -> Any:
+        """The placed model ``model`` was unloaded: its contest (returned, None if it
+        had none) is closed. A newer load's contest stays."""
+        with self.lock:
+            contest = self.contest
+            if contest is None or contest.model is not model:
+                return None
+            self.contest = None
+            return contest
 
     def _placed(self) -> dict[str, Any]:
         """Backend, device and why, as the placement says now (measuring may move it)."""

@@ -107,6 +107,9 @@ class Room(Protocol):
     def engines(self) -> dict[str, int]:
         """What importing each engine added (counted as the engine's, not a model's)."""
 
+    def entries(self) -> list[Any]:
+        """The cache's entries (each a ModelEntry: its loaded model, its contest)."""
+
 
 def backend_options(config: Any, settings: Any, backend_id: str) -> dict[str, Any]:
     """The backend's own settings for one model: the config file's section named after

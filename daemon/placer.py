@@ -30,6 +30,7 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable
+from functools import partial
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,8 +270,6 @@ class Placer:
         self.store = store if store is not None else DecisionStore(state_directory(config()))
         self._cond = threading.Condition()
         self._queue: list[Contest] = []
-        self._jobs: dict[tuple[str, int], Contest] = {}  # placed models that have rivals
-        self._models: dict[tuple[str, int], PlacedModel] = {}  # every placed model
         self._thread: threading.Thread | None = None
         self._running: Contest | None = None  # the job being measured now
         self._waiting = 0  # in _turn, waiting for the daemon to serve nothing
@@ -327,10 +326,9 @@ class Placer:
                 order = sorted(plan, key=lambda c: (c.backend.id, str(c.kind)) != won)
                 threads = decision.threads if threads is None else threads
         placement, engine = place(name, order, settings, config, load, threads)
-        model = PlacedModel(engine, on_sample=self._wake, on_unload=self._closed,
+        model = PlacedModel(engine, on_sample=self._wake,
+                            on_unload=partial(self._closed, entry),
                             on_ran=None if isolated else self._ran)
-        with self._cond:
-            self._models[(name, version)] = model
         found = rivals(plan, placement.kind)
         if mode is Mode.FIRST or len(found) < 2:
             if len(found) > 1:
@@ -390,9 +388,10 @@ class Placer:
     # ----------------------------------------------------------------- the thread
 
     def _submit(self, job: Contest, queued: bool = True) -> None:
-        """Know ``job`` (for :meth:`remeasure`) and, if ``queued``, measure it."""
+        """Open ``job`` on its entry (for :meth:`remeasure`) and, if ``queued``, measure
+        it."""
+        job.entry.open_contest(job)  # the entry's lock, never inside ours
         with self._cond:
-            self._jobs[(job.name, job.version)] = job
             if not queued:
                 return
             self._queue.append(job)
@@ -416,15 +415,16 @@ class Placer:
         if self._waiting:
             self._wake()
 
-    def _closed(self, model: PlacedModel) -> None:
-        """A placed model was unloaded: forget it (a measurement of it in progress
-        will not switch it: :meth:`PlacedModel.switch` refuses)."""
+    def _closed(self, entry: Any, model: PlacedModel) -> None:
+        """``entry``'s placed model was unloaded: its contest is closed and no longer
+        measured (a measurement of it in progress will not switch it:
+        :meth:`PlacedModel.switch` refuses)."""
+        job = entry.close_contest(model)  # the entry's lock, never inside ours
+        if job is None:
+            return
         with self._cond:
-            for k in [k for k, m in self._models.items() if m is model]:
-                del self._models[k]
-                job = self._jobs.pop(k, None)
-                if job is not None and job in self._queue:
-                    self._queue.remove(job)
+            if job in self._queue:
+                self._queue.remove(job)
 
     @staticmethod
     def _when(job: Contest) -> float | None:
@@ -496,8 +496,10 @@ class Placer:
             self.store.forget(name)
         again = []
         with self._cond:
-            for job in self._jobs.values():
-                if (names is not None and job.name not in names) or job in self._queue:
+            for entry in self._room.entries():
+                job = entry.contest
+                if job is None or (names is not None and job.name not in names) or \
+                        job in self._queue:
                     continue
                 job.not_before = 0.0
                 self._sample(job, self.config)
@@ -531,7 +533,7 @@ class Placer:
                      "measured on its first requests instead", job.label, e,
                      extra={"MODEL": job.name})
             with self._cond:
-                if (job.name, job.version) in self._jobs:
+                if job.entry.contest is job:  # not unloaded meanwhile
                     job.seeded = False
                     job.model.resample(SAMPLES)
                     self._queue.append(job)
@@ -546,7 +548,7 @@ class Placer:
                      "short of memory (%s)", job.label, RETRY_S, e.message,
                      extra={"MODEL": job.name})
             with self._cond:
-                if (job.name, job.version) in self._jobs:
+                if job.entry.contest is job:  # not unloaded meanwhile
                     job.not_before = time.monotonic() + RETRY_S
                     self._queue.append(job)
         finally:
@@ -758,10 +760,12 @@ class Placer:
         """The graph in which ``job``'s model does the largest share of the busy time
         of the graph's models since they loaded, and that share; None outside graphs."""
         best: tuple[str, float] | None = None
+        busy: dict[str, float] = {job.name: job.model.busy_s}  # loaded or not yet
         with self._cond:
-            busy: dict[str, float] = {}
-            for (name, _), m in self._models.items():
-                busy[name] = max(busy.get(name, 0.0), m.busy_s)
+            for entry in self._room.entries():
+                m = entry.model
+                if isinstance(m, PlacedModel):  # loaded (any version of the name)
+                    busy[entry.name] = max(busy.get(entry.name, 0.0), m.busy_s)
         for graph, members in job.graphs:
             total = sum(busy.get(m, 0.0) for m in members)
             if total > 0:

@@ -102,12 +102,17 @@ class RecordingRoom:
         self.recosted: list[tuple[Any, Any]] = []
         self.refuse = False
         self.held = self.most = 0
+        self.known: list[Any] = []
 
     def recost(self, entry: Any, figures: Any) -> None:
         self.recosted.append((entry, figures))
 
     def engines(self) -> dict[str, int]:
         return {}
+
+    def entries(self) -> list[Any]:
+        """The cache's entries: those :func:`place` made."""
+        return self.known
 
     cost = 1000
     """What the model cost at its last load, as the budget says."""
@@ -151,7 +156,9 @@ def place(placer: Placer, registry: Registry, repo: Path,
           settings: ModelSettings | None = None) -> tuple[Any, PlacedModel]:
     path = repo / "m" / "1" / "model.onnx"
     plan = registry.plan("m", path, settings.backends if settings else None)
-    return placer.place(ModelEntry("m", 1, 8), path, plan, settings or ModelSettings(),
+    entry = ModelEntry("m", 1, 8)
+    placer._room.known.append(entry)  # type: ignore[attr-defined]  # a RecordingRoom
+    return placer.place(entry, path, plan, settings or ModelSettings(),
                         placer.config,
                         lambda choice, options: choice.backend.load(path, options), repo)
 
