@@ -56,6 +56,8 @@ def _answer(ticket: Ticket | LocalTicket, reply: Reply) -> bool:
     return True
 
 
+_INFER = Op.INFER  # a module global: read faster than the enum's attribute
+
 UNREAD = Request("", Op.PING)
 """The request of a ticket whose header is not decoded (not yet, or never: a message
 refused unread): no id, no model, no timeout. Shared, never changed."""
@@ -86,7 +88,7 @@ class _Record:
         """The model or graph an ``infer`` names ("-" if none); None for the other ops
         (and a request not decoded), which the request metrics do not count."""
         request = self.request
-        return (request.model or "-") if request.op is Op.INFER else None
+        return (request.model or "-") if request.op is _INFER else None
 
     @property
     def deadline(self) -> float | None:
