@@ -605,9 +605,25 @@ def test_remeasure_forgets_the_decision_and_measures_again(repo: Path,
         serve(model)
         assert settled(placement)["backend"] == "fast"
         assert len(slow.loads) == loads + 1  # the reference was loaded again
+        model.unload()  # its contest closes with it: nothing left to measure again
+        assert placer.remeasure(["m"]) == []
     finally:
         placer.stop()
-        model.unload()
+        if not model.closed:
+            model.unload()
+
+
+def test_an_unloaded_model_closes_only_its_own_contest() -> None:
+    """The entry holds its load's contest (the placer keeps no map of its own): the
+    unload of an earlier load's model leaves the contest of the load after it open."""
+    entry = ModelEntry("m", 1, 8)
+    earlier = types.SimpleNamespace(model=object())
+    later = types.SimpleNamespace(model=object())
+    entry.open_contest(earlier)
+    entry.open_contest(later)
+    assert entry.close_contest(earlier.model) is None and entry.contest is later
+    assert entry.close_contest(later.model) is later and entry.contest is None
+    assert entry.close_contest(later.model) is None
 
 
 def test_a_switch_lets_runs_in_the_old_engine_finish_there() -> None:
