@@ -5,6 +5,7 @@ models."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -42,7 +43,12 @@ def build(kind: str) -> Path:
     cmd = ["make", "-s", jobs, "-C", str(LIBDIR), f"BUILD={folder}", "tests"]
     if kind == "sanitize":
         cmd.append("SANITIZE=1")
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    # pytest-xdist runs test files in parallel (make test): the files that build the
+    # same folder take turns, so two makes never write one object at once.
+    (LIBDIR / "build").mkdir(exist_ok=True)
+    with open(LIBDIR / "build" / ".tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, f"{' '.join(cmd)}:\n{out.stdout}{out.stderr}"
     return LIBDIR / folder / "tests"
 
