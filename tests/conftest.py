@@ -91,8 +91,10 @@ class Daemon:
         isolated = workdir / "empty-inferd.toml"
         if not isolated.exists():
             isolated.write_text(PLACEMENT_FIRST)
-        if "--config" in args[:-1]:
-            _placement_first(Path(args[args.index("--config") + 1]))
+        own = (args[args.index("--config") + 1] if "--config" in args[:-1]
+               else (env or {}).get("INFERD_CONFIG"))
+        if own:  # the test's own config, by --config or $INFERD_CONFIG
+            _placement_first(Path(own))
         no_backends = workdir / "no-backends"
         no_backends.mkdir(exist_ok=True)
         env = {"INFERD_CONFIG": str(isolated), "INFERD_BACKENDS_PATH": str(no_backends),

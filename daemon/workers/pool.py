@@ -678,7 +678,11 @@ class WorkerPool:
             self.kill(w, "stopped")
         if self.zygote is not None:
             self.zygote.close()  # reaped: every worker's end is reported before this
-        for w in workers:
+        with self._lock:  # and those retired (a measuring one ends at once) whose end
+            # was not reported yet: out of the map, but their pidfds still open
+            late = [w for w in self._by_pid.values() if all(w is not x for x in workers)]
+            self._by_pid.clear()
+        for w in (*workers, *late):
             with w.lock:
                 for channel in (w.control, *w.idle, *w.lent):
                     channel.close()
