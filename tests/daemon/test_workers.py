@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -148,11 +149,13 @@ def test_the_zygote_forks_workers_and_reports_how_they_end():
         z.close()
 
 
-def new_pool() -> WorkerPool:
-    """A started pool with onnxruntime registered (the ``pool`` fixture's)."""
+def new_pool(**settings: Any) -> WorkerPool:
+    """A started pool with onnxruntime registered (the ``pool`` fixture's); ``settings``
+    (``idle_exit_s``...) override its own."""
     registry = Registry()
     registry.register(_onnxruntime_cpu())
-    p = WorkerPool(registry, OpRegistry(), kill_after_s=30.0, restart_backoff_s=0.05)
+    p = WorkerPool(registry, OpRegistry(),
+                   **{"kill_after_s": 30.0, "restart_backoff_s": 0.05, **settings})
     p.start()
     return p
 
@@ -251,10 +254,7 @@ def test_a_worker_models_working_memory_is_measured_in_the_worker(pool, models_d
 
 
 def test_a_worker_with_no_model_ends_after_idle_exit_s_unless_a_load_comes(models_dir):
-    registry = Registry()
-    registry.register(_onnxruntime_cpu())
-    p = WorkerPool(registry, OpRegistry(), kill_after_s=30.0, idle_exit_s=1.0)
-    p.start()
+    p = new_pool(idle_exit_s=1.0)
     try:
         model = WorkerModel(p, vad_call(models_dir), 60.0)
         pid = model.pid
@@ -276,10 +276,7 @@ def test_a_measuring_worker_ends_as_soon_as_its_candidate_is_unloaded(models_dir
 
     from inferd.daemon.workers.pool import MEASURING
 
-    registry = Registry()
-    registry.register(_onnxruntime_cpu())
-    p = WorkerPool(registry, OpRegistry(), kill_after_s=30.0, idle_exit_s=600.0)
-    p.start()
+    p = new_pool(idle_exit_s=600.0)
     try:
         call = dataclasses.replace(vad_call(models_dir), key="vad@onnxruntime" + MEASURING)
         rival = WorkerModel(p, call, 60.0)
@@ -333,19 +330,26 @@ def test_a_message_the_worker_cannot_read_is_answered_not_left_hanging(pool, mod
         model.unload()
 
 
-def identity_call(tmp_path: Path) -> LoadCall:
-    """An onnxruntime Identity on float32 [a, b], loaded in the pool's onnxruntime worker."""
+def unary_model(repo: Path, name: str, op: str) -> Path:
+    """``repo/name/1/model.onnx``: the one ONNX node ``op`` (Identity, Neg...) from
+    float32 ``x`` [a, b] to ``y``; its path."""
     import onnx
     from onnx import TensorProto, helper
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", "b"])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "id", [x], [y])
+    graph = helper.make_graph([helper.make_node(op, ["x"], ["y"])], name, [x], [y])
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     m.ir_version = 8
-    path = tmp_path / "identity" / "1" / "model.onnx"
+    path = repo / name / "1" / "model.onnx"
     path.parent.mkdir(parents=True)
     onnx.save(m, path)
+    return path
+
+
+def identity_call(tmp_path: Path) -> LoadCall:
+    """An onnxruntime Identity on float32 [a, b], loaded in the pool's onnxruntime worker."""
+    path = unary_model(tmp_path, "identity", "Identity")
     return LoadCall("onnxruntime", path, LoadOptions(), "identity version 1",
                     path.parents[1], (), {}, 10.0, key="onnxruntime")
 

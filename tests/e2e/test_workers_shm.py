@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from inferd.ipc import Client, ErrorCode, Region, RequestError
+from tests.daemon.test_workers import unary_model
 from tests.daemon.test_workers_shm import fds, links, mappings
 from tests.e2e.test_cache_reload import poll
 from tests.e2e.test_error_codes import raw
@@ -28,16 +29,7 @@ X = np.random.default_rng(5).random((256, 1024), dtype=np.float32)  # 1 MiB
 
 
 def neg_model(repo: Path) -> None:
-    import onnx
-    from onnx import TensorProto, helper
-
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", "b"])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])
-    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg", [x], [y])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    (repo / "neg" / "1").mkdir(parents=True)
-    onnx.save(m, repo / "neg" / "1" / "model.onnx")
+    unary_model(repo, "neg", "Neg")
 
 
 @pytest.fixture
