@@ -161,7 +161,8 @@ class ModelLoader:
             with self._lock:  # held already for the first load; taken for a rival
                 if isolated:
                     return self._in_worker(entry, choice, options, source.path, tables,
-                                           [b.id for b in fallbacks], isolation, rival)
+                                           [b.id for b in fallbacks], isolation, rival,
+                                           tuple(spec.settings.cpu_affinity or ()))
                 # the planner reads ONNX graphs: onnx comes in with the first model
                 engines[0] += self._engine("onnx", _import_planner)
                 bring_in = getattr(choice.backend, "import_engine", None)
@@ -215,11 +216,13 @@ class ModelLoader:
 
     def _in_worker(self, entry: ModelEntry, choice: Choice, options: LoadOptions,
                    path: Path, tables: dict[str, Any], fallbacks: list[str],
-                   isolation: str, rival: bool = False) -> LoadedModel:
+                   isolation: str, rival: bool = False,
+                   cores: tuple[int, ...] = ()) -> LoadedModel:
         """Load on ``choice`` in its worker process: the backend's worker, or the model's
         own where it brings custom ops or ``isolation`` is "model"; a ``rival`` (a
         candidate being measured) in a worker of its own, so that its crash costs only
-        that worker and the candidate."""
+        that worker and the candidate. ``cores``: model.toml's ``cpu_affinity``, kept to
+        by its load and runs in the worker."""
         assert self.workers is not None
         config = self.catalog.config
         model_dir = self.catalog.repo.root / entry.name
@@ -229,7 +232,7 @@ class ModelLoader:
                         tables, config.backends.probe_timeout_s,
                         key=(f"{entry.label}@{backend}{MEASURING}" if rival
                              else f"{entry.label}@{backend}" if own else backend),
-                        strict_modes=config.security.strict_modes)
+                        strict_modes=config.security.strict_modes, cores=cores)
         model = WorkerModel(self.workers, call, config.workers.load_kill_after_s)
         # the engine as the worker that serves holds it (a measuring worker ends with its
         # candidate: counted by the candidate's reservation)

@@ -47,7 +47,7 @@ from inferd.daemon.pipeline import PipelineSpec, Pinning, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
 from inferd.daemon import streams as stream_batch
 from inferd.daemon.streams import Chunk, StreamModel, StreamTable
-from inferd.daemon.workers.pool import ENGINE_TIME, OUTPUTS_INTO, WorkerDied
+from inferd.daemon.workers.pool import ENGINE_TIME, OUTPUTS_INTO, WorkerDied, WorkerModel
 from inferd.daemon.workers.quarantine import Quarantine
 from inferd.daemon.processors import run_steps
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
@@ -224,8 +224,16 @@ class ModelThreads:
         self.threads.append(threading.Thread(target=run, name=thread_name, daemon=True))
 
     def pinning(self) -> list[dict[str, Any]]:
-        """Every thread's name, stage, native id, affinity and backend."""
-        return [p.to_json() for p in self.pinnings]
+        """Every thread's name, stage, native id, affinity and backend; for a model in a
+        worker process, the worker's threads that ran it too (stage ``engine``, with the
+        worker's ``pid``: where the engine's work is done)."""
+        rows = [p.to_json() for p in self.pinnings]
+        engine = getattr(self.model, "engine", self.model)
+        if isinstance(engine, WorkerModel):
+            rows += [{"thread": f"worker {engine.pid}", "stage": "engine", "native_id": tid,
+                      "affinity": cores, "backend": engine.call.backend, "error": None,
+                      "pid": engine.pid} for tid, cores in engine.threads()]
+        return rows
 
     def batching(self) -> dict[str, Any]:
         """The ``batching`` field of the models listing: mode, bounds, the limit chosen

@@ -730,9 +730,12 @@ class LoadCall:
     probe_timeout_s: float
     key: str
     strict_modes: bool = True
+    cores: tuple[int, ...] = ()
+    """model.toml ``cpu_affinity``: the cores its load and runs keep to (none: any)."""
 
     def header(self) -> dict[str, Any]:
         return {"op": "load", "backend": self.backend, "path": str(self.path),
+                "cores": list(self.cores),
                 "options": self.options, "model": self.model,
                 "model_dir": str(self.model_dir), "fallbacks": list(self.fallbacks),
                 "tables": self.tables, "probe_timeout_s": self.probe_timeout_s,
@@ -805,6 +808,19 @@ class WorkerModel(LoadedModel):
                                     inputs, into=into, lend=True)
         ENGINE_TIME.seconds = reply["took"]
         return out
+
+    def threads(self) -> list[tuple[int, list[int]]]:
+        """The worker's threads that ran this model (native id, the cores the kernel
+        allows it); none if the worker cannot say now (busy past a second, or gone)."""
+        w = self.worker
+        if not w.alive:
+            return []
+        try:
+            reply, _ = self.pool.call(w, {"op": "threads", "handle": self.handle},
+                                      f"the threads of {self.call.model}", timeout=1.0)
+        except InferdError:
+            return []
+        return [(int(tid), list(cores)) for tid, cores in reply["threads"]]
 
     def unload(self) -> None:
         with self._lock:

@@ -8,7 +8,12 @@ threads run side by side as they did in-process. Operations:
 
 - ``load``: ``load_planned`` (the model's own custom ops, a partitioned plan) on the
   backend named; answers a handle, the model's tensors, ``describe()``, its batch sizes
-  and what the load added to this process's resident memory.
+  and what the load added to this process's resident memory. A model with
+  ``cpu_affinity`` (``cores``) loads on a thread kept to those cores, so that the engine
+  threads it starts inherit them, and every thread that runs it keeps to them (set again
+  only when a thread goes from one model's cores to another's).
+- ``threads``: the threads whose last run was a model's, with the cores the kernel
+  allows each (``inferctl models --verbose``).
 - ``run``: the inputs are read in place from the daemon's arena, or from a client's
   shared-memory region the daemon named (``refs``; its descriptor passed with the call
   the first time, ``maps``: mapped read-only unless outputs go there, kept until
@@ -91,6 +96,12 @@ class WorkerProcess:
         self._regions: dict[int, tuple[mmap.mmap, bool]] = {}
         self._regions_lock = threading.Lock()
         self._outputs = OutputsInArena()
+        # model.toml cpu_affinity: the cores each model's runs (and its load, whose
+        # engine threads inherit them) are pinned to; each thread's last model
+        self._cores: dict[int, frozenset[int]] = {}
+        self._last: dict[int, int] = {}  # native thread id -> handle
+        self._everywhere = frozenset(os.sched_getaffinity(0))
+        self._pinned = threading.local()
 
     def rss(self) -> int:
         return int(self._proc.memory_info().rss)
@@ -122,6 +133,8 @@ class WorkerProcess:
                 if op == "run":  # first: the one on every request
                     handle = header["handle"]
                     model = self.models[handle]
+                    if getattr(self._pinned, "handle", None) != handle:
+                        self._pin_for(handle)
                     wanted = header.get("outputs")
                     t0 = time.perf_counter()
                     outputs = self._outputs.run(handle, model, channel, tensors, wanted,
@@ -144,7 +157,12 @@ class WorkerProcess:
                     channel.send({"ok": True})
                 elif op == "load":
                     channel.send(self._load(header))
+                elif op == "threads":
+                    channel.send({"ok": True, "threads": self._threads(header["handle"])})
                 elif op == "unload":
+                    self._cores.pop(header["handle"], None)
+                    for tid in [t for t, h in self._last.items() if h == header["handle"]]:
+                        self._last.pop(tid, None)
                     model = self.models.pop(header["handle"], None)
                     self._graphs.pop(header["handle"], None)
                     self._outputs.forget(header["handle"])
@@ -178,6 +196,40 @@ class WorkerProcess:
                 if unmapped:
                     error["unmapped"] = unmapped
                 channel.send(error)
+
+    # ----------------------------------------------------------------- pinning
+
+    def _pin(self, cores: frozenset[int]) -> None:
+        """Keep the calling thread to ``cores`` (a syscall only when they change)."""
+        if getattr(self._pinned, "cores", self._everywhere) == cores:
+            return
+        try:
+            os.sched_setaffinity(0, cores)
+        except OSError as e:  # a core offline since: the model runs where it can
+            log.warning("worker %s: cannot pin a thread to cores %s: %s", self.name,
+                        sorted(cores), e.strerror)
+        self._pinned.cores = cores
+
+    def _pin_for(self, handle: int) -> None:
+        """The calling thread runs ``handle`` from now on: on its model's cores (every
+        core of the worker for a model without ``cpu_affinity``); the thread is noted as
+        one of the model's."""
+        self._pin(self._cores.get(handle, self._everywhere))
+        self._pinned.handle = handle
+        self._last[threading.get_native_id()] = handle
+
+    def _threads(self, handle: int) -> list[tuple[int, list[int]]]:
+        """The threads whose last run was ``handle``'s, each with the cores the kernel
+        allows it now."""
+        out = []
+        for tid, last in sorted(self._last.items()):
+            if last != handle:
+                continue
+            try:
+                out.append((tid, sorted(os.sched_getaffinity(tid))))
+            except OSError:  # ended (its channel closed)
+                self._last.pop(tid, None)
+        return out
 
     # ----------------------------------------------------------------- shared memory
 
@@ -292,7 +344,12 @@ class WorkerProcess:
             raise BackendError(f"backend {h['backend']} is not registered in worker "
                                f"{self.name}")
         fallbacks = [b for b in self.registry.available() if b.id in h["fallbacks"]]
+        cores = frozenset(h.get("cores") or ()) or self._everywhere
         with self._load_lock:
+            # loaded on the model's cores: the engine's own threads, started now or at
+            # its first run, inherit them (as a pinned infer thread's do in-process)
+            self._pin(cores)
+            self._pinned.handle = None
             malloc_trim()
             before = self.rss()
             engine = 0
@@ -317,6 +374,8 @@ class WorkerProcess:
             handle = self._next
             self._next += 1
             self.models[handle] = model
+            if cores != self._everywhere:
+                self._cores[handle] = cores
         return {"ok": True, "handle": handle, "inputs": model.inputs,
                 "outputs": model.outputs, "device": getattr(model, "device", ""),
                 "describe": model.describe(), "batch_sizes": model.batch_sizes(),

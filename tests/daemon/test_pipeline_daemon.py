@@ -67,11 +67,19 @@ labels = ["0", "180"]
         models = {m["name"]: m for m in c.models(verbose=True)}
         plain = {m["name"]: m for m in c.models()}
     assert "placement" not in plain["cls"]
-    placement = models["cls"]["placement"]
+    placement = [p for p in models["cls"]["placement"] if p["stage"] != "engine"]
     assert [p["thread"] for p in placement] == ["inferd-cls-pre", "inferd-cls-infer-0",
                                                 "inferd-cls-infer-1", "inferd-cls-post"]
     for p in placement:
         assert cpus_allowed(daemon.proc.pid, p["native_id"]) == str(core), p
+        assert p["affinity"] == [core]
+    # the engine runs in a worker process: the worker's threads that ran the model keep
+    # to its cores too, as the kernel says
+    engine = [p for p in models["cls"]["placement"] if p["stage"] == "engine"]
+    assert engine, models["cls"]["placement"]
+    for p in engine:
+        assert p["pid"] != daemon.proc.pid and p["thread"] == f"worker {p['pid']}"
+        assert cpus_allowed(p["pid"], p["native_id"]) == str(core), p
         assert p["affinity"] == [core]
     shown = subprocess.run([sys.executable, "-m", "inferd.ipc.inferctl", "--socket",
                             daemon.endpoint, "models", "--verbose"],
@@ -80,6 +88,7 @@ labels = ["0", "180"]
     for p in placement:
         assert (f"{p['thread']}: stage {p['stage']}, native id {p['native_id']}, cpus {core}"
                 in shown.stdout), shown.stdout
+    assert f"worker {engine[0]['pid']}: stage engine, native id " in shown.stdout
     assert "backend onnxruntime" in shown.stdout
 
 
@@ -124,8 +133,12 @@ def test_server_cpu_affinity_pins_the_io_threads_and_nothing_they_start(
     assert cpus_allowed(pid, pid) == str(core)  # the I/O thread is the main thread
     zmq_io = [tid for tid, name in threads.items() if name.startswith("ZMQbg/IO")]
     assert any(cpus_allowed(pid, tid) == str(core) for tid in zmq_io), threads
-    (worker,) = model["placement"]
+    (worker,) = [p for p in model["placement"] if p["stage"] != "engine"]
     assert worker["affinity"] == cores
+    # nor the worker process the engine runs in (started by the zygote, not the I/O thread)
+    engine = [p for p in model["placement"] if p["stage"] == "engine"]
+    assert engine and all(p["affinity"] == cores for p in engine), engine
+    assert all(cpus_allowed(p["pid"], p["native_id"]) == everywhere for p in engine), engine
     for tid, name in threads.items():
         if tid != pid and not name.startswith("ZMQbg"):
             assert cpus_allowed(pid, tid) == everywhere, (tid, name)

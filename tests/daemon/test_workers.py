@@ -196,6 +196,44 @@ def test_a_model_in_a_worker_runs_as_in_process(pool, models_dir):
         model.unload()
 
 
+def _cpus_allowed(pid: int, tid: int) -> str:
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    return next(line.split(":", 1)[1].strip() for line in status.splitlines()
+                if line.startswith("Cpus_allowed_list"))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to tell a pinned thread from a free one")
+def test_a_pinned_models_load_and_runs_keep_to_its_cores_in_the_worker(pool, models_dir):
+    # model.toml cpu_affinity reaches the worker: the engine's own threads started at the
+    # load inherit the cores, and a worker thread that goes from a pinned model to a free
+    # one (they share the backend's worker) is let go to every core again
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[-1]
+    free = WorkerModel(pool, vad_call(models_dir), 60.0)
+    pid = free.pid
+    before = set(os.listdir(f"/proc/{pid}/task"))
+    call = vad_call(models_dir)
+    pinned = WorkerModel(pool, LoadCall(
+        call.backend, call.path, LoadOptions(intra_op_threads=2), "vad version 1 pinned",
+        call.model_dir, (), {}, 10.0, key=call.key, cores=(core,)), 60.0)
+    try:
+        assert pinned.pid == pid  # one worker for the backend
+        started = set(os.listdir(f"/proc/{pid}/task")) - before  # onnxruntime's pool
+        assert started, "onnxruntime started no thread for intra_op_threads = 2"
+        assert {_cpus_allowed(pid, int(t)) for t in started} == {str(core)}
+        pinned.run(VAD)
+        ((tid, allowed),) = pinned.threads()
+        assert allowed == [core] and _cpus_allowed(pid, tid) == str(core)
+        free.run(VAD)  # the same caller: the same channel, so the same worker thread
+        assert free.threads() == [(tid, cores)] and pinned.threads() == []
+        pinned.run(VAD)
+        assert pinned.threads() == [(tid, [core])]
+    finally:
+        pinned.unload()
+        free.unload()
+
+
 def test_a_killed_worker_fails_the_run_it_held_and_the_model_loads_again(pool, models_dir):
     model = WorkerModel(pool, vad_call(models_dir), 60.0)
     first = model.run(VAD)
