@@ -256,7 +256,8 @@ PER_CLIENT = 150
 def _thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
     """CPU seconds of each thread of ``pid`` by name: the daemon's own threads from
     ``names`` (native id -> name), the main thread as the I/O thread, libzmq's by their
-    kernel name, the rest as "other" (summed)."""
+    kernel name, the rest as "other" (summed); its child processes (the zygote and the
+    engines' workers) as "workers"."""
     import os
 
     tick = os.sysconf("SC_CLK_TCK")
@@ -271,6 +272,18 @@ def _thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
         name = names.get(tid) or ("I/O thread" if tid == pid else
                                   comm if comm.startswith("ZMQ") else "other")
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    # the worker processes the engines run in (and their zygote): the request's CPU too
+    import psutil
+
+    try:
+        for child in psutil.Process(pid).children(recursive=True):
+            try:
+                t = child.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            out["workers"] = out.get("workers", 0.0) + t.user + t.system
+    except psutil.NoSuchProcess:
+        pass
     return out
 
 
