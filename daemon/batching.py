@@ -143,9 +143,14 @@ class BatchSizer:
                 return  # nothing more waits: growing could not be measured (try again)
             self._start(up)
 
+    def sizes(self) -> list[int]:
+        """The batch sizes this model's batches are cut to or probed at: the ladder's
+        sizes that cost it no switch (every size of the ladder in fixed mode)."""
+        return [s for s in self._ladder if s == 1 or self.allowed(s)]
+
     def _start(self, up: bool) -> None:
         """Begin a probe from the current size (caller holds the lock)."""
-        candidates = [s for s in self._ladder if s == 1 or self.allowed(s)]
+        candidates = self.sizes()
         i = candidates.index(self._size) if self._size in candidates else 0
         pair = None
         if up and i + 1 < len(candidates):

@@ -366,6 +366,9 @@ class WorkingMemory:
         # exact input shapes -> the settled estimate of their class; emptied whenever a
         # class's figures change (admit, record, use)
         self._settled: dict[tuple[Any, ...], Estimate] = {}
+        # shape class -> (elements, bytes, complete): its activations sized ahead of its
+        # first run (:meth:`size`); taken by that run's class, emptied by use
+        self._sized: dict[tuple[Any, ...], tuple[int, int, bool]] = {}
 
     def use(self, graph: Activations | None, backend: str,
             meter: MemoryMeter | None = None) -> None:
@@ -383,6 +386,7 @@ class WorkingMemory:
             self._factor = FACTORS.get(backend, DEFAULT_FACTOR)
             self._first = True
             self._settled.clear()
+            self._sized.clear()
             for c in self.classes.values():  # another engine, another file: size anew
                 c.activations = None
 
@@ -426,7 +430,7 @@ class WorkingMemory:
                 return estimate
             graph = self._graph
         if graph is not None:
-            sized = self._activations(c, graph, inputs, elements)
+            sized = self._activations(c, graph, inputs, elements, key)
             if sized is not None:
                 live, complete = sized
                 factor, whose = self._model_factor()
@@ -437,22 +441,51 @@ class WorkingMemory:
         return self._scaled(c, key, elements, measure)
 
     def _activations(self, c: _Class, graph: Activations, inputs: dict[str, NDArray[Any]],
-                     elements: int) -> tuple[int, bool] | None:
+                     elements: int, key: tuple[Any, ...]) -> tuple[int, bool] | None:
         """The class's peak of activations scaled to ``elements`` (sized once per class,
-        at its first run's shapes); None if the graph could not be sized at all."""
+        at its first run's shapes or ahead of it: :meth:`size`); None if the graph could
+        not be sized at all."""
         if c.activations is None:
-            try:
-                peak = graph.peak({n: a.shape for n, a in inputs.items()},
-                                  {n: a for n, a in inputs.items()
-                                   if a.dtype.kind in "iub" and a.size <= KNOWN_VALUES})
-            except Exception as e:  # noqa: BLE001  shape inference's own errors: no estimate
-                log.info("model %s: no estimate from its graph for %s: %s", self.label,
-                         {n: list(a.shape) for n, a in inputs.items()}, e)
-                return None
             with self._lock:
-                c.activations, c.complete = (elements, peak.bytes), peak.complete
+                ahead = self._sized.pop(key, None)
+            if ahead is None:
+                peak = self._peak(graph, inputs)
+                if peak is None:
+                    return None
+                ahead = (elements, peak.bytes, peak.complete)
+            with self._lock:
+                c.activations, c.complete = (ahead[0], ahead[1]), ahead[2]
         sized_elements, live = c.activations
         return int(live * elements / max(1, sized_elements)), c.complete
+
+    def _peak(self, graph: Activations, inputs: dict[str, NDArray[Any]]) -> Any:
+        """The graph's peak of activations for ``inputs``; None if it cannot be sized."""
+        try:
+            return graph.peak({n: a.shape for n, a in inputs.items()},
+                              {n: a for n, a in inputs.items()
+                               if a.dtype.kind in "iub" and a.size <= KNOWN_VALUES})
+        except Exception as e:  # noqa: BLE001  shape inference's own errors: no estimate
+            log.info("model %s: no estimate from its graph for %s: %s", self.label,
+                     {n: list(a.shape) for n, a in inputs.items()}, e)
+            return None
+
+    def size(self, inputs: dict[str, NDArray[Any]]) -> None:
+        """Read the graph for the shape class of ``inputs`` ahead of its first run (a
+        stream model's batches: ModelThreads.warm_up), so that run's estimate reads
+        nothing: reading the graph takes 30 to 60 ms on vad, and the run, and every
+        request queued behind it, would wait for it. Nothing is admitted, counted or
+        shown before that run."""
+        key = shape_class(inputs)
+        with self._lock:
+            graph = self._graph
+            c = self.classes.get(key)
+            if graph is None or key in self._sized or (c is not None
+                                                       and c.activations is not None):
+                return
+        peak = self._peak(graph, inputs)
+        if peak is not None:
+            with self._lock:
+                self._sized[key] = (_elements(inputs), peak.bytes, peak.complete)
 
     def _model_factor(self) -> tuple[float, str]:
         """The model's own factor, or before it has one the backend's."""

@@ -212,6 +212,29 @@ class ModelThreads:
         self.io_thread_runs = 0
         """Requests run on the I/O thread (``inferctl models``: ``io_thread_runs``)."""
 
+    def warm_up(self) -> None:
+        """Before the first chunks come (the model loaded, its graph known to the cache):
+        size the working memory of the batches of stream chunks it may run, one shape
+        class per batch size of the batcher's ladder (daemon/streams.py
+        :func:`~inferd.daemon.streams.batch_inputs`). Otherwise the first run of each
+        class reads the model's graph on the inference thread while the chunks of every
+        stream wait behind it (30 to 60 ms a class for vad here: the slow chunks of the
+        first seconds). Only the graph is read: nothing runs, nothing is admitted
+        or counted (``WorkingMemory.size`` in daemon/memory.py); a model without a
+        [stream] table, or whose chunks' shapes are not all known, is left to its first
+        runs."""
+        if self._stream_model is None or self._admission is None:
+            return
+        began = time.monotonic()
+        sizes = self.sizer.sizes() if self.max_batch > 1 else [1]
+        batches = stream_batch.batch_inputs(self._stream_model, self.model.inputs, sizes)
+        for inputs in batches.values():
+            self._admission.working.size(inputs)
+        if batches:
+            log.debug("model %s: working memory of stream batches of %s rows sized in "
+                      "%.0f ms", self.name, ", ".join(map(str, batches)),
+                      (time.monotonic() - began) * 1000, extra={"MODEL": self.name})
+
     def _add(self, stage: str, thread_name: str, target: Callable[[Pinning], None],
              backend: str | None = None) -> None:
         pinning = Pinning(thread_name, stage, backend=backend)

@@ -207,6 +207,11 @@ class StreamModel:
         self.inputs = list(dtypes)
         self.chunk_inputs = [n for n in dtypes if n not in self.state_inputs
                              and n not in self.constant_names]
+        # looked up with every chunk (bind, commit, merge, split): made once
+        self.state_axes = {s.input: s.axis for s in spec.states}
+        self.output_axes = {s.output: s.axis for s in spec.states}
+        self.context_dtypes = {c.input: _numpy_or_none(dtypes[c.input])
+                               for c in spec.contexts}
 
     @classmethod
     def prepare(cls, label: str, spec: StreamSpec, inputs: Any, outputs: Any,
@@ -652,11 +657,12 @@ class StreamTable:
         start = chunk.ref.start
         where = stream.name
         out: dict[str, NDArray[Any]] = {}
-        for name in bound.state_inputs:
-            if name in values:
-                raise InferdError(f"{where}: input {name!r} is the stream's state, which "
-                                  f"the daemon keeps; do not send it",
-                                  ErrorCode.INVALID_ARGUMENT)
+        if not bound.state_inputs.isdisjoint(values):
+            for name in bound.state_inputs:
+                if name in values:
+                    raise InferdError(f"{where}: input {name!r} is the stream's state, "
+                                      f"which the daemon keeps; do not send it",
+                                      ErrorCode.INVALID_ARGUMENT)
         for name in bound.constant_names:
             given = values.get(name)
             if given is not None:
@@ -686,13 +692,16 @@ class StreamTable:
                                   ErrorCode.INVALID_ARGUMENT)
             else:
                 out[name] = stream.constants[name]
+        shapes = chunk.shapes
         for name, value in values.items():
             if name in out:
                 continue
             if name not in bound.dtypes:
                 raise InferdError(f"{where}: unknown input {name!r}; a chunk takes "
                                   f"{bound.chunk_inputs}", ErrorCode.INVALID_ARGUMENT)
-            got = tuple(value.shape)
+            got = value.shape
+            if type(got) is not tuple:
+                got = tuple(got)
             want_shape = bound.chunk.get(name) or (
                 None if start else stream.chunk_shapes.get(name))
             if want_shape is not None and got != want_shape:
@@ -703,12 +712,13 @@ class StreamTable:
                                   f"{bound.dtypes[name]}{list(want_shape)} (set {said})",
                                   ErrorCode.INVALID_ARGUMENT)
             out[name] = value
-            chunk.shapes[name] = got
+            shapes[name] = got
         for c in bound.spec.contexts:
             fresh = out.get(c.input)
             if fresh is None:
                 continue  # check_inputs names what is missing
-            if dtype_name(fresh) != bound.dtypes[c.input] or fresh.ndim <= c.axis:
+            if (fresh.dtype != bound.context_dtypes[c.input]
+                    and dtype_name(fresh) != bound.dtypes[c.input]) or fresh.ndim <= c.axis:
                 continue  # likewise for a wrong dtype or rank
             ctx = None if start else stream.context.get(c.input)
             if ctx is None:
@@ -738,9 +748,12 @@ class StreamTable:
                 raise ModelError(f"{stream.name}: the model gave no state output "
                                  f"{s.output!r}")
             state[s.input] = np.array(value, copy=True)  # ours, not the engine's buffer
-        context = {c.input: np.array(np.take(inputs[c.input], range(
-            inputs[c.input].shape[c.axis] - c.size, inputs[c.input].shape[c.axis]),
-            axis=c.axis), copy=True) for c in bound.spec.contexts}
+        context = {}
+        for c in bound.spec.contexts:
+            full = inputs[c.input]  # the context and the chunk, as bind made it
+            n = full.shape[c.axis]
+            # its last c.size along the axis: a copy (not a view that keeps all of it)
+            context[c.input] = full[(slice(None),) * c.axis + (slice(n - c.size, n),)].copy()
         if chunk.ref.start:
             stream.constants = {n: np.array(inputs[n], copy=True)
                                 for n in bound.constant_names}
@@ -798,7 +811,7 @@ def batchable(bound: StreamModel, inputs: Any) -> bool:
 def signature(bound: StreamModel, values: dict[str, NDArray[Any]]) -> tuple[Any, ...]:
     """What chunks must share to run in one batch: every tensor's dtype and shape but
     its batch axis, and the constants' values."""
-    axes = {s.input: s.axis for s in bound.spec.states}
+    axes = bound.state_axes
     out: list[Any] = []
     for name in sorted(values):
         v = values[name]
@@ -823,7 +836,7 @@ def merge(bound: StreamModel, parts: list[dict[str, NDArray[Any]]]) -> dict[str,
     """One batch's inputs from chunks of different streams (each bound: context in
     front, its own state): chunk inputs stacked on axis 0, states on their batch axis,
     constants (equal: :func:`signature`) once."""
-    axes = {s.input: s.axis for s in bound.spec.states}
+    axes = bound.state_axes
     merged = {}
     for name, first in parts[0].items():
         if name in bound.allowed:
@@ -841,20 +854,68 @@ def split(bound: StreamModel, outputs: dict[str, Any], counts: list[int]
     Raises:
         ModelError: an output that does not keep the batch on its axis.
     """
-    axes = {s.output: s.axis for s in bound.spec.states}
+    axes = bound.output_axes
     total = sum(counts)
     for name, v in outputs.items():
         axis = axes.get(name, 0)
         if v.ndim <= axis or v.shape[axis] != total:
             raise ModelError(f"model {bound.label}: output {name!r} is {list(v.shape)}, "
                              f"not {total} rows on axis {axis}")
+    cut = [(k, v, (slice(None),) * axes.get(k, 0)) for k, v in outputs.items()]
     out: list[dict[str, Any]] = []
     start = 0
     for n in counts:
-        out.append({k: v[(slice(None),) * axes.get(k, 0) + (slice(start, start + n),)]
-                    for k, v in outputs.items()})
+        part = slice(start, start + n)
+        out.append({k: v[lead + (part,)] for k, v, lead in cut})
         start += n
     return out
+
+
+def batch_inputs(bound: StreamModel, inputs: Any, sizes: list[int]
+                 ) -> dict[int, dict[str, NDArray[Any]]]:
+    """The inputs of a merged batch of stream chunks for each of ``sizes`` (rows), as
+    that many streams' first chunks would make them: zeros with the context in front,
+    the initial states, each constant's first allowed value; for sizing each batch's
+    working memory before chunks come (:meth:`ModelThreads.warm_up`). Empty where a
+    chunk's shapes are not all known: a chunk input that the ``[stream]`` table's
+    ``chunk`` does not give, a constant whose shape the model leaves free, or an integer
+    constant without its allowed values (a value may choose a branch of the graph).
+    A size that is not a whole number of chunks is left out.
+
+    Args:
+        bound: the model's [stream] table bound to it.
+        inputs: the model's input specs (name, dtype, shape).
+        sizes: the batch sizes, in rows.
+    """
+    by_name = {t.name: t for t in inputs}
+    row: dict[str, NDArray[Any]] = {}
+    contexts = {c.input: c for c in bound.spec.contexts}
+    try:
+        for name in bound.chunk_inputs:
+            shape = bound.chunk.get(name)
+            if shape is None:
+                return {}
+            full = list(shape)
+            c = contexts.get(name)
+            if c is not None:
+                if c.axis >= len(full):
+                    return {}
+                full[c.axis] += c.size
+            row[name] = np.zeros(full, numpy_dtype(bound.dtypes[name]))
+        for name in bound.constant_names:
+            dims = by_name[name].shape
+            if not all(isinstance(d, int) and d >= 0 for d in dims):
+                return {}
+            dtype = numpy_dtype(bound.dtypes[name])
+            allowed = bound.allowed.get(name)
+            if allowed is None and dtype.kind in "iub":
+                return {}
+            row[name] = np.full(dims, allowed[0] if allowed else 0, dtype)
+    except (InferdError, KeyError, TypeError, ValueError):
+        return {}  # a dtype without numbers (strings), a shape numpy cannot make
+    row.update(bound.init)
+    per = rows(bound, row)
+    return {n: merge(bound, [row] * (n // per)) for n in sizes if n >= per and n % per == 0}
 
 
 def stream_loss(reason: str) -> str:
@@ -869,6 +930,14 @@ def stream_loss(reason: str) -> str:
     if reason == "daemon stopping":
         return "daemon stopping"
     return f"model reloaded: {reason}"
+
+
+def _numpy_or_none(name: str) -> Any:
+    """The numpy dtype of wire dtype ``name``, or None where it has none (strings)."""
+    try:
+        return numpy_dtype(name)
+    except InferdError:
+        return None
 
 
 def _show(value: NDArray[Any]) -> str:

@@ -142,12 +142,16 @@ class StreamRef:
         return out
 
 
+_STREAM_KEYS = frozenset(("id", "start", "end"))
+
+
 def _stream(value: Any) -> StreamRef:
     """The ``stream`` of a request header, every field checked."""
     if type(value) is not dict:
         raise ProtocolError(f"'stream' must be an object with 'id' and optionally 'start' "
                             f"and 'end', got {_short(value)}")
-    unknown = sorted(k for k in value if k not in ("id", "start", "end"))
+    unknown = [] if value.keys() <= _STREAM_KEYS else sorted(
+        k for k in value if k not in _STREAM_KEYS)
     if unknown:
         raise ProtocolError(f"'stream' has unknown keys {_short(unknown)}; it takes 'id', "
                             f"'start' and 'end'")

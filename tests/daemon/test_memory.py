@@ -227,16 +227,12 @@ def test_a_measured_class_settles_and_any_new_figure_unsettles_it():
     assert working.estimate(small) is not resettled
 
 
-def test_a_model_gets_its_own_factor_from_its_runs_measured_alone(tmp_path):
-    """The backend's factor until a run of the model is measured; then the largest ratio
-    of measured working memory to activations among its runs (the load's first run only
-    from FIRST_RUN_FROM: it pays the engine's set-up). The figures are given, not
-    measured: what is tested is the arithmetic on them; a real graph sizes the runs."""
+def two_relus(tmp_path):
+    """The activations of a two-Relu ONNX graph on x [n, 1024] (skips without onnx)."""
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
 
     from inferd.daemon.activations import Activations
-    from inferd.daemon.memory import FACTORS, FIRST_RUN_FROM
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1024])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1024])
@@ -245,7 +241,17 @@ def test_a_model_gets_its_own_factor_from_its_runs_measured_alone(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]),
               str(path))
-    activations = Activations(path)
+    return Activations(path)
+
+
+def test_a_model_gets_its_own_factor_from_its_runs_measured_alone(tmp_path):
+    """The backend's factor until a run of the model is measured; then the largest ratio
+    of measured working memory to activations among its runs (the load's first run only
+    from FIRST_RUN_FROM: it pays the engine's set-up). The figures are given, not
+    measured: what is tested is the arithmetic on them; a real graph sizes the runs."""
+    from inferd.daemon.memory import FACTORS, FIRST_RUN_FROM
+
+    activations = two_relus(tmp_path)
     working = WorkingMemory("test")
     working.use(activations, "onnxruntime")
 
@@ -291,3 +297,38 @@ def test_settled_is_a_measured_class_not_outgrown():
     assert working.settled(small)
     assert working.settled({"x": np.zeros((1, 1010), np.float32)})  # same class
     assert not working.settled({"x": np.zeros((1, 5000), np.float32)})  # another class
+
+
+def test_a_class_sized_ahead_reads_no_graph_at_its_first_run(tmp_path):
+    """WorkingMemory.size (a stream model's batches, sized at its load): the graph is
+    read then, not at the class's first run, whose estimate is what it would have been
+    (scaled from the size ahead); nothing is counted or shown before that run, and a
+    new load sizes anew."""
+    from inferd.daemon.memory import FACTORS
+
+    activations = two_relus(tmp_path)
+    reads = []
+
+    class Counted:
+        def peak(self, shapes, values=None):
+            reads.append(dict(shapes))
+            return activations.peak(shapes, values)
+
+    working = WorkingMemory("test")
+    working.use(Counted(), "onnxruntime")
+    four = {"x": np.zeros((4, 1024), np.float32)}
+    working.size(four)
+    working.size(four)  # sized already
+    assert reads == [{"x": (4, 1024)}]
+    assert working.classes == {} and working.peak == 0 and working.describe() == []
+    estimate = working.estimate({"x": np.zeros((3, 1024), np.float32)})  # its class
+    assert len(reads) == 1 and estimate.measure and estimate.reliable
+    live = activations.peak({"x": (4, 1024)}).bytes
+    assert estimate.bytes == int(int(live * 3 / 4) * FACTORS["onnxruntime"])
+    working.size(four)  # the class has its activations now: nothing to read
+    assert len(reads) == 1
+    eight = {"x": np.zeros((8, 1024), np.float32)}
+    working.size(eight)
+    working.use(Counted(), "onnxruntime")  # loaded again: what was sized ahead goes
+    working.estimate(eight)
+    assert reads[1:] == [{"x": (8, 1024)}, {"x": (8, 1024)}]

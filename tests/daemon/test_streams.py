@@ -246,7 +246,40 @@ def test_chunks_of_streams_merge_and_split_on_their_axes(table) -> None:
     assert streams.signature(bound, other) != streams.signature(bound, parts[0])
 
 
-def test_many_streams_pipelined_on_two_threads_keep_their_order(tmp_path, models_dir) -> None:
+def test_batches_sized_ahead_are_those_of_first_chunks_merged(table) -> None:
+    """streams.batch_inputs (ModelThreads.warm_up sizes each batch's working memory at
+    the load): the inputs that so many streams' first chunks merge into; none where a
+    chunk's shape or a constant's value is not known."""
+    from inferd.daemon import streams
+
+    bound = table.bound
+    batches = streams.batch_inputs(bound, INPUTS, [1, 2, 4, 16])
+    assert list(batches) == [1, 2, 4, 16]
+    four = batches[4]
+    assert four["input"].shape == (4, 576) and four["input"].dtype == np.float32
+    assert four["state"].shape == (2, 4, 128) and not four["state"].any()
+    assert four["sr"].dtype == np.int64 and int(four["sr"]) == 16000
+    parts = []
+    for i in range(4):
+        admit(table, it := item(f"s{i}", start=True, x=0.0))
+        parts.append(table.bind(it, it.request.inputs))
+    real = streams.merge(bound, parts)
+    assert streams.signature(bound, four) == streams.signature(bound, real)
+    assert {k: v.shape for k, v in four.items()} == {k: v.shape for k, v in real.items()}
+
+    def bound_as(table):
+        return StreamModel.prepare("vad version 1", parse_stream(table), INPUTS, OUTPUTS,
+                                   Path("."))
+    no_chunk = {k: v for k, v in VAD.items() if k != "chunk"}
+    assert streams.batch_inputs(bound_as(no_chunk), INPUTS, [1, 2]) == {}
+    any_rate = {**VAD, "constant": ["sr"]}  # an integer constant of any value
+    assert streams.batch_inputs(bound_as(any_rate), INPUTS, [1, 2]) == {}
+    two_rows = {**VAD, "chunk": {"input": [2, 512]}}  # sizes of whole chunks only
+    assert list(streams.batch_inputs(bound_as(two_rows), INPUTS, [1, 2, 4, 5])) == [2, 4]
+
+
+def test_many_streams_pipelined_on_two_threads_keep_their_order(tmp_path, models_dir,
+                                                              monkeypatch) -> None:
     """A real cache (in the daemon process, two inference threads, batches of up to 4)
     and the real vad: 6 streams of 4 clients, every chunk submitted before any reply,
     from 6 threads at once; each stream's outputs equal its own loop's, and nothing is
@@ -303,7 +336,19 @@ def test_many_streams_pipelined_on_two_threads_keep_their_order(tmp_path, models
                 rid, Op.INFER, "vad", None, inputs,
                 stream=StreamRef(f"s{i}", start=t == 0, end=t == steps - 1)),
                 peer=peer, uid=1000))
+    # the graph is read for each batch size at the load (ModelThreads.warm_up), never
+    # while chunks wait
+    from inferd.daemon.activations import Activations
+    reads: list[int] = []
+    peak = Activations.peak
+
+    def counted(self, shapes, values=None):
+        reads.append(shapes["input"][0])
+        return peak(self, shapes, values)
+    monkeypatch.setattr(Activations, "peak", counted)
     try:
+        manager.load("vad")
+        assert sorted(reads) == [1, 2, 4]
         threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
         for th in threads:
             th.start()
@@ -330,5 +375,6 @@ def test_many_streams_pipelined_on_two_threads_keep_their_order(tmp_path, models
                 np.testing.assert_array_equal(got.outputs["output"], want)
         assert entry.in_flight == 0 and entry.streams.open() == 0
         assert entry.threads is not None and entry.threads.batches > 0  # some shared a run
+        assert sorted(reads) == [1, 2, 4]
     finally:
         assert manager.stop(30)
