@@ -19,7 +19,9 @@ threads run side by side as they did in-process. Operations:
   the first time, ``maps``: mapped read-only unless outputs go there, kept until
   ``forget``); the outputs go back through this end's arena, or are written into the
   client's region where the daemon says (``into``: the slot, placed by
-  :meth:`inferd.ipc.protocol.Slot.place`'s rule).
+  :meth:`inferd.ipc.protocol.Slot.place`'s rule). Either way the engine writes the big
+  ones there itself once a run of the same shapes has shown what they are
+  (:class:`OutputsInArena`): nothing copies them.
 - ``forget``: unmap regions their clients released.
 - ``engine``: import the backend's engine (a worker started again after a death, so
   that the next request pays only its model's load).
@@ -41,6 +43,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,8 +140,9 @@ class WorkerProcess:
                         self._pin_for(handle)
                     wanted = header.get("outputs")
                     t0 = time.perf_counter()
-                    outputs = self._outputs.run(handle, model, channel, tensors, wanted,
-                                                "into" not in header)
+                    outputs = self._outputs.run(
+                        handle, model, tensors, wanted,
+                        self._slot(header) if "into" in header else _arena(channel))
                     took = time.perf_counter() - t0
                     del tensors
                     reply: dict[str, Any] = {"ok": True, "took": took}
@@ -295,6 +299,7 @@ class WorkerProcess:
         if region is None or not region[1]:
             return outputs
         mm = region[0]
+        base = _address(mm)
         placed: dict[str, Any] = {}
         rest: dict[str, Any] = {}
         full = False
@@ -313,13 +318,45 @@ class WorkerProcess:
             if not a.nbytes:
                 rest[name] = a
                 continue
-            np.frombuffer(mm, a.dtype, a.size, start).reshape(a.shape)[...] = a
+            if a.__array_interface__["data"][0] != base + start:  # else written there
+                np.frombuffer(mm, a.dtype, a.size, start).reshape(a.shape)[...] = a
             placed[name] = (start, dtype_code(a), a.shape, a.nbytes)
         for name, a in outputs.items():
             if name not in placed and name not in rest:
                 rest[name] = a
         reply["placed"] = placed
         return rest
+
+    def _slot(self, header: dict[str, Any]) -> Reserve:
+        """Room for a run's big outputs in the client's slot (``into``), at the offsets
+        :meth:`_place` gives them, so that the engine writes them there and
+        :meth:`_place` copies only the small ones. An output that would not fit, and
+        every one after it, gets no room (``_place`` sends them back through the
+        channel)."""
+        from inferd.ipc.protocol import SHM_ALIGN
+
+        rid, at, end = header["into"]
+        with self._regions_lock:
+            region = self._regions.get(rid)
+        wanted = header.get("outputs")
+
+        def reserve(layout: list[Out]) -> dict[str, Any]:
+            if region is None or not region[1]:
+                return {}
+            order = [o for n in wanted for o in layout if o[0] == n] if wanted else layout
+            views: dict[str, Any] = {}
+            cursor = at
+            for name, dtype, shape, nbytes in order:
+                if dtype is None:  # strings, packed types: back through the channel
+                    continue
+                start = cursor + -cursor % SHM_ALIGN
+                if start + nbytes > end:
+                    break
+                cursor = start + nbytes
+                if nbytes >= INLINE_BYTES:
+                    views[name] = np.ndarray(shape, dtype, region[0], start)
+            return views
+        return reserve
 
     def _forget(self, rids: list[int]) -> None:
         with self._regions_lock:
@@ -383,52 +420,56 @@ class WorkerProcess:
                 "pid": os.getpid()}
 
 
+Out = tuple[str, "np.dtype[Any] | None", tuple[int, ...], int]
+"""One output as a run gave it: name, dtype (None: a string or packed type, which no
+engine writes into place), shape, bytes."""
+Reserve = Callable[[list[Out]], dict[str, Any]]
+"""Room for a run's outputs, given the outputs an earlier run of the same signature gave
+(in their order): writable arrays by name, for those that get room."""
+
+
 class OutputsInArena:
-    """Runs whose big outputs the engine writes straight into the channel's arena
-    (:meth:`LoadedModel.run_into <inferd.libbackends.contract.LoadedModel.run_into>`),
-    so that the reply carries them without a copy (issue 30, item 2).
+    """Runs whose big outputs the engine writes straight where they go
+    (:meth:`LoadedModel.run_into <inferd.libbackends.contract.LoadedModel.run_into>`):
+    the channel's arena, so that the reply carries them without a copy (issue 30, item
+    2), or the client's shared-memory slot when it asked its outputs there
+    (``outputs_into``), so that nothing copies them into it.
 
     The shapes an engine's outputs will have are known only from a run: a model's
     outputs are remembered per input signature (names, dtypes, shapes, outputs asked),
-    and the next run with that signature has room for them reserved in the arena. A
-    model whose outputs come back elsewhere (an engine that does not bind, outputs of
-    another shape: onnxruntime refuses the bound run and runs it plainly) is not asked
-    again."""
+    and the next run with that signature has room reserved for them. A model whose
+    outputs come back elsewhere (an engine that does not bind, outputs of another
+    shape: onnxruntime refuses the bound run and runs it plainly) is not asked again."""
 
     MAX_SIGNATURES = 64
     """Signatures remembered per model (past it, forgotten all at once)."""
 
     def __init__(self) -> None:
-        self._shapes: dict[int, dict[Any, list[tuple[str, np.dtype[Any], tuple[int, ...]]]]] = {}
+        self._layouts: dict[int, dict[Any, list[Out]]] = {}
         self._plain: set[int] = set()  # models that do not write where asked
         self._lock = threading.Lock()
 
-    def run(self, handle: int, model: LoadedModel, channel: Channel,
-            tensors: dict[str, Any], wanted: list[str] | None, allowed: bool
-            ) -> dict[str, Any]:
-        """``model``'s run on ``tensors``; ``allowed``: its outputs may go to the
-        channel's arena (not when the daemon placed them in a client's region)."""
-        if not allowed or handle in self._plain:
+    def run(self, handle: int, model: LoadedModel, tensors: dict[str, Any],
+            wanted: list[str] | None, reserve: Reserve) -> dict[str, Any]:
+        """``model``'s run on ``tensors``, its big outputs written where ``reserve``
+        makes room for them."""
+        if handle in self._plain:
             return model.run(tensors, wanted)
         key = (tuple((n, a.dtype.str, a.shape) for n, a in tensors.items()
                      if isinstance(a, np.ndarray)),
                None if wanted is None else tuple(wanted))
-        seen = self._shapes.get(handle)  # read without the lock: dict reads are atomic
-        expected = seen.get(key) if seen is not None else None
-        if not expected:
+        seen = self._layouts.get(handle)  # read without the lock: dict reads are atomic
+        layout = seen.get(key) if seen is not None else None
+        into = reserve(layout) if layout else {}
+        if not into:
             outputs = model.run(tensors, wanted)
-            if expected is not None:  # known: no output goes to the arena
-                return outputs
-            big = [(n, a.dtype, a.shape) for n, a in outputs.items()
-                   if isinstance(a, np.ndarray) and a.nbytes >= INLINE_BYTES
-                   and a.dtype.kind in "biuf" and a.dtype.isnative]
-            with self._lock:
-                seen = self._shapes.setdefault(handle, {})
-                if len(seen) >= self.MAX_SIGNATURES:
-                    seen.clear()
-                seen[key] = big
+            if layout is None:
+                with self._lock:
+                    seen = self._layouts.setdefault(handle, {})
+                    if len(seen) >= self.MAX_SIGNATURES:
+                        seen.clear()
+                    seen[key] = [_out(n, a) for n, a in outputs.items()]
             return outputs
-        into = channel.reserve(expected)
         outputs = model.run_into(tensors, wanted, into)
         if any(outputs.get(n) is not a for n, a in into.items()):
             with self._lock:  # written elsewhere: this model runs plainly from now on
@@ -437,8 +478,31 @@ class OutputsInArena:
 
     def forget(self, handle: int) -> None:
         with self._lock:
-            self._shapes.pop(handle, None)
+            self._layouts.pop(handle, None)
             self._plain.discard(handle)
+
+
+def _out(name: str, a: Any) -> Out:
+    """An output as :data:`Out` describes it: an engine may write it into place only if
+    it is a numeric array of this machine's byte order."""
+    if (isinstance(a, np.ndarray) and a.dtype.kind in "biuf" and a.dtype.isnative
+            and dtype_name(a) not in PACKED):
+        return (name, a.dtype, a.shape, a.nbytes)
+    return (name, None, getattr(a, "shape", ()), 0)
+
+
+def _arena(channel: Channel) -> Reserve:
+    """Room for a run's big outputs in ``channel``'s arena (:meth:`Channel.reserve`)."""
+    def reserve(layout: list[Out]) -> dict[str, Any]:
+        big = [(name, dtype, shape) for name, dtype, shape, nbytes in layout
+               if dtype is not None and nbytes >= INLINE_BYTES]
+        return channel.reserve(big) if big else {}
+    return reserve
+
+
+def _address(mm: mmap.mmap) -> int:
+    """Where ``mm`` is mapped in this process."""
+    return int(np.frombuffer(mm, np.uint8, 1).__array_interface__["data"][0])
 
 
 def _pss() -> int:

@@ -486,12 +486,62 @@ def test_outputs_of_another_shape_than_the_last_run_are_still_right(pool, tmp_pa
         model.unload()
 
 
+def test_an_engine_writes_outputs_asked_into_a_region_there_itself(tmp_path):
+    """The worker's side (no process): a client that asks its outputs into its region
+    (outputs_into) has onnxruntime write the big ones straight into its slot from the
+    second run of a shape on, at the offsets the slot's rule gives (those _place
+    reports), so that nothing copies them there; small ones are copied after them, and
+    one that does not fit goes back through the channel."""
+    import mmap
+
+    from inferd.daemon.workers.process import WorkerProcess, _address
+
+    backend = _onnxruntime_cpu()
+    model = backend.load(identity_call(tmp_path).path, LoadOptions())
+    worker = WorkerProcess("t", Registry(), None)
+    worker.models[1] = model
+    size = 4 * 2**20
+    fd = os.memfd_create("region")
+    os.ftruncate(fd, size)
+    worker._map([(7, size, True)], [os.dup(fd)])
+    view = mmap.mmap(fd, size)  # the client's own mapping of its region
+    rng = np.random.default_rng(4)
+    try:
+        base = _address(worker._regions[7][0])
+        for run in range(3):
+            x = rng.random((256, 512), dtype=np.float32)  # 512 KiB: a big output
+            header = {"into": (7, 100, size), "outputs": None}
+            out = worker._outputs.run(1, model, {"x": x}, None, worker._slot(header))
+            in_place = out["y"].__array_interface__["data"][0] == base + 128
+            assert in_place == (run > 0), run  # the first run's shapes learnt
+            reply: dict = {}
+            rest = worker._place(header, out, reply)
+            assert rest == {} and reply["placed"]["y"][0] == 128  # 100 aligned up to 64
+            assert view[128:128 + x.nbytes] == x.tobytes()
+            del out, rest
+        # a slot too small for the output: no room reserved, it goes back as it came
+        x = rng.random((256, 512), dtype=np.float32)
+        header = {"into": (7, 0, x.nbytes - 1), "outputs": None}
+        out = worker._outputs.run(1, model, {"x": x}, None, worker._slot(header))
+        reply = {}
+        rest = worker._place(header, out, reply)
+        assert list(rest) == ["y"] and reply["placed"] == {}
+        assert rest["y"].tobytes() == x.tobytes()
+        assert 1 not in worker._outputs._plain
+    finally:
+        del out, rest
+        model.unload()
+        worker._forget([7])
+        view.close()
+        os.close(fd)
+
+
 def test_an_engine_writes_its_outputs_into_the_arena_and_they_are_sent_in_place(tmp_path):
     """The worker's side (no process): the second run of a shape has onnxruntime write
     its big outputs into the channel's arena (IOBinding), and sending them copies
     nothing; the peer reads them right. A model whose engine does not write there is
     asked once."""
-    from inferd.daemon.workers.process import OutputsInArena
+    from inferd.daemon.workers.process import OutputsInArena, _arena
 
     backend = _onnxruntime_cpu()
     model = backend.load(identity_call(tmp_path).path, LoadOptions())
@@ -504,7 +554,7 @@ def test_an_engine_writes_its_outputs_into_the_arena_and_they_are_sent_in_place(
         for _ in range(3):
             x = rng.random((256, 512), dtype=np.float32)
             before = ours.arena_bytes
-            out = outputs.run(1, model, ours, {"x": x}, None, True)
+            out = outputs.run(1, model, {"x": x}, None, _arena(ours))
             ours.send({"ok": True}, out)
             copied.append(ours.arena_bytes - before)
             _, got, _ = theirs.receive(copy=True)
@@ -520,7 +570,7 @@ def test_an_engine_writes_its_outputs_into_the_arena_and_they_are_sent_in_place(
 
         for _ in range(3):
             x = rng.random((256, 512), dtype=np.float32)
-            out = outputs.run(2, Plain(), ours, {"x": x}, None, True)
+            out = outputs.run(2, Plain(), {"x": x}, None, _arena(ours))
             assert out["y"].tobytes() == x.tobytes()
         assert 2 in outputs._plain  # asked once, then run plainly
     finally:
