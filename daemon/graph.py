@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from inferd.daemon.units import parse_affinity
-from inferd.daemon.processors import Context, ProcessorRegistry, Step
+from inferd.daemon.processors import Context, ProcessorRegistry, Step, release
 from inferd.daemon.repository import Repository, check_name
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError, failure
 from inferd.ipc.protocol import Request
@@ -105,6 +105,11 @@ class GraphSpec:
     def consumers(self, name: str) -> list[str]:
         return [n.name for n in self.nodes if name in n.producers]
 
+    def release(self) -> None:
+        """Let go of the steps its nodes hold in the processors worker (the graph is
+        retired: no frame calls them again)."""
+        release([n.step for n in self.nodes])
+
 
 def _fail(graph: str, message: str, code: ErrorCode = ErrorCode.INVALID_ARGUMENT) -> ModelError:
     return ModelError(f"graph {graph}: {message}", code)
@@ -141,6 +146,18 @@ def parse_graph(name: str, raw: dict[str, Any], repo: Repository,
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise _fail(name, "no [[nodes]]")
     nodes: dict[str, Node] = {}
+    try:
+        return _parse_nodes(name, raw, repo, registry, executor, inputs, outputs,
+                            raw_nodes, nodes)
+    except BaseException:
+        release([n.step for n in nodes.values()])  # those built in the processors worker
+        raise
+
+
+def _parse_nodes(name: str, raw: dict[str, Any], repo: Repository,
+                 registry: ProcessorRegistry, executor: Executor, inputs: list[str],
+                 outputs: dict[str, tuple[str, str]], raw_nodes: list[Any],
+                 nodes: dict[str, Node]) -> GraphSpec:
     for i, rn in enumerate(raw_nodes):
         if not isinstance(rn, dict) or not isinstance(rn.get("name"), str) \
                 or not _NODE.fullmatch(rn["name"]) or rn["name"] == INPUT:
@@ -169,7 +186,7 @@ def parse_graph(name: str, raw: dict[str, Any], repo: Repository,
             if not isinstance(params, dict):
                 raise _fail(name, f"node {nn}: 'params' must be a table")
             node.step = registry.build({"op": node.processor, **params},
-                                       Context(lambda m: repo.resolve(m).path, name),
+                                       Context(lambda m: repo.resolve(m).path, name, repo),
                                        f"graph {name}: node {nn}")
         nodes[nn] = node
     # dangling edges: every reference must name a node (or a graph input)
@@ -185,6 +202,7 @@ def parse_graph(name: str, raw: dict[str, Any], repo: Repository,
     if dropped:
         log.info("graph %s: nodes %s feed no output and are dropped", name,
                  ", ".join(dropped), extra={"MODEL": name})
+        release([nodes[n].step for n in dropped])
     return GraphSpec(name, executor, list(inputs), outputs,
                      [nodes[n] for n in order if n in live], dropped,
                      queue_size=_positive(name, raw, "queue_size", 16),

@@ -88,9 +88,13 @@ class GraphManager:
                     raise InferdError(message, code) from e
                 if spec is None:
                     raise InferdError(f"graph {name!r} not found", ErrorCode.NOT_FOUND)
-                ex = (PipelineExecutor(spec, self._call, self._sink)
-                      if spec.executor is Executor.PIPELINE
-                      else TaskExecutor(spec, self._call, self._sink))
+                try:
+                    ex = (PipelineExecutor(spec, self._call, self._sink)
+                          if spec.executor is Executor.PIPELINE
+                          else TaskExecutor(spec, self._call, self._sink))
+                except BaseException:
+                    spec.release()
+                    raise
                 self._graphs[name] = ex
                 self._errors.pop(name, None)
         return ex
@@ -149,11 +153,15 @@ class GraphManager:
 
     def _retire(self, name: str, ex: TaskExecutor | PipelineExecutor, timeout: float | None,
                 stuck_after: float | None) -> str | None:
-        """Stop ``ex``; if a node is stuck, abandon it: None, or what is stuck."""
+        """Stop ``ex`` and let go of its steps; if a node is stuck, abandon it: None, or
+        what is stuck."""
         if ex.stop(timeout, stuck_after):
+            ex.spec.release()
             return None
         stuck = "; ".join(ex.stuck()) or f"frames still in flight after {timeout} s"
         ex.abandon()
+        # a stuck call in the processors worker keeps its step there until it returns
+        ex.spec.release()
         with self._lock:
             self._left.append((name, ex))
         log.warning("graph %s: left running: %s", name, stuck, extra={"MODEL": name})

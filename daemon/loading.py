@@ -25,7 +25,8 @@ from inferd.daemon.model_entry import ModelEntry
 from inferd.daemon.pipeline import PipelineSpec, parse_spec
 from inferd.daemon.placement import ModelPlacement, backend_options
 from inferd.daemon.placer import Placer
-from inferd.daemon.processors import ProcessorRegistry
+from inferd.daemon.processors import ProcessorRegistry, release
+from inferd.daemon.repository import ModelSpec
 from inferd.daemon.warmup import warm_up
 from inferd.daemon.workers.pool import MEASURING, LoadCall, WorkerModel, WorkerPool
 from inferd.ipc.errors import ErrorCode, ModelError
@@ -124,7 +125,15 @@ class ModelLoader:
         # model.toml's steps (daemon/pipeline.py): a bad one fails the load here, before
         # anything is loaded
         pipeline = parse_spec(entry.name, spec.settings, self.processors,
-                              self.catalog.model_path)
+                              self.catalog.model_path, self.catalog.repo)
+        try:
+            return self._load_model(entry, spec, settings, pipeline)
+        except BaseException:
+            release(pipeline.pre + pipeline.post)  # held in the processors worker
+            raise
+
+    def _load_model(self, entry: ModelEntry, spec: ModelSpec, settings: Settings,
+                    pipeline: PipelineSpec) -> Loaded:
         repo = self.catalog.repo
         source = repo.resolve(entry.name, entry.version)
         plan = self.registry.plan(entry.name, source.path, settings.backends)

@@ -46,7 +46,7 @@ from inferd.daemon.memory import METER, Estimate, LoadFigures
 from inferd.daemon.model_entry import ModelEntry, ModelKey, State
 from inferd.daemon.pipeline import unpin_current_thread
 from inferd.daemon.placer import Placer
-from inferd.daemon.processors import ProcessorRegistry
+from inferd.daemon.processors import ProcessorRegistry, release
 from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.units import request_keep_alive
@@ -595,6 +595,9 @@ class ModelManager:
         # the workers are given up (what they held answered UNAVAILABLE naming it)
         began = time.monotonic()
         finished = workers.stop(timeout, self.config.models.stuck_after_s)
+        # its steps in the processors worker (a stuck call there keeps its own until it
+        # returns)
+        release(workers.spec.pre + workers.spec.post)
         if finished:
             model.unload()
             METER.trim()

@@ -28,7 +28,8 @@ from typing import Any
 
 from inferd.daemon.batching import BatchMode
 from inferd.daemon.model_settings import ModelSettings
-from inferd.daemon.processors import Context, ProcessorRegistry, Step
+from inferd.daemon.processors import Context, ProcessorRegistry, Step, release
+from inferd.daemon.repository import Repository
 from inferd.daemon.units import PROCESS_CORES
 from inferd.ipc.errors import ErrorCode, ModelError
 
@@ -48,9 +49,11 @@ class PipelineSpec:
 
 
 def parse_spec(name: str, settings: ModelSettings, registry: ProcessorRegistry | None,
-               model_path: Callable[[str], Path] | None = None) -> PipelineSpec:
+               model_path: Callable[[str], Path] | None = None,
+               repo: Repository | None = None) -> PipelineSpec:
     """Build the pipeline of model ``name`` from its checked model.toml: its steps are
-    built here (with the processors registry), the rest is copied.
+    built here (with the processors registry: in the processors worker when it has
+    one; :func:`inferd.daemon.processors.release` lets go of them), the rest is copied.
 
     Raises:
         ModelError: a step that cannot be built, naming the model, the key and the step.
@@ -64,12 +67,16 @@ def parse_spec(name: str, settings: ModelSettings, registry: ProcessorRegistry |
         if steps and registry is None:
             raise ModelError(f"model {name}: '{key}' steps given but no processors",
                              ErrorCode.INTERNAL)
-        built = []
+        built: list[tuple[str, Step]] = []
         for i, step in enumerate(steps):
             where = f"model {name}: {key}[{i}]"
             assert registry is not None
-            built.append((f"{key}[{i}] {step.get('op', '?')}",
-                          registry.build(step, Context(model_path, name), where)))
+            try:
+                built.append((f"{key}[{i}] {step.get('op', '?')}",
+                              registry.build(step, Context(model_path, name, repo), where)))
+            except BaseException:
+                release(spec.pre + built)
+                raise
         setattr(spec, key, built)
     return spec
 

@@ -20,6 +20,7 @@ from inferd.daemon.config import Config, load_config
 from inferd.daemon.graphs import GraphManager
 from inferd.daemon.inline import InlineOps
 from inferd.daemon.workers.pool import WorkerPool
+from inferd.daemon.workers.steps import RemoteSteps
 from inferd.daemon.watch import Watch
 from inferd.daemon.metrics import Metrics, TextfileWriter, textfile_wanted
 from inferd.daemon.metrics_http import MetricsEndpoint, parse_listen
@@ -155,8 +156,6 @@ class Runtime:
         # Wire tickets are counted by the server, in-process ones (graph nodes calling
         # models) by the sink.
         sink = ReplySink(self.server.send_reply, observe=self.metrics.count)
-        # filled at start, as the registry
-        self.processors = ProcessorRegistry(StrictModes(config.security.strict_modes))
         self.customops = OpRegistry()
         # engines in worker processes ([workers] isolation); forked at start
         self.workers = (None if config.workers.isolation == "in-process" else
@@ -165,6 +164,13 @@ class Runtime:
                                    config.workers.restart_backoff_s,
                                    config.workers.max_memory,
                                    config.workers.idle_exit_s))
+        # with workers, every processor step is built and run in the processors worker
+        # (its user files imported there only); else here, the user files at start
+        self.processors = ProcessorRegistry(
+            StrictModes(config.security.strict_modes),
+            remote=None if self.workers is None else RemoteSteps(
+                self.workers, config.processors.directory, config.security.strict_modes,
+                config.workers.kill_after_s))
         self.models = ModelManager(self.repo, self.registry, lambda: self.config, sink,
                                    observer=self.metrics, processors=self.processors,
                                    customops=self.customops, workers=self.workers)
@@ -192,11 +198,14 @@ class Runtime:
         set_mmap_threshold(self.config.cache.malloc_mmap_threshold)
         load_backends(self.registry, self.config)
         load_global(self.customops, self.config)
-        self.processors.load_directory(self.config.processors.directory)
-        if self.workers is not None:
+        if self.workers is None:
+            self.processors.load_directory(self.config.processors.directory)
+        else:
             self.workers.start()  # forks the zygote: before any thread of the daemon
         self.server.bind()
         self.inline.start()
+        if isinstance(self.processors.remote, RemoteSteps):
+            self.processors.remote.start()  # the user files' log lines, now
         self.models.start()
         self.watch.start()
         log.info("inferd %s serving %s (models in %s, pid %d)", VERSION,

@@ -55,7 +55,11 @@ ENGINES = ("onnxruntime", "openvino", "onnx")
 # Imported with the first tensor of its types (bfloat16, float8, int4), not before: it
 # cost ~1 s of every daemon start, inferctl call and client process (9337634).
 LAZY = ("ml_dtypes",)
-WATCHED = (*ENGINES, *LAZY)
+# Native code the built-in processors call: imported by the processors worker (or by the
+# daemon with isolation = "in-process") at the first step that needs it, never by an
+# import of daemon/.
+PROCESSOR_LIBS = ("cv2", "pyclipper")
+WATCHED = (*ENGINES, *LAZY, *PROCESSOR_LIBS)
 
 # Reads a module name a line, imports it in a forked child, prints the inferd and engine
 # modules the child then holds (JSON, one line), or the child's error.
@@ -152,17 +156,20 @@ WORKERS = _modules("daemon/workers", "inferd.daemon.workers")
 
 @pytest.mark.parametrize("module", WORKERS)
 def test_the_worker_floor_sits_under_the_cache(forker, module: str) -> None:
-    """daemon/workers/ (the zygote, the worker's side, the channel, the pool and the
-    quarantine) imports nothing else of the daemon but the activations (a leaf, which
-    the workers run): the cache builds on it, never the
-    other way; and importing it brings in no engine (a worker imports its engine at its
-    first load)."""
+    """daemon/workers/ (the zygote, the worker's side, the channel, the pool, the
+    quarantine and the processor steps) imports nothing else of the daemon but the
+    activations and the processors' contract (leaves, which the workers run): the cache
+    builds on it, never the other way; and importing it brings in no engine (a worker
+    imports its engine at its first load), nor a processor's native library (OpenCV,
+    pyclipper: the processors worker imports them at its first step that needs them)."""
     loaded = _loaded(forker, module)
     daemon = {m for m in loaded if m.startswith("inferd.daemon")
               and not m.startswith("inferd.daemon.workers")
-              and m not in ("inferd.daemon", "inferd.daemon.activations")}  # a leaf
+              and m not in ("inferd.daemon", "inferd.daemon.activations",  # leaves
+                            "inferd.daemon.processors")}
     assert not daemon, daemon
     assert not loaded & set(ENGINES), loaded & set(ENGINES)
+    assert not loaded & set(PROCESSOR_LIBS), loaded & set(PROCESSOR_LIBS)
 
 
 # The floors of daemon/, from the ground up (docs/architecture.md, "Floors of the
@@ -204,6 +211,9 @@ def test_the_daemon_imports_one_way(forker, module: str) -> None:
     module put on a floor below one it imports fails here, as model_threads on the
     first floor does: it imports the workers)."""
     floor = _floor(module)
-    above = {m for m in _imported_after(forker, module)
-             if m.startswith("inferd.daemon.") and _floor(m) > floor}
+    loaded = _loaded(forker, module)
+    above = {m for m in loaded if m.startswith("inferd.daemon.") and _floor(m) > floor}
     assert not above, f"{module} ({DAEMON_FLOORS[floor][0]}) imports {sorted(above)}"
+    # and no processor's native library (in the daemon: only with isolation =
+    # "in-process", at the first step that needs it)
+    assert not loaded & set(PROCESSOR_LIBS), loaded & set(PROCESSOR_LIBS)

@@ -11,6 +11,16 @@ refuse (:mod:`inferd.libbackends.trust`: writable or owned by a user other than 
 the daemon's, it or a folder up to the processors directory), that cannot be imported or
 that breaks the contract is logged (one WARNING line: path, stage, reason) and skipped;
 the daemon starts without it.
+
+**Where they run.** With worker processes (``[workers] isolation`` other than
+"in-process") no processor runs in the daemon: every step, built-in or user, is built
+and run in the processors worker (:mod:`inferd.daemon.workers.steps`), where OpenCV,
+pyclipper and the user's code can crash at the cost of the requests that were in it.
+The daemon holds a :class:`HeldStep` per step, which the registry's ``remote`` builder
+makes, and imports neither the built-ins nor the user files: the user files are imported
+by the processors worker only (at start, so that their log lines come when they always
+did, and again in each new processors worker at the first step that is not built in).
+With ``isolation = "in-process"`` the steps are built and run in the daemon.
 """
 
 from __future__ import annotations
@@ -20,11 +30,14 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from inferd.ipc.errors import ErrorCode, ModelError
+from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.libbackends.loader import ImportFailed, import_file
 from inferd.libbackends.trust import STRICT, StrictModes, UntrustedCode
+
+if TYPE_CHECKING:
+    from inferd.daemon.repository import Repository
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +54,40 @@ class Context:
         model_path: returns the path of a model's file in the repository by name
             (processors that read a model's metadata, such as the CTC dictionary).
         owner: the model or graph the step belongs to (for messages).
+        repo: the model repository ``model_path`` reads (a step built in the
+            processors worker resolves model names there, with the same checks).
     """
 
     model_path: Callable[[str], Path] | None = None
     owner: str = ""
+    repo: Repository | None = None
+
+
+class HeldStep:
+    """A step that holds something outside the daemon until :meth:`release` (a step
+    built in the processors worker: its handle there)."""
+
+    def __call__(self, values: Values) -> Values:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+
+class RemoteBuilder(Protocol):
+    """Builds steps elsewhere (:class:`inferd.daemon.workers.steps.RemoteSteps`)."""
+
+    def build(self, op: str, params: dict[str, Any], context: Context,
+              where: str) -> HeldStep: ...
+
+
+def release(steps: list[tuple[str, Step]] | list[Step | None]) -> None:
+    """Let go of what ``steps`` (a pipeline's named steps, or graph nodes' steps) hold
+    outside the daemon; steps built in the daemon hold nothing."""
+    for item in steps:
+        step = item[1] if isinstance(item, tuple) else item
+        if isinstance(step, HeldStep):
+            step.release()
 
 
 class LazyModule:
@@ -107,12 +150,17 @@ class ProcessorRegistry:
     Args:
         strict: who may have written a user file for it to be imported (``[security]
             strict_modes``).
+        remote: builds every step in the processors worker (None: here); the
+            registry then imports neither the built-ins nor a user file.
     """
 
-    def __init__(self, strict: StrictModes = STRICT) -> None:
-        _import_builtins()
+    def __init__(self, strict: StrictModes = STRICT,
+                 remote: RemoteBuilder | None = None) -> None:
+        if remote is None:
+            _import_builtins()
         self._user: dict[str, tuple[Callable[..., Step], Path]] = {}
         self._strict = strict
+        self.remote = remote
 
     def names(self) -> list[str]:
         return sorted(set(BUILTINS) | set(self._user))
@@ -175,6 +223,18 @@ class ProcessorRegistry:
                              f"{spec!r}", ErrorCode.INVALID_ARGUMENT)
         params = {k: v for k, v in spec.items() if k != "op"}
         name = spec["op"]
+        if self.remote is not None:
+            return self.remote.build(name, params, context, where)
+        return self.build_here(name, params, context, where)
+
+    def builtin(self, name: str) -> bool:
+        """Whether ``name`` is a built-in processor (no user file is needed for it)."""
+        return name in BUILTINS
+
+    def build_here(self, name: str, params: dict[str, Any], context: Context,
+                   where: str) -> Step:
+        """:meth:`build` in this process, whatever ``remote`` says (the processors
+        worker's way)."""
         try:
             if name in BUILTINS:
                 return BUILTINS[name](context, **params)
@@ -208,7 +268,7 @@ def run_steps(steps: list[tuple[str, Step]], values: Values, owner: str) -> Valu
     for name, step in steps:
         try:
             values = step(values)
-        except ModelError as e:
+        except InferdError as e:  # its code kept (a processors worker's death: UNAVAILABLE)
             raise ModelError(f"{owner}: step {name}: {e.message}", e.code) from e
         except Exception as e:
             raise ModelError(f"{owner}: step {name} failed: {type(e).__name__}: {e}",

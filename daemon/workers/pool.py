@@ -67,6 +67,7 @@ from numpy.typing import NDArray
 from inferd.daemon.activations import Peak
 from inferd.daemon.workers.channel import Channel, Gone, dtype_code, dtype_of, pair
 from inferd.daemon.workers.process import decode_error
+from inferd.daemon.workers.steps import PROCESSORS
 from inferd.daemon.workers.zygote import Zygote, describe_status
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 from inferd.ipc.protocol import Slot
@@ -157,6 +158,11 @@ class Worker:
     @property
     def alive(self) -> bool:
         return not self.ended.is_set()
+
+    @property
+    def label(self) -> str:
+        """What it runs, for messages: ``engine onnxruntime``, or ``processors``."""
+        return PROCESSORS if self.backend == PROCESSORS else f"engine {self.backend}"
 
 
 class WorkerPool:
@@ -332,10 +338,11 @@ class WorkerPool:
             "signal" if os.WIFSIGNALED(status) else "exit")
         self.restarts[(w.backend, reason)] += 1
         rival = w.name.endswith(MEASURING)  # nothing loads there again: the placer
-        log.error("engine %s (worker %d) %s%s; %s", w.backend, pid, w.reason, what,
+        log.error("%s (worker %d) %s%s; %s", w.label, pid, w.reason, what,
                   "it held a candidate being measured for placement, which is not chosen"
-                  if rival else "its models load again in a new worker on their next "
-                  "request", extra={"BACKEND": w.backend, "WORKER_PID": pid,
+                  if rival else "its steps are built again in a new worker on their next "
+                  "call" if w.backend == PROCESSORS else "its models load again in a new "
+                  "worker on their next request", extra={"BACKEND": w.backend, "WORKER_PID": pid,
                                     "REASON": reason})
         if self._on_restart is not None:
             self._on_restart(w.backend, reason)
@@ -348,7 +355,7 @@ class WorkerPool:
         """The error for a call on ``w`` (running ``what``) that found it gone."""
         w.ended.wait(STATUS_WAIT_S)  # the zygote's word on how it ended
         how = w.reason or "ended"
-        return WorkerDied(f"engine {w.backend} (worker {w.pid}) {how} while running "
+        return WorkerDied(f"{w.label} (worker {w.pid}) {how} while running "
                           f"{what}")
 
     def kill(self, w: Worker, why: str) -> None:

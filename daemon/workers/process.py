@@ -29,6 +29,8 @@ threads run side by side as they did in-process. Operations:
   shape inference, native code, runs here, not in the daemon).
 - ``unload``, ``trim`` (``malloc_trim`` before a measured run), ``stats`` (this process's
   resident memory).
+- ``build``, ``step``, ``release``, ``directory``: processor steps, in the processors
+  worker (:mod:`inferd.daemon.workers.steps`).
 
 Errors are answered as ``(type, code, message)`` and raised again in the daemon as the
 same kind of :class:`InferdError`.
@@ -51,6 +53,7 @@ import numpy as np
 import psutil
 
 from inferd.daemon.workers.channel import INLINE_BYTES, Channel, Gone, dtype_code, dtype_of
+from inferd.daemon.workers.steps import STEP_OPS, StepHost
 from inferd.ipc.dtypes import PACKED, STRING, dtype_name
 from inferd.ipc.errors import BackendError, ErrorCode, InferdError, ModelError
 from inferd.ipc.libc import malloc_trim
@@ -105,6 +108,7 @@ class WorkerProcess:
         self._last: dict[int, int] = {}  # native thread id -> handle
         self._everywhere = frozenset(os.sched_getaffinity(0))
         self._pinned = threading.local()
+        self.steps = StepHost(name)
 
     def rss(self) -> int:
         return int(self._proc.memory_info().rss)
@@ -150,6 +154,8 @@ class WorkerProcess:
                         outputs = self._place(header, outputs, reply)
                     channel.send(reply, outputs)
                     del outputs  # may view a region: not kept until the next call
+                elif op in STEP_OPS:  # processor steps (the processors worker)
+                    self.steps.serve(op, header, tensors, channel)
                 elif op == "channel":
                     for fd in fds:
                         sock = socket.socket(fileno=fd)

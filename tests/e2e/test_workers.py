@@ -133,16 +133,19 @@ def test_a_zero_batch_that_aborts_onnxruntime_costs_one_request(start_daemon, re
 
 
 class Neighbour:
-    """A client of ocr-cls (another worker) that runs until stopped, keeping any error."""
+    """A client of ``model`` (ocr-cls: another worker) that runs until stopped, keeping
+    any error."""
 
-    def __init__(self, d) -> None:
+    def __init__(self, d, model: str = "ocr-cls", x: np.ndarray | None = None) -> None:
         self.d = d
+        self.model = model
         self.errors: list[str] = []
         self.runs = 0
         self.stop = threading.Event()
-        self.x = np.random.default_rng(1).random((1, 3, 48, 192), dtype=np.float32)
+        self.x = np.random.default_rng(1).random((1, 3, 48, 192), dtype=np.float32) \
+            if x is None else x
         with d.client() as c:
-            self.expected = c.infer("ocr-cls", {"x": self.x})
+            self.expected = c.infer(model, {"x": self.x})
         self.thread = threading.Thread(target=self._run)
         self.thread.start()
 
@@ -150,7 +153,7 @@ class Neighbour:
         with self.d.client() as c:
             while not self.stop.is_set():
                 try:
-                    out = c.infer("ocr-cls", {"x": self.x})
+                    out = c.infer(self.model, {"x": self.x})
                     for k, v in self.expected.items():
                         if not np.array_equal(out[k], v):
                             self.errors.append(f"{k} differs")
