@@ -247,16 +247,20 @@ class ModelThreads:
         self.threads.append(threading.Thread(target=run, name=thread_name, daemon=True))
 
     def pinning(self) -> list[dict[str, Any]]:
-        """Every thread's name, stage, native id, affinity and backend; for a model in a
-        worker process, the worker's threads that ran it too (stage ``engine``, with the
-        worker's ``pid``: where the engine's work is done)."""
-        rows = [p.to_json() for p in self.pinnings]
+        """Every thread's name, stage, native id, affinity and backend."""
+        return [p.to_json() for p in self.pinnings]
+
+    def engine_pinning(self) -> list[dict[str, Any]]:
+        """For a model in a worker process, the worker's threads whose last run was this
+        model's, as :meth:`pinning` shows a thread (stage ``engine``, with the worker's
+        ``pid``: where the engine's work is done); a call to the worker, so never made
+        under a lock."""
         engine = getattr(self.model, "engine", self.model)
-        if isinstance(engine, WorkerModel):
-            rows += [{"thread": f"worker {engine.pid}", "stage": "engine", "native_id": tid,
-                      "affinity": cores, "backend": engine.call.backend, "error": None,
-                      "pid": engine.pid} for tid, cores in engine.threads()]
-        return rows
+        if not isinstance(engine, WorkerModel):
+            return []
+        return [{"thread": f"worker {engine.pid}", "stage": "engine", "native_id": tid,
+                 "affinity": cores, "backend": engine.call.backend, "error": None,
+                 "pid": engine.pid} for tid, cores in engine.threads()]
 
     def batching(self) -> dict[str, Any]:
         """The ``batching`` field of the models listing: mode, bounds, the limit chosen

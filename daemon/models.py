@@ -814,6 +814,15 @@ class ModelManager:
             info.update(self.budget.describe(entry))
         return info
 
+    def engine_pinning(self, name: str, version: int) -> list[dict[str, Any]]:
+        """The worker threads that run a loaded version (``inferctl models --verbose``;
+        :meth:`ModelThreads.engine_pinning`); none for a version not loaded, or loaded in
+        the daemon itself."""
+        with self._lock:
+            entry = self._entries.get((name, version))
+        threads = entry.threads if entry is not None else None
+        return threads.engine_pinning() if threads is not None else []
+
     def cache_status(self) -> dict[str, Any]:
         """Budget and use, for the status op."""
         entries = self.entries()

@@ -491,6 +491,11 @@ class Runtime:
                     m["requests"], m["failed_requests"] = self.metrics.answered(m["name"])
                 if not request.params.get("verbose"):
                     m.pop("placement", None)
+                elif m.get("kind") != "graph" and m.get("placement"):
+                    # where the engine runs, if in a worker: asked of the worker (outside
+                    # any lock, and only for a verbose listing)
+                    m["placement"] += [{**p, "backend": m.get("backend")} for p in
+                                       self.models.engine_pinning(m["name"], m["version"])]
             return {"models": models}
         placed = [{k: m.get(k) for k in ("name", "version", "backend", "device", "chosen")}
                   for m in self.models.describe() if m.get("backend")]
