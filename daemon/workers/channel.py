@@ -4,8 +4,11 @@ memory.
 
 A message is one datagram: a 4-byte length, a pickled header (the two ends are the same
 code, started by the daemon: nothing a client sent is unpickled, the daemon decoded it
-first), then the bytes of the small tensors; string tensors travel pickled in the
-header. A tensor of :data:`INLINE_BYTES` or more is written into the sender's
+first; every pickle is made by one end's own code), then the bytes of the small
+tensors; string tensors travel pickled in the header. A processor step's values
+(:mod:`inferd.daemon.workers.steps`) travel as tensors too: their numeric arrays, and
+one uint8 tensor that is a pickle of the rest made by the sender (the daemon, or the
+processors worker). A tensor of :data:`INLINE_BYTES` or more is written into the sender's
 *arena* instead, a memfd that each end of a channel owns for what it sends and that is
 reused from call to call: it is passed to the peer (``SCM_RIGHTS``) once, and again only
 when it has to grow. A call is strictly request -> reply on its channel, so a sender's

@@ -5,7 +5,8 @@ like any loaded model.
 **Which worker.** ``[workers] isolation = "backend"``: the models of one backend share
 one worker (the engine's memory is paid once); a model with its own ``customops/``
 folder gets a worker of its own. ``"model"``: every model version its own.
-``"in-process"``: no worker (the engines run in the daemon, as before).
+``"in-process"``: no worker (the engines run in the daemon, as before). Every processor
+step runs in one more worker, keyed ``processors`` (:mod:`inferd.daemon.workers.steps`).
 
 **Watching.** Nothing polls: a call waiting on a worker that dies gets an empty read on
 its channel at once (the kernel closes the worker's end), and the zygote, the worker's
