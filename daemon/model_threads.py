@@ -227,9 +227,14 @@ class ModelThreads:
             return
         began = time.monotonic()
         sizes = self.sizer.sizes() if self.max_batch > 1 else [1]
-        batches = stream_batch.batch_inputs(self._stream_model, self.model.inputs, sizes)
-        for inputs in batches.values():
-            self._admission.working.size(inputs)
+        try:
+            batches = stream_batch.batch_inputs(self._stream_model, self.model.inputs, sizes)
+            for inputs in batches.values():
+                self._admission.working.size(inputs)
+        except Exception as e:  # noqa: BLE001  never fails the load: the first runs size
+            log.info("model %s: the working memory of its stream batches is sized by "
+                     "their first runs: %s", self.name, e, extra={"MODEL": self.name})
+            return
         if batches:
             log.debug("model %s: working memory of stream batches of %s rows sized in "
                       "%.0f ms", self.name, ", ".join(map(str, batches)),

@@ -915,6 +915,8 @@ def batch_inputs(bound: StreamModel, inputs: Any, sizes: list[int]
         return {}  # a dtype without numbers (strings), a shape numpy cannot make
     row.update(bound.init)
     per = rows(bound, row)
+    if per < 1:  # a chunk of no rows: nothing to batch
+        return {}
     return {n: merge(bound, [row] * (n // per)) for n in sizes if n >= per and n % per == 0}
 
 

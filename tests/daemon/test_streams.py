@@ -276,6 +276,8 @@ def test_batches_sized_ahead_are_those_of_first_chunks_merged(table) -> None:
     assert streams.batch_inputs(bound_as(any_rate), INPUTS, [1, 2]) == {}
     two_rows = {**VAD, "chunk": {"input": [2, 512]}}  # sizes of whole chunks only
     assert list(streams.batch_inputs(bound_as(two_rows), INPUTS, [1, 2, 4, 5])) == [2, 4]
+    no_rows = {**VAD, "chunk": {"input": [0, 512]}}
+    assert streams.batch_inputs(bound_as(no_rows), INPUTS, [1, 2]) == {}
 
 
 def test_many_streams_pipelined_on_two_threads_keep_their_order(tmp_path, models_dir,
