@@ -350,27 +350,33 @@ class RemoteStep(HeldStep):
             self._pool.loaded(w, False)
             raise
         self._pool.loaded(w, True)
-        self.worker = w
-        self.handle = int(reply["handle"])
+        # one assignment: a caller reads the worker and the handle in it together (a
+        # handle of the worker that died names another step, or none, in the new one)
+        self._at = (w, int(reply["handle"]))
 
-    def _live(self) -> Any:
-        """The step's worker, the step built again in a new one if it died."""
-        w = self.worker
-        if not w.alive:
+    @property
+    def worker(self) -> Any:
+        return self._at[0]
+
+    def _live(self) -> tuple[Any, int]:
+        """The step's worker and its handle there, the step built again in a new worker
+        if it died."""
+        at = self._at
+        if not at[0].alive:
             with self._lock:
                 if self._released:
                     raise ModelError(f"{self.what} was released", ErrorCode.UNAVAILABLE)
-                if self.worker is w:  # the first call after a death builds it again
+                if self._at is at:  # the first call after a death builds it again
                     self._build()
-                w = self.worker
-        return w
+                at = self._at
+        return at
 
     def __call__(self, values: dict[str, Any]) -> dict[str, Any]:
         tensors = pack(values)
         sent = {k: a for k, a in tensors.items() if k != _SKELETON}
-        reply, out = self._pool.call(self._live(), {"op": "step", "handle": self.handle},
-                                     self.what, tensors, timeout=self._steps.timeout_s,
-                                     lend=True)
+        w, handle = self._live()
+        reply, out = self._pool.call(w, {"op": "step", "handle": handle}, self.what,
+                                     tensors, timeout=self._steps.timeout_s, lend=True)
         if "unexpected" in reply:
             raise_unexpected(*reply["unexpected"])
         return unpack(out, sent)  # type: ignore[no-any-return]
@@ -380,11 +386,11 @@ class RemoteStep(HeldStep):
             if self._released:
                 return
             self._released = True
-            w = self.worker
+            w, handle = self._at
         if not w.alive:
             return
         try:
-            self._pool.call(w, {"op": "release", "handle": self.handle},
+            self._pool.call(w, {"op": "release", "handle": handle},
                             f"the release of {self.what}", timeout=30.0,
                             key="a 30 s limit")
         except InferdError as e:
