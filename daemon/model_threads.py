@@ -415,6 +415,7 @@ class ModelThreads:
                 values = run_steps(self.spec.pre, dict(item.request.inputs),
                                    f"model {self.name}")
             except Exception as e:
+                self._charge(e, item)
                 self._fail(item, e)
                 continue
             finally:
@@ -435,9 +436,17 @@ class ModelThreads:
                 self._finish(job.item, Reply(job.item.request.id,
                                              outputs=self._select(job.item, out)))
             except Exception as e:
+                self._charge(e, job.item)
                 self._fail(job.item, e)
             finally:
                 self.busy.end()
+
+    def _charge(self, e: Exception, item: Queued) -> None:
+        """A step whose processors worker died (daemon/workers/steps.py) is charged to
+        the request's client as a run's death is: a client whose requests keep killing it
+        is refused, a model whose steps kill it for several clients is set aside."""
+        if self._quarantine is not None and isinstance(e.__cause__, WorkerDied):
+            self._quarantine.death(self.name, [item.ticket.uid], e.__cause__.message)
 
     def _infer_loop(self, pinning: Pinning) -> None:
         delay = self.spec.max_delay_ms / 1000

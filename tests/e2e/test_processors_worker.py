@@ -7,6 +7,7 @@ in the processors worker."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -71,6 +72,10 @@ HOW = {"abort": (1, "died of SIGABRT"), "null": (2, "died of SIGSEGV")}
 
 @pytest.fixture
 def daemon(start_daemon, short_tmp: Path):  # type: ignore[no-untyped-def]
+    return _daemon(start_daemon, short_tmp)
+
+
+def _daemon(start_daemon, short_tmp: Path, workers: str = ""):  # type: ignore[no-untyped-def]
     repo, processors = short_tmp / "repo", short_tmp / "processors"
     for name, op in (("neg", "Neg"), ("other", "Identity")):
         unary_model(repo, name, op)
@@ -81,7 +86,7 @@ def daemon(start_daemon, short_tmp: Path):  # type: ignore[no-untyped-def]
     (processors / "crashy.py").write_text(CRASHY)
     (processors / "broken.py").write_text("this is not python\n")
     conf = short_tmp / "inferd.toml"
-    conf.write_text(f'[workers]\nisolation = "backend"\nrestart_backoff_s = 0.1\n'
+    conf.write_text(f'[workers]\nisolation = "backend"\nrestart_backoff_s = 0.1\n{workers}'
                     f'[processors]\ndirectory = "{processors}"\n'
                     f'[models]\nrepository = "{repo}"\n[metrics]\ntextfile = ""\n')
     return start_daemon("--config", str(conf))
@@ -139,3 +144,22 @@ def test_a_processor_that_crashes_costs_one_request(how, daemon) -> None:
     assert len(pids) >= 3, log  # at start (the user files), then after each death
     assert "/cv2/" in _maps(pids[-1])
     assert "/cv2/" not in _maps(d.proc.pid)
+
+
+def test_a_client_whose_steps_keep_killing_the_processors_worker_is_refused(
+        start_daemon, short_tmp: Path) -> None:
+    """A [[pre]] step's deaths are charged as a run's are (daemon/workers/quarantine.py):
+    the client is refused for that model, the other models still serve it."""
+    d = _daemon(start_daemon, short_tmp, "refuse_client_after = 2\n")
+    ok = np.ones((1, 4), np.float32)
+    with d.client() as c:
+        for _ in range(2):
+            with pytest.raises(RequestError) as e:
+                c.infer("neg", {"x": np.full((1, 4), 1, np.float32)})
+            assert "processors (worker" in e.value.message, e.value.message
+        with pytest.raises(RequestError) as e:
+            c.infer("neg", {"x": ok})
+        assert e.value.code is ErrorCode.UNAVAILABLE
+        assert e.value.message.startswith(f"model neg: uid {os.getuid()} is refused for "), \
+            e.value.message
+        np.testing.assert_array_equal(c.infer("other", {"x": ok})["y"], ok)
