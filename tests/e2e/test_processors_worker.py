@@ -86,7 +86,9 @@ def _daemon(start_daemon, short_tmp: Path, workers: str = ""):  # type: ignore[n
     (processors / "crashy.py").write_text(CRASHY)
     (processors / "broken.py").write_text("this is not python\n")
     conf = short_tmp / "inferd.toml"
-    conf.write_text(f'[workers]\nisolation = "backend"\nrestart_backoff_s = 0.1\n{workers}'
+    if "isolation" not in workers:
+        workers = f'isolation = "backend"\n{workers}'
+    conf.write_text(f'[workers]\nrestart_backoff_s = 0.1\n{workers}'
                     f'[processors]\ndirectory = "{processors}"\n'
                     f'[models]\nrepository = "{repo}"\n[metrics]\ntextfile = ""\n')
     return start_daemon("--config", str(conf))
@@ -151,7 +153,7 @@ def test_a_client_whose_steps_keep_killing_the_processors_worker_is_refused(
     """A [[pre]] step's deaths are charged as a run's are (daemon/workers/quarantine.py):
     the client is refused for that model, the other models still serve it."""
     d = _daemon(start_daemon, short_tmp, "refuse_client_after = 2\n")
-    ok = np.ones((1, 4), np.float32)
+    ok = np.full((1, 4), 10, np.float32)
     with d.client() as c:
         for _ in range(2):
             with pytest.raises(RequestError) as e:
@@ -163,3 +165,15 @@ def test_a_client_whose_steps_keep_killing_the_processors_worker_is_refused(
         assert e.value.message.startswith(f"model neg: uid {os.getuid()} is refused for "), \
             e.value.message
         np.testing.assert_array_equal(c.infer("other", {"x": ok})["y"], ok)
+
+
+def test_in_process_the_steps_run_in_the_daemon(start_daemon, short_tmp: Path) -> None:
+    """``isolation = "in-process"``: no processors worker; the user files are imported by
+    the daemon at start, and its steps run there."""
+    d = _daemon(start_daemon, short_tmp, 'isolation = "in-process"\n')
+    ok = np.full((1, 4), 10, np.float32)  # not a trigger: here it would end the daemon
+    with d.client() as c:
+        np.testing.assert_array_equal(c.infer("neg", {"x": ok})["y"], -(ok + 1))
+    log = d.log()
+    assert "worker processors started" not in log and "zygote" not in log, log
+    assert re.search(r"processor file \S+/crashy\.py: registered crashy", log), log
