@@ -84,3 +84,35 @@ def batchable(model: LoadedModel) -> bool:
     return bool(model.inputs) and all(
         s.shape and not (isinstance(s.shape[0], int) and s.shape[0] >= 0) for s in model.inputs)
 
+
+
+def plain_batch_inputs(model: LoadedModel, sizes: list[int],
+                       shapes: dict[str, list[int]] | None = None
+                       ) -> dict[int, dict[str, np.ndarray]]:
+    """Zero inputs of a plain batch of each of ``sizes`` rows, for sizing each batch's
+    working memory before requests come (:meth:`ModelThreads.warm_up`). Empty unless
+    every input is a float tensor whose dimensions past the batch axis are all known,
+    from the model or from ``shapes`` (model.toml's ``warmup_shapes``, whose first
+    dimension is replaced by each size): a free one could take any size, and an integer
+    input's value may choose a branch of the graph (a shape, an index), so zeros would
+    size the wrong run."""
+    from inferd.ipc.dtypes import numpy_dtype
+
+    if not batchable(model):
+        return {}
+    rows: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    for spec in model.inputs:
+        given = (shapes or {}).get(spec.name)
+        rest = tuple(given[1:]) if given and len(given) == len(spec.shape) \
+            else spec.shape[1:]
+        if not all(isinstance(d, int) and d >= 0 for d in rest):
+            return {}
+        try:
+            dtype = numpy_dtype(spec.dtype)
+        except Exception:  # noqa: BLE001  a type numpy cannot make zeros of
+            return {}
+        if dtype.kind != "f":
+            return {}
+        rows[spec.name] = (tuple(int(d) for d in rest), dtype)
+    return {n: {name: np.zeros((n, *rest), dtype) for name, (rest, dtype) in rows.items()}
+            for n in sizes}

@@ -42,7 +42,7 @@ import numpy as np
 from inferd.daemon.batching import BatchSizer
 from inferd.daemon.fairqueue import FairQueue, QueueClosed
 from inferd.daemon.memory import Estimate, WorkingMemory
-from inferd.daemon.merging import ChunkBatch, PlainBatch, batchable
+from inferd.daemon.merging import ChunkBatch, PlainBatch, batchable, plain_batch_inputs
 from inferd.daemon.pipeline import PipelineSpec, Pinning, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
 from inferd.daemon import streams as stream_batch
@@ -213,31 +213,35 @@ class ModelThreads:
         """Requests run on the I/O thread (``inferctl models``: ``io_thread_runs``)."""
 
     def warm_up(self) -> None:
-        """Before the first chunks come (the model loaded, its graph known to the cache):
-        size the working memory of the batches of stream chunks it may run, one shape
-        class per batch size of the batcher's ladder (daemon/streams.py
-        :func:`~inferd.daemon.streams.batch_inputs`). Otherwise the first run of each
-        class reads the model's graph on the inference thread while the chunks of every
-        stream wait behind it (30 to 60 ms a class for vad here: the slow chunks of the
-        first seconds). Only the graph is read: nothing runs, nothing is admitted
-        or counted (``WorkingMemory.size`` in daemon/memory.py); a model without a
-        [stream] table, or whose chunks' shapes are not all known, is left to its first
-        runs."""
-        if self._stream_model is None or self._admission is None:
+        """Before the first requests come (the model loaded, its graph known to the
+        cache): size the working memory of the batches it may run, one shape class per
+        batch size of the batcher's ladder: batches of stream chunks (daemon/streams.py
+        :func:`~inferd.daemon.streams.batch_inputs`), or plain batches of a model whose
+        inputs are known but for the batch axis (daemon/merging.py
+        :func:`~inferd.daemon.merging.plain_batch_inputs`). Otherwise the first run of
+        each class reads the model's graph on the inference thread while every request
+        of the model waits behind it (30 to 60 ms a class for vad here: the slow chunks
+        of the first seconds). Only the graph is read: nothing runs, nothing is admitted
+        or counted (``WorkingMemory.size`` in daemon/memory.py); a model whose batches'
+        shapes are not all known is left to its first runs."""
+        if self._admission is None or (self._stream_model is None and self.max_batch <= 1):
             return
         began = time.monotonic()
         sizes = self.sizer.sizes() if self.max_batch > 1 else [1]
+        kind = "stream" if self._stream_model is not None else "plain"
         try:
-            batches = stream_batch.batch_inputs(self._stream_model, self.model.inputs, sizes)
+            batches = (stream_batch.batch_inputs(self._stream_model, self.model.inputs, sizes)
+                       if self._stream_model is not None
+                       else plain_batch_inputs(self.model, sizes, self.spec.warmup_shapes))
             for inputs in batches.values():
                 self._admission.working.size(inputs)
         except Exception as e:  # noqa: BLE001  never fails the load: the first runs size
-            log.info("model %s: the working memory of its stream batches is sized by "
-                     "their first runs: %s", self.name, e, extra={"MODEL": self.name})
+            log.info("model %s: the working memory of its %s batches is sized by their "
+                     "first runs: %s", self.name, kind, e, extra={"MODEL": self.name})
             return
         if batches:
-            log.debug("model %s: working memory of stream batches of %s rows sized in "
-                      "%.0f ms", self.name, ", ".join(map(str, batches)),
+            log.debug("model %s: working memory of %s batches of %s rows sized in %.0f ms",
+                      self.name, kind, ", ".join(map(str, batches)),
                       (time.monotonic() - began) * 1000, extra={"MODEL": self.name})
 
     def _add(self, stage: str, thread_name: str, target: Callable[[Pinning], None],

@@ -445,7 +445,7 @@ class ModelManager:
                                                  partial(self.grew, entry)))
         entry.memory.loaded(loaded.figures, loaded.graph, loaded.placement.backend,
                             loaded.meter)
-        workers.warm_up()  # a stream model's batches sized before its chunks come
+        workers.warm_up()  # its batches sized before its requests come
         entry.ready(loaded.model, workers, loaded.placement, loaded.settings.keep_alive,
                     loaded.streams)
         workers.start()

@@ -46,6 +46,9 @@ class PipelineSpec:
     max_delay_ms: float = 0.0
     batching: BatchMode = BatchMode.ADAPTIVE
     stage_queue_size: int = 8
+    warmup_shapes: dict[str, list[int]] = field(default_factory=dict)
+    """model.toml's: the shapes its warm-up runs on (the batches' working memory is sized
+    on them too, the batch axis set to each batch size)."""
 
 
 def parse_spec(name: str, settings: ModelSettings, registry: ProcessorRegistry | None,
@@ -61,7 +64,8 @@ def parse_spec(name: str, settings: ModelSettings, registry: ProcessorRegistry |
     spec = PipelineSpec(cpu_affinity=settings.cpu_affinity, max_batch=settings.max_batch,
                         max_delay_ms=settings.max_delay_ms,
                         batching=BatchMode(settings.batching),
-                        stage_queue_size=settings.stage_queue_size)
+                        stage_queue_size=settings.stage_queue_size,
+                        warmup_shapes=dict(settings.warmup_shapes))
     for key in ("pre", "post"):
         steps = getattr(settings, key)
         if steps and registry is None:

@@ -332,3 +332,46 @@ def test_a_class_sized_ahead_reads_no_graph_at_its_first_run(tmp_path):
     working.use(Counted(), "onnxruntime")  # loaded again: what was sized ahead goes
     working.estimate(eight)
     assert reads[1:] == [{"x": (8, 1024)}, {"x": (8, 1024)}]
+
+
+@pytest.mark.parametrize("shapes", ['warmup_shapes = { x = [1, 3, 48, 192] }\n', ""])
+def test_a_batched_models_batches_are_sized_at_its_load(tmp_path, models_dir, monkeypatch,
+                                                        shapes):
+    """ModelThreads.warm_up: the working memory of each batch size a batched model may
+    run is sized at its load (its graph read, nothing run) when its batches' shapes are
+    known (here from model.toml's warmup_shapes: ocr-cls's height and width are free),
+    so that no first request of a size waits on the graph being read (30-60 ms a size);
+    without known shapes it is left to the first runs."""
+    from inferd.daemon.activations import Activations
+    from inferd.daemon.config import load_config
+    from inferd.daemon.models import ModelManager
+    from inferd.daemon.repository import Repository
+    from inferd.ipc.replies import ReplySink
+    from inferd.libbackends.onnxruntime_cpu import OnnxRuntimeCpuBackend
+    from inferd.libbackends.registry import Registry
+    from tests.links import link_file
+
+    link_file(models_dir / "ocr-cls" / "1" / "model.onnx", tmp_path / "cls" / "1" / "model.onnx")
+    (tmp_path / "cls" / "model.toml").write_text(
+        f'max_batch = 4\nbatching = "fixed"\n{shapes}')
+    config = load_config(None, {"models.repository": str(tmp_path),
+                                "workers.isolation": "in-process",
+                                "placement.mode": "first"})
+    registry = Registry()
+    registry.register(OnnxRuntimeCpuBackend())
+    reads: list[tuple[int, ...]] = []
+    peak = Activations.peak
+
+    def counted(self, shapes, values=None):
+        reads.append(tuple(shapes["x"]))
+        return peak(self, shapes, values)
+    monkeypatch.setattr(Activations, "peak", counted)
+    manager = ModelManager(Repository(tmp_path), registry, lambda: config, ReplySink())
+    try:
+        manager.load("cls")
+        if shapes:
+            assert sorted(reads) == [(n, 3, 48, 192) for n in (1, 2, 4)]
+        else:
+            assert reads == []
+    finally:
+        manager.stop(10.0)
