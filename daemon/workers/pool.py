@@ -393,7 +393,7 @@ class WorkerPool:
         finally:
             if plan.used:
                 self._unuse(plan.used)
-        if self.max_memory is not None and header.get("op") == "run":
+        if self.max_memory is not None and header.get("op") in ("run", "step"):
             rss = _resident(w.pid)
             if rss > self.max_memory:  # this run made it grow: it is charged with it
                 channel.close()
@@ -772,8 +772,9 @@ class WorkerModel(LoadedModel):
             self.pool.loaded(w, False)
             raise
         self.pool.loaded(w, True)
-        self.worker = w
-        self.handle = int(reply["handle"])
+        # one tuple: a caller that finds the new worker alive reads its handle with it,
+        # never the dead worker's (which may name another model in the new one)
+        self._at = (w, int(reply["handle"]))
         self.inputs: tuple[TensorSpec, ...] = tuple(reply["inputs"])
         self.outputs: tuple[TensorSpec, ...] = tuple(reply["outputs"])
         self.device = reply["device"] or ""
@@ -790,41 +791,50 @@ class WorkerModel(LoadedModel):
         self._memory = max(self.added, self.reported or 0)
 
     @property
+    def worker(self) -> Worker:
+        return self._at[0]
+
+    @property
+    def handle(self) -> int:
+        return self._at[1]
+
+    @property
     def pid(self) -> int:
         return self.worker.pid
 
-    def _live(self) -> Worker:
-        """The model's worker, the model loaded again in a new one if it died."""
-        w = self.worker
+    def _live(self) -> tuple[Worker, int]:
+        """The model's worker and its handle there, the model loaded again in a new
+        worker if it died."""
+        w, handle = self._at
         if not w.alive:
             with self._lock:
                 if self._closed:
                     raise ModelError(f"model {self.call.model} is unloaded",
                                      ErrorCode.UNAVAILABLE)
-                if self.worker is w:  # the first use after a death loads it again
+                if self._at[0] is w:  # the first use after a death loads it again
                     self._load()
-                w = self.worker
-        return w
+                w, handle = self._at
+        return w, handle
 
     def run(self, inputs: dict[str, NDArray[Any]],
             outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
         into = OUTPUTS_INTO.slot
         if into is not None:  # this run's, not a later one's on this thread
             OUTPUTS_INTO.slot = None
-        reply, out = self.pool.call(self._live(), {"op": "run", "handle": self.handle,
-                                                   "outputs": outputs}, self.call.model,
-                                    inputs, into=into, lend=True)
+        w, handle = self._live()
+        reply, out = self.pool.call(w, {"op": "run", "handle": handle, "outputs": outputs},
+                                    self.call.model, inputs, into=into, lend=True)
         ENGINE_TIME.seconds = reply["took"]
         return out
 
     def threads(self) -> list[tuple[int, list[int]]]:
         """The worker's threads that ran this model (native id, the cores the kernel
         allows it); none if the worker cannot say now (busy past a second, or gone)."""
-        w = self.worker
+        w, handle = self._at
         if not w.alive:
             return []
         try:
-            reply, _ = self.pool.call(w, {"op": "threads", "handle": self.handle},
+            reply, _ = self.pool.call(w, {"op": "threads", "handle": handle},
                                       f"the threads of {self.call.model}", timeout=1.0)
         except InferdError:
             return []
@@ -833,11 +843,11 @@ class WorkerModel(LoadedModel):
     def unload(self) -> None:
         with self._lock:
             self._closed = True
-            w = self.worker
+            w, handle = self._at
         if not w.alive:
             return
         try:
-            self.pool.call(w, {"op": "unload", "handle": self.handle},
+            self.pool.call(w, {"op": "unload", "handle": handle},
                            f"the unload of {self.call.model}", timeout=30.0,
                            key="a 30 s limit")
         except InferdError as e:
@@ -851,16 +861,16 @@ class WorkerModel(LoadedModel):
 
     def peak(self, shapes: dict[str, Any], values: dict[str, NDArray[Any]]) -> Peak:
         """:meth:`inferd.daemon.activations.Activations.peak`, computed in the worker."""
-        reply, _ = self.pool.call(self._live(), {"op": "peak", "handle": self.handle,
-                                                 "path": str(self.call.path),
-                                                 "shapes": dict(shapes)},
+        w, handle = self._live()
+        reply, _ = self.pool.call(w, {"op": "peak", "handle": handle,
+                                      "path": str(self.call.path), "shapes": dict(shapes)},
                                   f"the activations of {self.call.model}", values)
         return Peak(*reply["peak"])
 
     def trim(self) -> None:
         """Free heap back to the system in the worker (before a measured run: a worker
         that died is started again first, so that the run is measured where it runs)."""
-        w = self._live()
+        w, _ = self._live()
         if w.alive:
             try:
                 self.pool.call(w, {"op": "trim"}, "a trim", timeout=10.0,
@@ -869,8 +879,8 @@ class WorkerModel(LoadedModel):
                 pass  # a worker gone meanwhile: the run itself will say so
 
     def describe(self) -> dict[str, Any]:
-        return {**self._describe, "worker": {"name": self.worker.name,
-                                             "pid": self.worker.pid}}
+        w = self.worker
+        return {**self._describe, "worker": {"name": w.name, "pid": w.pid}}
 
     def batch_sizes(self) -> BatchSizes | None:
         return self._batch_sizes
