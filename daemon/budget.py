@@ -122,6 +122,15 @@ class MemoryBudget:
         with self._lock:
             self._engines[name] = added
 
+    def worker_holds(self, name: str, held: int) -> None:
+        """A worker that holds no model (the processors worker) holds ``held`` bytes,
+        counted as an engine is; 0: it ended, nothing of it is counted."""
+        with self._lock:
+            if held > 0:
+                self._engines[name] = held
+            else:
+                self._engines.pop(name, None)
+
     def engines(self) -> dict[str, int]:
         """Every engine imported, and what it added (``inferctl status``)."""
         with self._lock:

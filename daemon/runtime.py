@@ -166,14 +166,16 @@ class Runtime:
                                    config.workers.idle_exit_s))
         # with workers, every processor step is built and run in the processors worker
         # (its user files imported there only); else here, the user files at start
-        self.processors = ProcessorRegistry(
-            StrictModes(config.security.strict_modes),
-            remote=None if self.workers is None else RemoteSteps(
-                self.workers, config.processors.directory, config.security.strict_modes,
-                config.workers.kill_after_s))
+        steps = None if self.workers is None else RemoteSteps(
+            self.workers, config.processors.directory, config.security.strict_modes,
+            config.workers.kill_after_s)
+        self.processors = ProcessorRegistry(StrictModes(config.security.strict_modes),
+                                            remote=steps)
         self.models = ModelManager(self.repo, self.registry, lambda: self.config, sink,
                                    observer=self.metrics, processors=self.processors,
                                    customops=self.customops, workers=self.workers)
+        if steps is not None:  # what the processors worker holds counts in the budget
+            steps.on_memory = self.models.budget.worker_holds
         self.graphs = GraphManager(self.repo, self.processors, self.models, sink)
         # measuring placement yields to every request in flight (a graph's between its
         # models' runs too)

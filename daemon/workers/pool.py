@@ -155,6 +155,8 @@ class Worker:
     pending: int = 0
     regions: dict[int, bool] = field(default_factory=dict)
     """Shared-memory regions mapped in it: id -> mapped writable (the pool's lock)."""
+    on_end: list[Callable[[], None]] = field(default_factory=list)
+    """Called once it ended (the zygote's report), whatever the reason."""
 
     @property
     def alive(self) -> bool:
@@ -332,6 +334,8 @@ class WorkerPool:
         if w.pidfd >= 0:
             os.close(w.pidfd)
             w.pidfd = -1
+        for then in w.on_end:
+            then()
         if expected:
             return
         what = f" while running {', '.join(sorted(set(running)))}" if running else ""

@@ -194,7 +194,11 @@ class WorkerProcess:
                     malloc_trim()
                     channel.send({"ok": True})
                 elif op == "stats":
-                    channel.send({"ok": True, "rss": self.rss(), "pid": os.getpid()})
+                    if header.get("trim"):  # what it holds, not what its heap kept
+                        malloc_trim()
+                    channel.send({"ok": True, "rss": self.rss(),
+                                  "pss": _pss(header.get("own", False)),
+                                  "pid": os.getpid()})
                 else:
                     channel.send({"error": ["InferdError", str(ErrorCode.INTERNAL),
                                             f"unknown worker operation {op!r}"]})
@@ -511,14 +515,26 @@ def _address(mm: mmap.mmap) -> int:
     return int(np.frombuffer(mm, np.uint8, 1).__array_interface__["data"][0])
 
 
-def _pss() -> int:
+def _pss(own: bool = False) -> int:
     """This process's proportional set size (the pages it shares with the zygote, the
-    daemon and the other workers counted in part), 0 if it cannot be read."""
+    daemon and the other workers counted in part), 0 if it cannot be read. ``own``:
+    without the channels' arenas and mapped regions (memfds: the transport's, sized by
+    the biggest message each channel carried, not what the process keeps for itself)."""
     try:
-        with open("/proc/self/smaps_rollup", "rb") as f:
+        if not own:
+            with open("/proc/self/smaps_rollup", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Pss:"):
+                        return int(line.split()[1]) * 1024
+            return 0
+        total, memfd = 0, False
+        with open("/proc/self/smaps", "rb") as f:
             for line in f:
-                if line.startswith(b"Pss:"):
-                    return int(line.split()[1]) * 1024
+                if line[:1].isalnum() and b"-" in line.split(b" ", 1)[0]:  # a mapping
+                    memfd = b"/memfd:" in line
+                elif line.startswith(b"Pss:") and not memfd:
+                    total += int(line.split()[1]) * 1024
+        return total
     except (OSError, ValueError, IndexError):
         pass
     return 0

@@ -41,6 +41,7 @@ import mmap
 import pickle
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +280,43 @@ class RemoteSteps:
         self.directory = directory
         self.strict = strict
         self.timeout_s = timeout_s
+        self.on_memory: Callable[[str, int], None] | None = None
+        """Told what the processors worker holds after its first step (its PSS, heap
+        trimmed, its channels' arenas left out: they are the transport's, sized by the
+        biggest message; 0 once it ended): the cache budget counts it as it counts an
+        engine's import, since the steps' code and libraries (OpenCV) left the daemon
+        for it."""
+        self._counted: int | None = None  # the pid of the worker counted
+        self._count_lock = threading.Lock()
+
+    def counted(self, w: Any) -> None:
+        """After a step on ``w``: count what it holds, once per worker."""
+        if self.on_memory is None or self._counted == w.pid:
+            return
+        with self._count_lock:
+            if self._counted == w.pid:
+                return
+            self._counted = w.pid
+        try:
+            reply, _ = self.pool.call(w, {"op": "stats", "trim": True, "own": True}, "stats",
+                                      timeout=5.0, key="a 5 s limit")
+        except InferdError:
+            return
+        held = int(reply.get("pss") or 0)
+        if held:
+            self.on_memory(PROCESSORS, held)
+            log.info("processors worker (pid %d) holds %.1f MiB (PSS) after its first "
+                     "step: counted in the cache budget while it runs", w.pid,
+                     held / 2**20, extra={"BACKEND": PROCESSORS, "WORKER_PID": w.pid})
+        w.on_end.append(lambda: self._ended(w.pid))
+
+    def _ended(self, pid: int) -> None:
+        with self._count_lock:
+            if self._counted != pid:
+                return
+            self._counted = None
+        if self.on_memory is not None:
+            self.on_memory(PROCESSORS, 0)
 
     def header(self) -> dict[str, Any]:
         return {"directory": self.directory, "strict": self.strict}
@@ -377,6 +415,7 @@ class RemoteStep(HeldStep):
         w, handle = self._live()
         reply, out = self._pool.call(w, {"op": "step", "handle": handle}, self.what,
                                      tensors, timeout=self._steps.timeout_s, lend=True)
+        self._steps.counted(w)
         if "unexpected" in reply:
             raise_unexpected(*reply["unexpected"])
         return unpack(out, sent)  # type: ignore[no-any-return]

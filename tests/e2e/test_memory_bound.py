@@ -23,7 +23,10 @@ from tests.links import link_tree
 pytestmark = pytest.mark.slow  # each test runs a daemon or a child process: seconds
 
 MiB = 2**20
-BUDGET = 512 * MiB
+# room for the small image's detector (443 MiB estimated) beside what is always counted:
+# the onnxruntime engine (61 MiB) and the processors worker (90-95 MiB after the 2560
+# image's steps, heap trimmed; with the steps in the daemon it was not counted)
+BUDGET = 640 * MiB
 
 
 def _repo(short_tmp: Path, models_dir: Path, graph: bool) -> Path:
@@ -72,7 +75,7 @@ def test_a_first_2560_detector_request_is_refused_with_the_figures(bounded: Any)
     message = e.value.message
     assert "model ocr-det version 1: inputs of this size need" in message, message
     assert "of working memory (estimated from its graph:" in message
-    assert "over the cache budget of 512.0 MiB" in message
+    assert f"over the cache budget of {BUDGET / MiB:.1f} MiB" in message
     assert det["working_memory"] == []  # it never ran: nothing measured, nothing counted
     assert peak <= bounded.limit, (peak / MiB, bounded.idle / MiB)
 
@@ -91,7 +94,7 @@ def test_the_2560_ocr_graph_is_refused_and_a_small_image_served_within_the_bound
         status = c.status()
     peak = _status(bounded.proc.pid)["VmHWM"]
     assert e.value.code == "RESOURCE_EXHAUSTED", e.value.message
-    assert "ocr-det" in e.value.message and "over the cache budget of 512.0 MiB" \
+    assert "ocr-det" in e.value.message and f"over the cache budget of {BUDGET / MiB:.1f} MiB" \
         in e.value.message, e.value.message
     assert len(served["texts"]) >= 1
     assert status["cache"]["used_bytes"] <= BUDGET

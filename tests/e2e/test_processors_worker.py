@@ -115,6 +115,9 @@ def test_a_processor_that_crashes_costs_one_request(how, daemon) -> None:
             # the graph's node adds 1, then neg's [[pre]] step 1 more
             expected = {"neg": -(ok + 1), "g": -(ok + 2)}
             np.testing.assert_array_equal(c.infer("neg", {"x": ok})["y"], expected["neg"])
+            # what the processors worker holds counts in the cache budget, as an engine
+            first = c.status()["cache"]["engines_bytes"].get("processors", 0)
+            assert first > 0, c.status()["cache"]
             out = c.infer("g", {"x": ok})
             np.testing.assert_array_equal(out["y"], expected["g"])
             assert out["small"].shape == (2, 2)
@@ -128,6 +131,8 @@ def test_a_processor_that_crashes_costs_one_request(how, daemon) -> None:
                 np.testing.assert_array_equal(c.infer(model, {"x": ok})["y"],
                                               expected[model])
             text = c.call("metrics")["text"]
+            # counted again for the new worker (the dead one's count went with it)
+            assert c.status()["cache"]["engines_bytes"].get("processors", 0) > 0
         poll(lambda: neighbour.runs >= 3, 30)
     finally:
         neighbour.finish()
@@ -146,6 +151,9 @@ def test_a_processor_that_crashes_costs_one_request(how, daemon) -> None:
     assert len(pids) >= 3, log  # at start (the user files), then after each death
     assert "/cv2/" in _maps(pids[-1])
     assert "/cv2/" not in _maps(d.proc.pid)
+    counted = re.findall(r"processors worker \(pid (\d+)\) holds [\d.]+ MiB \(PSS\) after "
+                         r"its first step: counted in the cache budget while it runs", log)
+    assert len(set(counted)) >= 3, log  # the first worker, then each one after a death
 
 
 def test_a_client_whose_steps_keep_killing_the_processors_worker_is_refused(
