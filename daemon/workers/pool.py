@@ -68,9 +68,9 @@ from numpy.typing import NDArray
 from inferd.daemon.activations import Peak
 from inferd.daemon.workers.channel import Channel, Gone, dtype_code, dtype_of, pair
 from inferd.daemon.workers.process import decode_error
-from inferd.daemon.workers.steps import PROCESSORS
+from inferd.daemon.workers.steps import PROCESSORS, InWorker
 from inferd.daemon.workers.zygote import Zygote, describe_status
-from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+from inferd.ipc.errors import ErrorCode, InferdError
 from inferd.ipc.protocol import Slot
 from inferd.ipc.shm import Shared, shared_of
 from inferd.libbackends.contract import BatchSizes, LoadedModel, LoadOptions, TensorSpec
@@ -754,31 +754,20 @@ class LoadCall:
                 "strict_modes": self.strict_modes}
 
 
-class WorkerModel(LoadedModel):
+class WorkerModel(InWorker, LoadedModel):
     """A model loaded in a worker process, run from the daemon like any loaded model."""
 
     def __init__(self, pool: WorkerPool, call: LoadCall, load_timeout_s: float) -> None:
+        super().__init__()
         self.pool = pool
         self.call = call
         self.load_timeout_s = load_timeout_s
-        self._lock = threading.Lock()
-        self._closed = False
-        self._load()
+        self._remake()
 
-    def _load(self) -> None:
-        w = self.pool.worker(self.call.key, self.call.backend)
-        try:
-            reply, _ = self.pool.call(w, self.call.header(),
-                                      f"the load of {self.call.model}",
-                                      timeout=self.load_timeout_s,
-                                      key="workers.load_kill_after_s")
-        except BaseException:
-            self.pool.loaded(w, False)
-            raise
-        self.pool.loaded(w, True)
-        # one tuple: a caller that finds the new worker alive reads its handle with it,
-        # never the dead worker's (which may name another model in the new one)
-        self._at = (w, int(reply["handle"]))
+    def _remake(self) -> None:
+        reply = self._make(self.call.key, self.call.backend, self.call.header(),
+                           f"the load of {self.call.model}", self.load_timeout_s,
+                           "workers.load_kill_after_s")
         self.inputs: tuple[TensorSpec, ...] = tuple(reply["inputs"])
         self.outputs: tuple[TensorSpec, ...] = tuple(reply["outputs"])
         self.device = reply["device"] or ""
@@ -794,9 +783,8 @@ class WorkerModel(LoadedModel):
         self.engine_bytes = int(reply["engine"])
         self._memory = max(self.added, self.reported or 0)
 
-    @property
-    def worker(self) -> Worker:
-        return self._at[0]
+    def _gone(self) -> str:
+        return f"model {self.call.model} is unloaded"
 
     @property
     def handle(self) -> int:
@@ -805,20 +793,6 @@ class WorkerModel(LoadedModel):
     @property
     def pid(self) -> int:
         return self.worker.pid
-
-    def _live(self) -> tuple[Worker, int]:
-        """The model's worker and its handle there, the model loaded again in a new
-        worker if it died."""
-        w, handle = self._at
-        if not w.alive:
-            with self._lock:
-                if self._closed:
-                    raise ModelError(f"model {self.call.model} is unloaded",
-                                     ErrorCode.UNAVAILABLE)
-                if self._at[0] is w:  # the first use after a death loads it again
-                    self._load()
-                w, handle = self._at
-        return w, handle
 
     def run(self, inputs: dict[str, NDArray[Any]],
             outputs: list[str] | None = None) -> dict[str, NDArray[Any]]:
@@ -845,20 +819,7 @@ class WorkerModel(LoadedModel):
         return [(int(tid), list(cores)) for tid, cores in reply["threads"]]
 
     def unload(self) -> None:
-        with self._lock:
-            self._closed = True
-            w, handle = self._at
-        if not w.alive:
-            return
-        try:
-            self.pool.call(w, {"op": "unload", "handle": handle},
-                           f"the unload of {self.call.model}", timeout=30.0,
-                           key="a 30 s limit")
-        except InferdError as e:
-            log.warning("model %s: unload in worker %d failed: %s", self.call.model, w.pid,
-                        e.message)
-            return
-        self.pool.unloaded(w)
+        self._let_go("unload", f"model {self.call.model}", self.call.model)
 
     def memory_bytes(self) -> int | None:
         return self._memory

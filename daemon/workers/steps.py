@@ -43,13 +43,16 @@ import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from inferd.daemon.processors import Context, HeldStep, ProcessorRegistry
 from inferd.daemon.workers.channel import Channel
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
+
+if TYPE_CHECKING:
+    from inferd.daemon.workers.pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +243,87 @@ def _unexpected(e: BaseException) -> dict[str, Any]:
 # ----------------------------------------------------------------- the daemon's side
 
 
+class InWorker:
+    """Something a worker holds for the daemon under a handle (a model:
+    :class:`~inferd.daemon.workers.pool.WorkerModel`; a processor step:
+    :class:`RemoteStep`; here, below the pool, which imports this module): made there by
+    one call, made again in a new worker at its first use after
+    the worker died, let go of once. Its worker and its handle are one tuple
+    (``_at``), read together: a caller that finds the new worker alive while another
+    thread makes it again there never sends the dead worker's handle, which may name
+    something else in the new one.
+
+    A subclass sets ``pool`` and calls :meth:`_make` from its ``_remake``, and says in
+    :meth:`_gone` what a use after :meth:`_let_go` is told.
+    """
+
+    pool: WorkerPool
+    _at: tuple[Worker, int]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def worker(self) -> Worker:
+        return self._at[0]
+
+    def _make(self, key: str, backend: str, header: dict[str, Any], what: str,
+              timeout: float, limit: str = "workers.kill_after_s",
+              check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Make it in ``key``'s worker (started if there is none) by the call
+        ``header``; ``check`` may refuse the reply. Returns the reply."""
+        w = self.pool.worker(key, backend)
+        try:
+            reply, _ = self.pool.call(w, header, what, timeout=timeout, key=limit)
+            if check is not None:
+                check(reply)
+        except BaseException:
+            self.pool.loaded(w, False)
+            raise
+        self.pool.loaded(w, True)
+        self._at = (w, int(reply["handle"]))
+        return reply
+
+    def _remake(self) -> None:
+        raise NotImplementedError
+
+    def _gone(self) -> str:
+        raise NotImplementedError
+
+    def _live(self) -> tuple[Worker, int]:
+        """The worker and the handle there, made again in a new worker if it died."""
+        at = self._at
+        if not at[0].alive:
+            with self._lock:
+                if self._closed:
+                    raise ModelError(self._gone(), ErrorCode.UNAVAILABLE)
+                if self._at is at:  # the first use after a death makes it again
+                    self._remake()
+                at = self._at
+        return at
+
+    def _let_go(self, op: str, label: str, name: str) -> None:
+        """Have the worker drop it (the call ``op``), once; a failure is logged
+        (``label: op in worker N failed``)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            w, handle = self._at
+        if not w.alive:
+            return
+        try:
+            self.pool.call(w, {"op": op, "handle": handle}, f"the {op} of {name}",
+                           timeout=30.0, key="a 30 s limit")
+        except InferdError as e:
+            log.warning("%s: %s in worker %d failed: %s", label, op, w.pid, e.message)
+            return
+        self.pool.unloaded(w)
+
+
+
+
 class WorkerTraceback(Exception):
     """Where an unexpected exception was raised in the processors worker (its traceback
     as text: the cause of the exception raised again in the daemon)."""
@@ -261,6 +345,13 @@ def raise_unexpected(kind: str, text: str, where: str) -> None:
         if len(_KINDS) < 256:
             _KINDS[kind] = cls
     raise cls(text) from WorkerTraceback(f"in the processors worker:\n{where}")
+
+
+def _expected(reply: dict[str, Any]) -> None:
+    """Raise again, in the daemon, what a step raised in the worker that inferd did not
+    expect of it (a reply of :func:`_unexpected`)."""
+    if "unexpected" in reply:
+        raise_unexpected(*reply["unexpected"])
 
 
 class RemoteSteps:
@@ -364,75 +455,34 @@ class RemoteSteps:
             self.pool.loaded(w, False)
 
 
-class RemoteStep(HeldStep):
+class RemoteStep(InWorker, HeldStep):
     """A step built in the processors worker, called from the daemon like any step."""
 
     def __init__(self, steps: RemoteSteps, spec: dict[str, Any]) -> None:
+        super().__init__()
         self._steps = steps
-        self._pool = steps.pool
+        self.pool = steps.pool
         self._spec = spec
         self.what = f"processor {spec['op_name']}"
-        self._lock = threading.Lock()
-        self._released = False
-        self._build()
+        self._remake()
 
-    def _build(self) -> None:
-        w = self._pool.worker(PROCESSORS, PROCESSORS)
-        try:
-            reply, _ = self._pool.call(w, {"op": "build", **self._spec},
-                                       f"the build of {self.what}",
-                                       timeout=self._steps.timeout_s)
-            if "unexpected" in reply:
-                raise_unexpected(*reply["unexpected"])
-        except BaseException:
-            self._pool.loaded(w, False)
-            raise
-        self._pool.loaded(w, True)
-        # one assignment: a caller reads the worker and the handle in it together (a
-        # handle of the worker that died names another step, or none, in the new one)
-        self._at = (w, int(reply["handle"]))
+    def _remake(self) -> None:
+        self._make(PROCESSORS, PROCESSORS, {"op": "build", **self._spec},
+                   f"the build of {self.what}", self._steps.timeout_s,
+                   check=_expected)
 
-    @property
-    def worker(self) -> Any:
-        return self._at[0]
-
-    def _live(self) -> tuple[Any, int]:
-        """The step's worker and its handle there, the step built again in a new worker
-        if it died."""
-        at = self._at
-        if not at[0].alive:
-            with self._lock:
-                if self._released:
-                    raise ModelError(f"{self.what} was released", ErrorCode.UNAVAILABLE)
-                if self._at is at:  # the first call after a death builds it again
-                    self._build()
-                at = self._at
-        return at
+    def _gone(self) -> str:
+        return f"{self.what} was released"
 
     def __call__(self, values: dict[str, Any]) -> dict[str, Any]:
         tensors = pack(values)
         sent = {k: a for k, a in tensors.items() if k != _SKELETON}
         w, handle = self._live()
-        reply, out = self._pool.call(w, {"op": "step", "handle": handle}, self.what,
-                                     tensors, timeout=self._steps.timeout_s, lend=True)
+        reply, out = self.pool.call(w, {"op": "step", "handle": handle}, self.what,
+                                    tensors, timeout=self._steps.timeout_s, lend=True)
         self._steps.counted(w)
-        if "unexpected" in reply:
-            raise_unexpected(*reply["unexpected"])
+        _expected(reply)
         return unpack(out, sent)  # type: ignore[no-any-return]
 
     def release(self) -> None:
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-            w, handle = self._at
-        if not w.alive:
-            return
-        try:
-            self._pool.call(w, {"op": "release", "handle": handle},
-                            f"the release of {self.what}", timeout=30.0,
-                            key="a 30 s limit")
-        except InferdError as e:
-            log.warning("%s: release in worker %d failed: %s", self.what, w.pid, e.message)
-            return
-        self._pool.unloaded(w)
+        self._let_go("release", self.what, self.what)
