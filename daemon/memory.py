@@ -527,6 +527,15 @@ class WorkingMemory:
             self._settled.clear()
             return self._recount()
 
+    def begin(self) -> None:
+        """A run not measured that no thread waits in begins (sent to a worker from the
+        I/O thread): counted as running, as :meth:`run` counts one, until :meth:`end`."""
+        self._meter.begin_run()
+
+    def end(self) -> None:
+        """The run :meth:`begin` counted has ended."""
+        self._meter.end_run()
+
     def run(self, run: Callable[..., Any], *args: Any) -> Any:
         """Call ``run(*args)`` (a model run not measured), counted as running: a
         measurement meanwhile is not taken as its model's own."""

@@ -25,6 +25,24 @@ thread notes when it began its current call (:meth:`ModelThreads.stuck` names th
 time), :meth:`ModelThreads.stop` gives up once one is stuck, and :meth:`ModelThreads.abandon`
 leaves the stuck threads behind, answering what they held and withdrawing their STOP so
 that a new load's workers can serve the model's queue.
+
+**Runs in a worker from the I/O thread.** A request that finds its model idle (nothing
+queued or running) need not be handed to the model's threads, each hand-over a wake-up
+of another thread (30-130 us here, and CPU to the waker). A model in the daemon runs it
+on the I/O thread itself once its runs are known to be short
+(:meth:`ModelThreads.may_run_on_io_thread`). A model in a worker process has its run
+*sent* from the I/O thread and not waited for (:meth:`ModelThreads.run_on_io_thread`):
+the I/O loop watches the worker's channel (:meth:`inferd.ipc.server.Server.watch`) and
+answers the request when the reply is in, so a run of any length costs the I/O thread
+only the send and the reply, and two wake-ups are saved: the client's request wakes the
+worker, the worker's reply wakes the I/O thread. Such a run is admitted, counted, noted
+as busy (the stuck watch names it, ``inferd-MODEL-io``), measured and answered as a
+thread's run is; a run the cache must measure, or one whose worker is gone (it is loaded
+again by a run that waits) goes to the model's threads instead. A request that comes
+while such a run is in flight goes to the model's threads, and may run beside it. The
+I/O loop kills the worker of a run past ``[workers] kill_after_s``; a worker that died is
+answered from a short thread of its own, which waits for the zygote's word on how it
+ended.
 """
 
 from __future__ import annotations
@@ -62,6 +80,14 @@ IO_RUN_AFTER = 32
 request may run on the I/O thread (:meth:`ModelThreads.may_run_on_io_thread`)."""
 IO_RUN_MAX_BYTES = 64 * 2**10
 """The largest request (bytes of its message) that may run on the I/O thread."""
+IO_START_MAX_BYTES = 2**20
+"""The largest request (bytes of its tensors) whose run may be sent to a worker from
+the I/O thread: the tensors not in shared memory are copied into the channel's arena
+there (1 MiB: ~0.1 ms, less than the two wake-ups it saves)."""
+
+Watch: TypeAlias = Callable[[int, float, Callable[[], None], Callable[[], None]], None]
+"""The I/O loop's watch of a descriptor (:meth:`inferd.ipc.server.Server.watch`):
+``watch(fd, deadline, ready, late)``."""
 
 
 @dataclass(slots=True)
@@ -90,6 +116,19 @@ class RunAdmission:
     admit: Callable[[dict[str, Any]], Estimate]
     working: WorkingMemory
     grew: Callable[[], None]
+
+    def start(self, inputs: dict[str, Any]) -> bool:
+        """Admit a run that no thread will wait in (sent to a worker from the I/O
+        thread), counted as running until :meth:`ended`; False if it is one the cache
+        measures (then it must run the waiting way, and nothing is counted)."""
+        if self.admit(inputs).measure:  # may refuse it
+            return False
+        self.working.begin()
+        return True
+
+    def ended(self) -> None:
+        """The run :meth:`start` admitted has ended."""
+        self.working.end()
 
     def run(self, inputs: dict[str, Any], call: Callable[[], dict[str, Any]]
             ) -> dict[str, Any]:
@@ -148,6 +187,9 @@ class ModelThreads:
             batch axis) even where the model's own inputs could not.
         admission: the cache's admission step before each run (None: none, runs are
             neither admitted nor measured).
+        watch: the I/O loop's watch of a descriptor (None: a run is never sent from the
+            I/O thread without waiting; the module's "Runs in a worker from the I/O
+            thread").
     """
 
     def __init__(self, name: str, model: LoadedModel, work: WorkQueue, sink: ReplySink,
@@ -157,8 +199,14 @@ class ModelThreads:
                  io_run_max_s: float = 0.0, quarantine: Quarantine | None = None,
                  streams: StreamTable | None = None,
                  stream_model: StreamModel | None = None,
-                 admission: RunAdmission | None = None) -> None:
+                 admission: RunAdmission | None = None, watch: Watch | None = None
+                 ) -> None:
         self.name = name
+        self._watch = watch
+        self._io_name = f"inferd-{name}-io"
+        self._io_idle = threading.Event()  # no run sent from the I/O thread in flight
+        self._io_idle.set()
+        self._runs = 0  # runs ended, of any length
         self._admission = admission
         self._streams = streams
         self._stream_model = stream_model
@@ -288,8 +336,16 @@ class ModelThreads:
         threads to end: at most ``timeout`` seconds, and no longer than it takes one
         stage to be inside one call for ``stuck_after`` seconds (it would not end in
         time). True if every thread ended."""
+        began = time.monotonic()
         self._work.put(STOP)
-        return join_stages(self.threads, self.busy, timeout, stuck_after)
+        if not join_stages(self.threads, self.busy, timeout, stuck_after):
+            return False
+        if self._io_idle.is_set():
+            return True
+        # a run sent from the I/O thread (its worker is killed past kill_after_s)
+        limits = [x for x in (timeout, stuck_after) if x is not None]
+        left = max(0.0, min(limits) - (time.monotonic() - began)) if limits else None
+        return self._io_idle.wait(left)
 
     def stuck(self, after_s: float = 0.0) -> list[str]:
         """Each thread inside one call (a step or a run) for longer than ``after_s``
@@ -333,23 +389,124 @@ class ModelThreads:
         such a run. Only a model whose last :data:`IO_RUN_AFTER` runs
         were all short (a first run that hangs never gets here), and never a pinned
         model on a thread outside its cores. The caller makes sure that nothing of this
-        model is queued or running (:meth:`ModelEntry.begin_io_run`)."""
-        if (self._short_runs < IO_RUN_AFTER or size > IO_RUN_MAX_BYTES
-                or self._abandoned or not self._io_run_max_s):
+        model is queued or running (:meth:`ModelEntry.begin_io_run`).
+
+        A model in a worker has its run sent from the I/O thread and not waited for
+        (:meth:`run_on_io_thread`): any model whose first :data:`IO_RUN_AFTER` runs
+        ended, whatever their length, with tensors up to :data:`IO_START_MAX_BYTES`."""
+        if self._abandoned or not self._io_run_max_s:
+            return False
+        if self._startable():
+            return self._runs >= IO_RUN_AFTER and size <= IO_START_MAX_BYTES
+        if self._short_runs < IO_RUN_AFTER or size > IO_RUN_MAX_BYTES:
             return False
         if self._io_cores is None:  # asked on the I/O thread, whose cores stay
             cores = set(self.spec.cpu_affinity or ())
             self._io_cores = os.sched_getaffinity(0) <= cores
         return bool(self._io_cores)
 
+    def _startable(self) -> bool:
+        """Whether the engine serving now can take a run without a thread waiting in it
+        (one in a worker: :meth:`inferd.daemon.workers.pool.WorkerModel.start`)."""
+        return self._watch is not None and hasattr(getattr(self.model, "engine",
+                                                           self.model), "start")
+
     def run_on_io_thread(self, item: Queued) -> None:
-        """Serve ``item`` on the calling thread as an inference thread would: its
-        deadline and inputs checked, the run noted as busy (the stuck watch names the
-        thread) and measured, the reply sent through the sink."""
+        """Serve ``item`` from the calling thread (the I/O thread) as an inference thread
+        would: its deadline and inputs checked, the run noted as busy (the stuck watch
+        names it) and measured, the reply sent through the sink. A model in a worker
+        has its run sent there and answered once the reply is in, without waiting
+        (:meth:`_start`); a model in the daemon runs it here."""
         self.io_thread_runs += 1
         job = Passage(item, item.request.inputs)
-        if self._check(job):
+        if not self._check(job):
+            return
+        if self._startable():
+            self._start(job)
+        else:
             self._run_single(job, 1)
+
+    def _start(self, job: Passage) -> None:
+        """Send ``job``'s run to its worker and have the I/O loop answer it once the
+        reply is in (:meth:`_started_ready`); one the cache must measure, or whose
+        worker is gone, goes to the model's threads instead (it is counted in flight
+        already)."""
+        assert self._watch is not None
+        item = job.item
+        chunk = item.chunk
+        wanted = item.request.outputs
+        if chunk is not None and self._streams is not None:
+            wanted = self._streams.wanted(wanted)
+            chunk.ran = True  # from here the stream's state is this run's
+        # a stream's state outputs are the daemon's: never written into a client's slot
+        into = None if chunk is not None else item.ticket.outputs_into
+        admission = self._admission
+        admitted = False
+        began = time.monotonic()
+        try:
+            if admission is None or admission.start(job.values):  # may refuse it
+                admitted = admission is not None
+                started = self.model.start(job.values, wanted, into)  # type: ignore[attr-defined]
+            else:
+                started = None
+        except Exception as e:
+            if admitted:
+                admission.ended()  # type: ignore[union-attr]
+            if chunk is not None:
+                chunk.reason = _lost_reason(e, chunk.number)
+            self._fail(item, e)
+            return
+        if started is None:  # to be measured, or its worker is gone: a thread runs it
+            if admitted:
+                admission.ended()  # type: ignore[union-attr]
+            if chunk is not None:
+                chunk.ran = False
+            self._work.put(item)
+            return
+        self._io_idle.clear()
+        self.busy.begin_as(self._io_name, "infer", "running request %s", (item,),
+                           item.request.id)
+        self._watch(started.fileno(), started.deadline,
+                    lambda: self._started_ready(job, started, began), started.late)
+
+    def _started_ready(self, job: Passage, started: Any, began: float) -> None:
+        """The worker's channel is readable (the I/O loop): the reply is in, or the
+        worker is gone, whose end is waited for on a thread of its own."""
+        if started.receive():
+            self._started_done(job, started, began)
+        else:
+            threading.Thread(target=self._started_done, args=(job, started, began),
+                             name=f"inferd-{self.name}-ended", daemon=True).start()
+
+    def _started_done(self, job: Passage, started: Any, began: float) -> None:
+        """Answer a run sent from the I/O thread, as :meth:`_run_single` answers one."""
+        item = job.item
+        chunk = item.chunk
+        try:
+            try:
+                outputs, engine_s = started.outputs()
+            finally:
+                seconds = time.monotonic() - began
+                self.busy.end(self._io_name)
+                if self._admission is not None:
+                    self._admission.ended()
+            self._ran(seconds, engine_s)
+            if self._observe is not None:
+                self._observe([item.ticket], began, seconds)
+            job.outputs = outputs
+            if chunk is not None and self._streams is not None:
+                job.outputs = self._streams.commit(item, job.values, outputs)
+        except Exception as e:
+            if isinstance(e, WorkerDied) and self._quarantine is not None:
+                self._quarantine.death(self.name, [item.ticket.uid], e.message)
+            if chunk is not None:
+                chunk.reason = _lost_reason(e, chunk.number)
+            self._fail(item, e)
+        else:
+            self._hand_on(job)
+            self.sizer.observe(_rows(job), 1, time.monotonic() - began, False)
+        finally:
+            self._io_idle.set()
 
     # ----------------------------------------------------------------- stages
 
@@ -550,17 +707,22 @@ class ModelThreads:
             raise
         finally:
             self.busy.end()
-        if self._io_run_max_s:  # a long run sends the model's requests to its threads
-            # a run in a worker: its engine's own time (the hop is paid by the thread
-            # hand-overs too, and more)
-            engine = getattr(ENGINE_TIME, "seconds", None)
-            if engine is not None:
-                ENGINE_TIME.seconds = None
-            short = (seconds if engine is None else engine) < self._io_run_max_s
-            self._short_runs = self._short_runs + 1 if short else 0
+        engine = ENGINE_TIME.seconds
+        if engine is not None:
+            ENGINE_TIME.seconds = None
+        self._ran(seconds, engine)
         if self._observe is not None:
             self._observe([j.item.ticket for j in jobs], started, seconds)
         return outputs
+
+    def _ran(self, seconds: float, engine: float | None) -> None:
+        """Count a run that took ``seconds`` (``engine``: its engine's own time, for a run
+        in a worker: the hop is paid by the thread hand-overs too, and more): a long one
+        sends the model's requests to its threads (:meth:`may_run_on_io_thread`)."""
+        self._runs += 1
+        if self._io_run_max_s:
+            short = (seconds if engine is None else engine) < self._io_run_max_s
+            self._short_runs = self._short_runs + 1 if short else 0
 
     def _run_group(self, jobs: list[Passage], limit: int, how: PlainBatch | ChunkBatch) -> None:
         """``jobs`` as one run: their inputs merged (``how``), the outputs split back;

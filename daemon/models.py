@@ -51,7 +51,7 @@ from inferd.daemon.reload import reload_catalog
 from inferd.daemon.repository import Repository, check_name
 from inferd.daemon.units import request_keep_alive
 from inferd.daemon.streams import Admission, lost_error, no_stream_table, stream_loss
-from inferd.daemon.model_threads import ModelThreads, Queued, RunAdmission
+from inferd.daemon.model_threads import ModelThreads, Queued, RunAdmission, Watch
 from inferd.daemon.workers.pool import WorkerPool
 from inferd.daemon.workers.quarantine import Quarantine
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
@@ -82,9 +82,10 @@ class ModelManager:
     def __init__(self, repo: Repository, registry: Registry, config: Callable[[], Any],
                  sink: ReplySink, *, observer: Any = None,
                  processors: ProcessorRegistry | None = None,
-                 customops: OpRegistry | None = None, workers: WorkerPool | None = None
-                 ) -> None:
+                 customops: OpRegistry | None = None, workers: WorkerPool | None = None,
+                 watch: Watch | None = None) -> None:
         self.registry = registry
+        self._watch = watch  # the I/O loop's: runs sent to a worker from the I/O thread
         self.catalog = Catalog(repo, config)
         self.budget = MemoryBudget()  # figures and verdicts; evictions are ours
         # measuring placement loads and runs rivals only while no request is in flight
@@ -442,7 +443,8 @@ class ModelManager:
                           stream_model=loaded.streams,
                           admission=RunAdmission(partial(self.admit, entry),
                                                  entry.memory.working,
-                                                 partial(self.grew, entry)))
+                                                 partial(self.grew, entry)),
+                          watch=self._watch)
         entry.memory.loaded(loaded.figures, loaded.graph, loaded.placement.backend,
                             loaded.meter)
         workers.warm_up()  # its batches sized before its requests come

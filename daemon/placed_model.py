@@ -92,14 +92,7 @@ class PlacedModel(LoadedModel):
         return self._current
 
     def run(self, inputs: Inputs, outputs: list[str] | None = None) -> Inputs:
-        with self._lock:
-            engine = self._enter()
-            keep = len(self._samples) < self._want and self._kept_s < SAMPLE_SECONDS
-        # copied before the run (a request's arrays are views of its message frames),
-        # kept only if the engine answered it: inputs the serving engine refuses (a
-        # Range whose delta is 0) are never replayed through a rival, whose native code
-        # may not refuse them as cleanly
-        copy = self._copy(inputs) if keep else None
+        engine, copy = self._begin(inputs)
         started = time.perf_counter()
         ok = False
         try:
@@ -107,18 +100,50 @@ class PlacedModel(LoadedModel):
             ok = True
             return result
         finally:
-            took = time.perf_counter() - started
-            with self._lock:  # one turn of the lock on the way out
-                self.busy_s += took
-                kept = ok and copy is not None and self._keep(copy, took)
-                self.runs += 1
-                done = self._left(engine)
-            if done:
-                engine.unload()
-            if kept and self._on_sample is not None:
-                self._on_sample()
-            if self._on_ran is not None:
-                self._on_ran()
+            self._end(engine, copy, time.perf_counter() - started, ok)
+
+    def start(self, inputs: Inputs, outputs: list[str] | None = None,
+              into: Any = None) -> Started | None:
+        """Send a run to the serving engine without waiting for it (the I/O thread's
+        way, daemon/model_threads.py), kept and counted as :meth:`run` keeps and counts
+        one; None if the engine cannot (one in the daemon, or one whose worker is gone:
+        the caller runs it the waiting way)."""
+        engine, copy = self._begin(inputs)
+        call = None
+        try:
+            start = getattr(engine, "start", None)
+            if start is not None:
+                call = start(inputs, outputs, into)
+        finally:
+            if call is None:
+                self._leave(engine)
+        return None if call is None else Started(self, engine, copy, call)
+
+    def _begin(self, inputs: Inputs) -> tuple[LoadedModel, Inputs | None]:
+        """The engine a run goes into (counted as in use) and, if the run is to be kept
+        as a sample, a copy of its inputs: made before the run (a request's arrays are
+        views of its message frames), kept only if the engine answers it: inputs the
+        serving engine refuses (a Range whose delta is 0) are never replayed through a
+        rival, whose native code may not refuse them as cleanly."""
+        with self._lock:
+            engine = self._enter()
+            keep = len(self._samples) < self._want and self._kept_s < SAMPLE_SECONDS
+        return engine, self._copy(inputs) if keep else None
+
+    def _end(self, engine: LoadedModel, copy: Inputs | None, took: float, ok: bool) -> None:
+        """A run that :meth:`_begin` began ended after ``took`` seconds (``ok``: the
+        engine answered it)."""
+        with self._lock:  # one turn of the lock on the way out
+            self.busy_s += took
+            kept = ok and copy is not None and self._keep(copy, took)
+            self.runs += 1
+            done = self._left(engine)
+        if done:
+            engine.unload()
+        if kept and self._on_sample is not None:
+            self._on_sample()
+        if self._on_ran is not None:
+            self._on_ran()
 
     def _enter(self) -> LoadedModel:
         """The engine the next run goes into, counted as in use (caller holds ``_lock``)."""
@@ -261,3 +286,37 @@ class PlacedModel(LoadedModel):
 
     def batch_sizes(self) -> BatchSizes | None:
         return self._current.batch_sizes()  # adaptive batching asks the engine
+
+
+class Started:
+    """A run that :meth:`PlacedModel.start` sent to its engine, not answered yet: the
+    engine's call (``fileno``, ``deadline``, ``receive``, ``late``: daemon/workers/pool.py
+    ``Call``), and the model's count of it, settled by :meth:`outputs`."""
+
+    __slots__ = ("_model", "_engine", "_copy", "_call", "_began", "deadline")
+
+    def __init__(self, model: PlacedModel, engine: LoadedModel, copy: Inputs | None,
+                 call: Any) -> None:
+        self._model, self._engine, self._copy, self._call = model, engine, copy, call
+        self._began = time.perf_counter()
+        self.deadline: float = call.deadline
+
+    def fileno(self) -> int:
+        return int(self._call.fileno())
+
+    def receive(self) -> bool:
+        return bool(self._call.receive())
+
+    def late(self) -> None:
+        self._call.late()
+
+    def outputs(self) -> tuple[Inputs, float]:
+        """The run's outputs and the engine's own seconds (raises as the run would)."""
+        ok = False
+        try:
+            result: tuple[Inputs, float] = self._call.outputs()
+            ok = True
+            return result
+        finally:
+            self._model._end(self._engine, self._copy,
+                             time.perf_counter() - self._began, ok)

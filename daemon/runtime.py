@@ -173,7 +173,8 @@ class Runtime:
                                             remote=steps)
         self.models = ModelManager(self.repo, self.registry, lambda: self.config, sink,
                                    observer=self.metrics, processors=self.processors,
-                                   customops=self.customops, workers=self.workers)
+                                   customops=self.customops, workers=self.workers,
+                                   watch=self.server.watch)
         if steps is not None:  # what the processors worker holds counts in the budget
             steps.on_memory = self.models.budget.worker_holds
         self.graphs = GraphManager(self.repo, self.processors, self.models, sink)

@@ -65,8 +65,15 @@ class Busy:
         self._calls[threading.current_thread().name] = (stage, time.monotonic(), what, held,
                                                         args)
 
-    def end(self) -> None:
-        self._calls.pop(threading.current_thread().name, None)
+    def begin_as(self, name: str, stage: str, what: str, held: tuple[Any, ...] = (),
+                 *args: Any) -> None:
+        """:meth:`begin` for a call that no thread waits in (a run sent to a worker
+        from the I/O thread), named ``name`` where a thread's name would be."""
+        self._calls[name] = (stage, time.monotonic(), what, held, args)
+
+    def end(self, name: str | None = None) -> None:
+        """The calling thread's call ended (or the one begun as ``name``)."""
+        self._calls.pop(threading.current_thread().name if name is None else name, None)
 
     def oldest(self) -> float | None:
         """When the longest call still running began (monotonic), or None."""

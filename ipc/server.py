@@ -25,6 +25,7 @@ queued requests CANCELLED instead of running them for nobody, and frees its stre
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 import signal
@@ -194,6 +195,9 @@ class Server:
         # (its queued requests are cancelled, its streams freed)
         self.on_peer_gone: Callable[[bytes], None] | None = None
         self._monitor: zmq.Socket | None = None
+        # descriptors the I/O loop watches for others (watch): fd -> (ready, deadline,
+        # late); a deadline passed is set to inf once late() was called
+        self._watched: dict[int, tuple[Callable[[], None], float, Callable[[], None]]] = {}
         self.stats = {"requests": 0}
         self.undelivered = 0
 
@@ -314,6 +318,34 @@ class Server:
         the I/O loop (which then runs the Python-level handler)."""
         return self._wake_w.fileno()
 
+    def watch(self, fd: int, deadline: float, ready: Callable[[], None],
+              late: Callable[[], None]) -> None:
+        """Call ``ready()`` on the I/O thread once ``fd`` is readable (then it is watched
+        no more), and ``late()`` once if ``deadline`` (monotonic) passes first: a run
+        sent to a worker from the I/O thread (daemon/model_threads.py), answered when its
+        reply is in. I/O thread only; ``fd`` stays open until ``ready`` is called."""
+        self._watched[fd] = (ready, deadline, late)
+        self._poller.register(fd, zmq.POLLIN)
+
+    def _watch_due(self, events: dict[Any, int]) -> None:
+        """Call the ``ready`` of each watched descriptor that is readable, the ``late`` of
+        each whose deadline passed."""
+        now = time.monotonic()
+        for fd, (ready, deadline, late) in list(self._watched.items()):
+            if fd in events:
+                del self._watched[fd]
+                self._poller.unregister(fd)
+                call = ready
+            elif deadline <= now:
+                self._watched[fd] = (ready, math.inf, late)
+                call = late
+            else:
+                continue
+            try:
+                call()
+            except Exception:  # noqa: BLE001  one run's answer must not end the loop
+                log.exception("I/O-thread call %r failed", call)
+
     def stop(self) -> None:
         """Ask :meth:`run` to stop; safe from signal handlers and other threads."""
         self._stop = True
@@ -370,11 +402,18 @@ class Server:
             settle = self.clients.settle_in()
             if settle is not None:  # nor than until unread replies are looked at
                 timeout = min(timeout or 2**31, max(1, int(settle * 1000) + 1))
+            if self._watched:  # nor than until a watched run is late
+                due = min(w[1] for w in self._watched.values())
+                if due != math.inf:
+                    wait = max(0.0, due - time.monotonic())
+                    timeout = min(timeout or 2**31, int(wait * 1000) + 1)
             events = dict(poller.poll(timeout))
             if not events or trim == 0.0:
                 self.clients.trim_if_due()
             if settle is not None:
                 self.clients.settle_if_due()
+            if self._watched:
+                self._watch_due(events)
             if not events:
                 continue
             if self._wake_r.fileno() in events:

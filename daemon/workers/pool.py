@@ -128,6 +128,92 @@ class WorkerDied(InferdError):
         super().__init__(message, ErrorCode.UNAVAILABLE)
 
 
+class Call:
+    """One call sent to a worker (:meth:`WorkerPool.begin`) and not answered yet.
+
+    Taken either by :meth:`wait` (the calling thread blocks, at most the call's limit),
+    or in two steps by a thread that polls :meth:`fileno`: :meth:`receive` once it is
+    readable (never blocks), then :meth:`result`, which blocks only when the worker is
+    gone (up to ``STATUS_WAIT_S`` for the zygote's word on how it ended: the I/O thread
+    leaves that to another thread). :meth:`late` kills the worker of a call past its
+    limit that nobody waits on (its channel then reads as gone).
+    """
+
+    __slots__ = ("pool", "w", "channel", "plan", "op", "what", "limit", "key", "into",
+                 "lend", "deadline", "_reply", "_gone", "_done")
+
+    def __init__(self, pool: WorkerPool, w: Worker, channel: Channel, plan: _Plan,
+                 op: str | None, what: str, limit: float, key: str, into: Slot | None,
+                 lend: bool) -> None:
+        self.pool, self.w, self.channel, self.plan = pool, w, channel, plan
+        self.op, self.what, self.limit, self.key = op, what, limit, key
+        self.into, self.lend = into, lend
+        self.deadline = time.monotonic() + limit
+        """When :meth:`late` is due (monotonic)."""
+        self._reply: tuple[dict[str, Any], dict[str, NDArray[Any]]] | None = None
+        self._gone = False
+        self._done = False
+
+    def fileno(self) -> int:
+        """The channel's descriptor: readable once the reply is in (or the worker gone)."""
+        return self.channel.fileno()
+
+    def wait(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        """Block for the reply, at most the call's limit (then the worker is killed)."""
+        self.channel.settimeout(self.limit)
+        self.receive()
+        return self.result()
+
+    def receive(self) -> bool:
+        """Read the reply (the channel is readable, or the caller blocks); True if it
+        came, False if the worker is gone (:meth:`result` then waits to say how)."""
+        try:
+            self._reply = self.channel.receive(copy=not self.lend, lend=self.lend)[:2]
+        except TimeoutError:
+            self.channel.close()
+            self.pool.kill(self.w, f"was killed after {self.limit:g} s in one call "
+                                   f"({self.key})")
+            self._gone = True
+        except (Gone, OSError):
+            self.channel.close()
+            self._gone = True
+        else:  # a call of a worker that died stays among its calls until the zygote's
+            # word is in (the death is logged naming what it ran): result() takes it out
+            self.w.running.pop(id(self), None)
+        return not self._gone
+
+    def result(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        """The reply :meth:`receive` read, as :meth:`WorkerPool.call` returns it.
+
+        Raises:
+            WorkerDied: the worker ended (or was killed) during the call.
+            InferdError: the call's own failure, as the worker raised it.
+        """
+        assert not self._done, "a call's result is taken once"
+        self._done = True
+        try:
+            if self._gone:
+                if not self.w.ended.wait(STATUS_WAIT_S):
+                    self.pool.kill(self.w, "was killed: its channel broke")  # state unknown
+                raise self.pool.death(self.w, self.what) from None
+            assert self._reply is not None
+            return self.pool._answered(self, *self._reply)
+        finally:
+            self.w.running.pop(id(self), None)
+            if self.plan.used:
+                self.pool._unuse(self.plan.used)
+
+    def outputs(self) -> tuple[dict[str, NDArray[Any]], float]:
+        """A run's outputs (:meth:`result`'s tensors) and its engine's own seconds."""
+        reply, out = self.result()
+        return out, float(reply["took"])
+
+    def late(self) -> None:
+        """The call ran past its limit with nobody blocked on it: kill its worker (the
+        channel then reads as gone, and :meth:`result` says why)."""
+        self.pool.kill(self.w, f"was killed after {self.limit:g} s in one call ({self.key})")
+
+
 @dataclass
 class Worker:
     """One worker process, as the daemon sees it."""
@@ -379,7 +465,8 @@ class WorkerPool:
              tensors: dict[str, NDArray[Any]] | None = None, timeout: float | None = None,
              key: str = "workers.kill_after_s", into: Slot | None = None,
              lend: bool = False) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
-        """One call on one of ``w``'s channels; the reply's tensors are the daemon's own
+        """One call on one of ``w``'s channels, waited for (:meth:`begin`, then
+        :meth:`Call.wait`); the reply's tensors are the daemon's own
         (copied out of the worker's arena; with ``lend``, views of it while fewer than
         :data:`LENT_MAX` channels are lent: the module's "Outputs without a copy"), or
         views of the shared-memory slot ``into`` for those the worker wrote there.
@@ -389,21 +476,63 @@ class WorkerPool:
             WorkerDied: the worker ended (or was killed) during the call.
             InferdError: the call's own failure, as the worker raised it.
         """
+        return self.begin(w, header, what, tensors, timeout, key, into, lend).wait()
+
+    def begin(self, w: Worker, header: dict[str, Any], what: str,
+              tensors: dict[str, NDArray[Any]] | None = None, timeout: float | None = None,
+              key: str = "workers.kill_after_s", into: Slot | None = None,
+              lend: bool = False) -> Call:
+        """Send a call (as :meth:`call` does) and return it in flight, without waiting:
+        :meth:`Call.wait` waits for its reply; the I/O thread instead polls
+        :meth:`Call.fileno` and takes the reply with :meth:`Call.receive` and
+        :meth:`Call.result` once it is readable (daemon/model_threads.py, "Runs in a
+        worker from the I/O thread").
+
+        Raises:
+            InferdError: nothing was sent (a tensor the channel cannot carry, no
+                channel to a worker that is gone).
+        """
         channel = self._channel(w, what)
         plan = self._by_reference(w, header, tensors, into) if (
             tensors or into is not None) else _Plan(tensors)
+        call = Call(self, w, channel, plan, header.get("op"), what,
+                    self.kill_after_s if timeout is None else timeout, key, into, lend)
+        w.running[id(call)] = what
         try:
-            reply, out = self._exchange(w, channel, header, plan, what, timeout, key, lend)
-        finally:
+            channel.send(header, plan.tensors, plan.fds)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a worker gone: receive() says so
+        except BaseException:  # nothing was sent (a tensor the channel cannot carry)
+            w.running.pop(id(call), None)
             if plan.used:
                 self._unuse(plan.used)
-        if self.max_memory is not None and header.get("op") in ("run", "step"):
+            with w.lock:
+                w.idle.append(channel)
+            raise
+        return call
+
+    def _answered(self, call: Call, reply: dict[str, Any], out: dict[str, NDArray[Any]]
+                  ) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        """What :meth:`Call.result` returns for a reply that came: the regions the
+        worker maps now noted, its memory checked, the channel back in use, the
+        worker's error raised, outputs it placed in a slot taken as views."""
+        w, channel = call.w, call.channel
+        if call.plan.maps or "unmapped" in reply:
+            with self._lock:  # mapped there now (an unmapped one is passed again)
+                unmapped = set(reply.get("unmapped", ()))
+                for rid in unmapped:
+                    w.regions.pop(rid, None)
+                for rid, _, writable in call.plan.maps:
+                    if rid in unmapped or rid not in self._shared:
+                        continue
+                    w.regions[rid] = w.regions.get(rid, False) or writable
+        if self.max_memory is not None and call.op in ("run", "step"):
             rss = _resident(w.pid)
             if rss > self.max_memory:  # this run made it grow: it is charged with it
                 channel.close()
                 self.kill(w, f"was killed: its resident memory {rss / 2**20:.1f} MiB passed "
                              f"workers.max_memory ({self.max_memory / 2**20:.1f} MiB)")
-                raise self.death(w, what)
+                raise self.death(w, call.what)
         over = False
         with w.lock:
             if not channel.lent():
@@ -420,48 +549,8 @@ class WorkerPool:
             raise decode_error(reply["error"])
         placed = reply.get("placed")
         if placed:
-            assert into is not None
-            out = self._placed(w, into, placed, reply["order"], out)
-        return reply, out
-
-    def _exchange(self, w: Worker, channel: Channel, header: dict[str, Any], plan: _Plan,
-                  what: str, timeout: float | None, key: str, lend: bool = False
-                  ) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
-        me = threading.get_ident()
-        w.running[me] = what
-        limit = self.kill_after_s if timeout is None else timeout
-        try:
-            channel.send(header, plan.tensors, plan.fds)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # a worker gone: receive() below says so
-        except BaseException:  # nothing was sent (a tensor the channel cannot carry)
-            w.running.pop(me, None)
-            with w.lock:
-                w.idle.append(channel)
-            raise
-        try:
-            channel.settimeout(limit)
-            reply, out, _ = channel.receive(copy=not lend, lend=lend)
-        except TimeoutError:
-            channel.close()
-            self.kill(w, f"was killed after {limit:g} s in one call ({key})")
-            raise self.death(w, what) from None
-        except (Gone, OSError):
-            channel.close()
-            if not w.ended.wait(STATUS_WAIT_S):
-                self.kill(w, "was killed: its channel broke")  # its state is unknown
-            raise self.death(w, what) from None
-        finally:
-            w.running.pop(me, None)
-        if plan.maps or "unmapped" in reply:
-            with self._lock:  # mapped there now (an unmapped one is passed again)
-                unmapped = set(reply.get("unmapped", ()))
-                for rid in unmapped:
-                    w.regions.pop(rid, None)
-                for rid, _, writable in plan.maps:
-                    if rid in unmapped or rid not in self._shared:
-                        continue
-                    w.regions[rid] = w.regions.get(rid, False) or writable
+            assert call.into is not None
+            out = self._placed(w, call.into, placed, reply["order"], out)
         return reply, out
 
     # ----------------------------------------------------------------- shared memory
@@ -804,6 +893,17 @@ class WorkerModel(InWorker, LoadedModel):
                                     self.call.model, inputs, into=into, lend=True)
         ENGINE_TIME.seconds = reply["took"]
         return out
+
+    def start(self, inputs: dict[str, NDArray[Any]], outputs: list[str] | None = None,
+              into: Slot | None = None) -> Call | None:
+        """Send a run without waiting for it (:meth:`WorkerPool.begin`: the I/O thread's
+        way, daemon/model_threads.py); None if its worker is gone (the model loads again
+        in a new one: that is left to a run that waits)."""
+        w, handle = self._at
+        if not w.alive or self._closed:
+            return None
+        return self.pool.begin(w, {"op": "run", "handle": handle, "outputs": outputs},
+                               self.call.model, inputs, into=into, lend=True)
 
     def threads(self) -> list[tuple[int, list[int]]]:
         """The worker's threads that ran this model (native id, the cores the kernel

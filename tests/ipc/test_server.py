@@ -222,3 +222,41 @@ def test_accepting_pauses_when_the_descriptors_near_the_limit_before_they_are_co
             s.close(0)
         ctx.term()
 
+
+
+def test_a_watched_descriptor_calls_ready_once_and_late_once_on_the_io_thread(
+        harness: Harness) -> None:
+    """Server.watch (a run sent to a worker from the I/O thread): ``late`` once when the
+    deadline passes with nothing to read, ``ready`` once when the descriptor is readable,
+    both on the I/O thread; then the descriptor is watched no more. A ``ready`` that
+    raises is logged and the loop goes on serving."""
+    import socket
+    import time
+
+    calls: list[tuple[str, str]] = []
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    try:
+        def arm() -> None:
+            harness.server.watch(a.fileno(), time.monotonic() + 0.2,
+                                 lambda: calls.append(("ready", threading.current_thread().name)),
+                                 lambda: calls.append(("late", threading.current_thread().name)))
+
+            def boom() -> None:
+                calls.append(("boom", threading.current_thread().name))
+                raise RuntimeError("a ready that fails")
+            harness.server.watch(c.fileno(), time.monotonic() + 60, boom, lambda: None)
+        harness.server.call_soon(arm)
+        poll(lambda: ("late", "test-io") in calls, 10)
+        assert calls == [("late", "test-io")]  # nothing readable yet: late, once
+        b.send(b"x")
+        d.send(b"x")
+        poll(lambda: len(calls) == 3, 10)
+        assert sorted(calls) == [("boom", "test-io"), ("late", "test-io"), ("ready", "test-io")]
+        b.send(b"y")  # readable again: no longer watched, no second call
+        reply = harness.call(encode_request(Request("p", Op.PING)))  # still serving
+        assert reply.ok
+        assert len(calls) == 3
+    finally:
+        for s in (a, b, c, d):
+            s.close()

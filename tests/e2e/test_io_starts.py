@@ -1,0 +1,158 @@
+"""Runs sent to a worker from the I/O thread (daemon/model_threads.py, "Runs in a worker
+from the I/O thread"), through a real daemon: once a model has served its first runs,
+a request that finds it idle has its run sent to the worker by the I/O thread and
+answered when the reply is in, with no model thread in between. Each test first brings
+a model to that path (and checks, by the ``io_thread_runs`` count, that the request it
+provokes went that way), then makes the worker crash, hang past ``kill_after_s``, or
+outlive the request's deadline: the request gets exactly one reply, the I/O thread keeps
+serving other clients meanwhile, and the model is served again."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from inferd.ipc import ErrorCode, Region, RequestError
+from tests.e2e.test_cache_reload import poll
+from tests.e2e.test_workers import HOW, daemon_with_workers, repo  # noqa: F401  fixture
+
+pytestmark = pytest.mark.slow
+
+WARM = 40
+"""Runs that bring a model to the I/O thread's path (daemon: IO_RUN_AFTER = 32)."""
+OK = np.full((1, 4), 7, np.float32)
+
+
+def io_runs(c, model: str) -> int:
+    (entry,) = [m for m in c.models() if m["name"] == model]
+    return int(entry["io_thread_runs"])
+
+
+def warm(c, model: str = "bomb", x: np.ndarray = OK) -> int:
+    """Serve ``model`` until its requests are sent from the I/O thread; the count."""
+    for _ in range(WARM):
+        c.infer(model, {"x": x})
+    runs = io_runs(c, model)
+    assert runs > 0, "the model's runs are not sent from the I/O thread"
+    return runs
+
+
+class Pinger:
+    """Another client pinging the daemon while a run is in flight: the pings answered
+    before that run's reply show that the I/O thread did not wait in it."""
+
+    def __init__(self, d) -> None:
+        self.d = d
+        self.answered = 0
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with self.d.client(timeout=10) as c:
+            while not self.stop.is_set():
+                try:
+                    assert c.ping()["pong"]
+                    self.answered += 1
+                except RequestError as e:
+                    self.errors.append(f"{e.code}: {e.message}")
+                self.stop.wait(0.02)
+
+    def finish(self) -> int:
+        self.stop.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        assert self.errors == []
+        return self.answered
+
+
+@pytest.mark.parametrize("how", sorted(HOW))
+def test_a_crash_of_a_run_sent_from_the_io_thread_costs_one_request(
+        how, start_daemon, repo, short_tmp):  # noqa: F811  the repo fixture
+    d = daemon_with_workers(start_daemon, repo, short_tmp)
+    trigger, ended = HOW[how]
+    with d.client() as c:
+        before = warm(c)
+        with pytest.raises(RequestError) as e:
+            c.infer("bomb", {"x": np.full((1, 4), trigger, np.float32)})
+        assert io_runs(c, "bomb") == before + 1  # the crash's run went that way
+        assert e.value.code is ErrorCode.UNAVAILABLE
+        assert re.fullmatch(rf"engine onnxruntime \(worker \d+\) {ended} while running "
+                            r"bomb version 1", e.value.message), e.value.message
+        np.testing.assert_array_equal(c.infer("bomb", {"x": OK})["y"], OK)
+    assert d.proc.poll() is None
+    assert re.search(rf"ERROR inferd\.daemon\.workers\.pool: engine onnxruntime \(worker \d+\) "
+                     rf"{ended} while running bomb version 1", d.log())
+
+
+def test_a_run_sent_from_the_io_thread_past_kill_after_is_killed_by_the_io_loop(
+        start_daemon, repo, short_tmp):  # noqa: F811
+    d = daemon_with_workers(start_daemon, repo, short_tmp, kill_after_s=2.0,
+                            restart_backoff_s=0.1)
+    with d.client(timeout=60) as c:
+        before = warm(c)
+        pinger = Pinger(d)
+        try:
+            poll(lambda: pinger.answered >= 1, 10)
+            began = pinger.answered
+            with pytest.raises(RequestError) as e:
+                c.infer("bomb", {"x": np.full((1, 4), 4, np.float32)})  # sleeps for ever
+            during = pinger.answered - began
+        finally:
+            pinger.finish()
+        assert e.value.code is ErrorCode.UNAVAILABLE
+        assert re.fullmatch(r"engine onnxruntime \(worker \d+\) was killed after 2 s in one "
+                            r"call \(workers\.kill_after_s\) while running bomb version 1",
+                            e.value.message), e.value.message
+        # pings every 20 ms for the 2 s the run hung: the I/O thread served them
+        assert during >= 5, during
+        assert io_runs(c, "bomb") == before + 1
+        np.testing.assert_array_equal(c.infer("bomb", {"x": OK})["y"], OK)
+
+
+def test_a_deadline_passed_during_a_run_sent_from_the_io_thread_is_answered_once(
+        start_daemon, repo, short_tmp):  # noqa: F811
+    d = daemon_with_workers(start_daemon, repo, short_tmp, kill_after_s=3.0,
+                            restart_backoff_s=0.1)
+    with d.client(timeout=60) as c:
+        warm(c)
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            c.infer("bomb", {"x": np.full((1, 4), 4, np.float32)}, timeout=0.5)
+        assert e.value.code is ErrorCode.DEADLINE_EXCEEDED, e.value.message
+        assert time.monotonic() - t0 < 3.0  # answered at its deadline, not by the kill
+        # the worker is killed at kill_after_s all the same; then the model serves again
+        poll(lambda: "was killed after 3 s in one call" in d.log(), 20)
+        np.testing.assert_array_equal(c.infer("bomb", {"x": OK})["y"], OK)
+        assert c.ping()["pong"]
+    assert d.proc.poll() is None
+
+
+def test_shared_memory_in_and_out_on_runs_sent_from_the_io_thread(
+        start_daemon, repo, short_tmp):  # noqa: F811
+    d = daemon_with_workers(start_daemon, repo, short_tmp)
+    rng = np.random.default_rng(5)
+    x = rng.random((1, 3, 48, 192), dtype=np.float32)
+    with d.client() as c:
+        expected = c.infer("ocr-cls", {"x": x})
+        warm(c, "ocr-cls", x)
+        region = c.register(Region(2**20, name="inferd-io-starts"))
+        before = io_runs(c, "ocr-cls")
+        for i in range(10):
+            region.reset()
+            staged = region.ndarray(x.shape, np.float32)
+            staged[...] = x + i
+            out = c.infer("ocr-cls", {"x": staged}, outputs_into=(region, 2**19, 2**19))
+            plain = c.infer("ocr-cls", {"x": x + i})
+            for k in plain:
+                assert np.shares_memory(out[k], np.frombuffer(region.buffer, np.uint8))
+                np.testing.assert_array_equal(out[k], plain[k])
+        assert io_runs(c, "ocr-cls") >= before + 20
+        again = c.infer("ocr-cls", {"x": x})
+    for k in expected:
+        np.testing.assert_array_equal(expected[k], again[k])
