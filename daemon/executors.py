@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from inferd.daemon.graph import (
     INPUT,
     GraphSpec,
+    Node,
     check_graph_inputs,
     gather,
     graph_outputs,
@@ -42,6 +43,8 @@ from inferd.daemon.graph import (
 )
 from inferd.daemon.pipeline import Pinning, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
+from inferd.daemon.workers.pool import WorkerDied
+from inferd.daemon.workers.quarantine import Quarantine
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, failure
 from inferd.ipc.protocol import Op, Reply, Request
 from inferd.ipc.replies import AnyTicket, LocalTicket, ReplySink
@@ -53,7 +56,10 @@ _ids = itertools.count()
 
 class ModelQueues(Protocol):
     """What a graph needs of the model manager: queue a request (refusing it with an
-    InferdError), and wait until a model's queue has room."""
+    InferdError), wait until a model's queue has room, and who keeps killing a worker
+    (a processor node's deaths are charged there as a model's steps' are)."""
+
+    quarantine: Quarantine
 
     def submit(self, ticket: AnyTicket) -> None: ...
 
@@ -62,10 +68,26 @@ class ModelQueues(Protocol):
 
 class ModelCaller:
     """Calls models in-process: :meth:`submit` returns the call's future at once (many
-    calls can be in flight), :meth:`result` waits for it within the deadline."""
+    calls can be in flight), :meth:`result` waits for it within the deadline; and keeps
+    the model manager's quarantine for the graph's own steps (:meth:`charge`,
+    :meth:`check`)."""
 
     def __init__(self, models: ModelQueues) -> None:
         self._models = models
+        self._quarantine = models.quarantine
+
+    def charge(self, graph: str, ticket: AnyTicket, died: str) -> None:
+        """A request of ``graph`` that a processor node's death ended (``died``, of
+        :func:`died_of`) is charged to its client in the model manager's quarantine, as
+        a model's pre/post step's death is (``ModelThreads._charge``): a client whose
+        requests keep killing the processors worker is refused for the graph
+        (:meth:`check`), a graph whose nodes kill it for several clients is set aside.
+        Once per request: two of its nodes in the worker when it died are one death."""
+        self._quarantine.death(graph, [ticket.uid], died)
+
+    def check(self, graph: str, ticket: AnyTicket) -> None:
+        """Raise the quarantine's refusal of ``ticket``'s client for ``graph``, if any."""
+        self._quarantine.check(graph, ticket.uid)
 
     def submit(self, model: str, inputs: dict[str, Any], deadline: float | None,
                peer: bytes = b"") -> Future[dict[str, Any]]:
@@ -112,6 +134,16 @@ class ModelCaller:
         except FutureTimeout:
             raise InferdError(f"model {model}: deadline passed before it answered",
                               ErrorCode.DEADLINE_EXCEEDED) from None
+
+
+def died_of(node: Node, e: Exception) -> str | None:
+    """What ended ``node``'s call, if it is a processor node whose step's processors
+    worker died (:func:`run_node` raises from the WorkerDied of
+    daemon/workers/steps.py); None for any other failure (a model node's death is the
+    model's to charge)."""
+    if node.step is not None and isinstance(e.__cause__, WorkerDied):
+        return e.__cause__.message
+    return None
 
 
 RELEASED = object()
@@ -246,7 +278,7 @@ class _TaskRun:
             finally:
                 self.ex.busy.end()
         except Exception as e:
-            self.end(graph_failure(self.request, spec.name, e))
+            self.end(graph_failure(self.request, spec.name, e), died_of(node, e))
             return
         with self.lock:
             self.packets[name] = out
@@ -276,11 +308,15 @@ class _TaskRun:
             return
         self._launch(ready)
 
-    def end(self, reply: Reply) -> None:
+    def end(self, reply: Reply, died: str | None = None) -> None:
+        """Answer the request (once: the first reply wins); ``died``: the processor
+        node's death that ended it, charged to its client."""
         with self.lock:
             if self.finished:
                 return
             self.finished = True
+        if died is not None:
+            self.ex._call.charge(self.ex.spec.name, self.ticket, died)
         self.ex._sink.send(self.ticket, reply)
         self.ex.done(self)
 
@@ -295,6 +331,9 @@ class Packet:
     ticket: AnyTicket
     values: dict[str, Any] | None
     error: Reply | None = None
+    died: str | None = None
+    """With ``error``: the processor node's death that ended the frame (charged to its
+    client once, by the sink)."""
 
     @property
     def request(self) -> Request:
@@ -390,7 +429,7 @@ class Edge:
             return packet
         return Packet(packet.ticket,
                       {k: v if k in keep else RELEASED for k, v in values.items()},
-                      packet.error)
+                      packet.error, packet.died)
 
     def close(self) -> list[Any]:
         """Close the edge: every packet still held is returned (for the caller to
@@ -514,12 +553,13 @@ class PipelineExecutor:
                 return
             del result
 
-    def _step(self, name: str, node: Any, sources: list[str], packets: list[Packet]) -> Packet:
+    def _step(self, name: str, node: Node, sources: list[str], packets: list[Packet]
+              ) -> Packet:
         """One frame through one node: its result packet, or the error that ends it."""
         first = packets[0]
-        failed = next((p.error for p in packets if p.error is not None), None)
+        failed = next((p for p in packets if p.error is not None), None)
         if failed is not None:
-            return Packet(first.ticket, None, failed)
+            return Packet(first.ticket, None, failed.error, failed.died)
         try:
             if first.ticket.expired():
                 raise InferdError(f"graph {self.spec.name}: deadline passed before node "
@@ -535,7 +575,7 @@ class PipelineExecutor:
             return Packet(first.ticket, result)
         except Exception as e:
             return Packet(first.ticket, None,
-                          graph_failure(first.request, self.spec.name, e))
+                          graph_failure(first.request, self.spec.name, e), died_of(node, e))
 
     def _sink_loop(self) -> None:
         while True:
@@ -544,6 +584,9 @@ class PipelineExecutor:
                 return
             first = packets[0]
             reply = next((p.error for p in packets if p.error is not None), None)
+            died = next((p.died for p in packets if p.died is not None), None)
+            if died is not None:  # once per frame, however many of its nodes it ended
+                self._call.charge(self.spec.name, first.ticket, died)
             if reply is None:
                 try:
                     reply = Reply(first.request.id, outputs=graph_outputs(

@@ -35,7 +35,9 @@ class GraphManager:
     Args:
         repo: the model repository (graphs live beside models).
         registry: processors for processor nodes.
-        models: the model manager (model nodes queue their calls there).
+        models: the model manager (model nodes queue their calls there; a processor
+            node's deaths are charged in its quarantine, and a client it refuses for a
+            graph is refused here).
         sink: where replies go (any thread); graph threads release it on exit.
     """
 
@@ -106,6 +108,9 @@ class GraphManager:
         A graph not loaded yet is loaded on the graph loader thread (parsing it may read
         model files), and the request is answered from there if the load fails."""
         request = ticket.request
+        # a client whose requests keep killing the processors worker in this graph's
+        # nodes (ModelCaller.charge), or a graph set aside for it
+        self._call.check(request.model or "", ticket)
         if request.stream is not None:  # a graph keeps no state between requests
             raise ModelError(f"graph {request.model} cannot run as a stream: only a model "
                              f"with a [stream] table in its model.toml can",
