@@ -21,11 +21,26 @@ arena only to answer a call on its channel, so nothing overwrites bytes a reply 
 still points into.
 
 A peer that died is an empty read (the kernel closes its end); :class:`Gone` says so.
+
+**What the daemon takes from a worker.** A worker runs native code a client's input
+reaches; one taken over by a hostile input writes what its attacker wants on its
+channels. So the daemon's end (the default, ``trusted=False``; a worker's end reads the
+daemon, which is trusted) reads a worker's header pickle under the allow-list of
+:mod:`inferd.daemon.workers.pickles` (plain data, numpy arrays, TensorSpec and
+BatchSizes: no global that runs code), takes no dtype that holds Python objects (an
+object array made from a worker's bytes would be pointers it chose), no descriptor but
+its arena, and that arena only as a memfd sealed against shrinking and as large as said
+(a mapping past a file's end is SIGBUS in the daemon). A message that breaks any of this
+raises :class:`Unreadable`, a :class:`Gone`: the daemon treats the channel as broken,
+its worker as dead (the pool kills it and starts it again), and the call fails, never
+the daemon.
 """
 
 from __future__ import annotations
 
 import array
+import fcntl
+import logging
 import mmap
 import os
 import pickle
@@ -37,7 +52,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from inferd.daemon.workers import pickles
 from inferd.ipc.dtypes import dtype_name, numpy_dtype
+
+log = logging.getLogger(__name__)
 
 INLINE_BYTES = 64 * 1024
 """Tensors smaller than this travel inside the datagram (up to :data:`INLINE_TOTAL`)."""
@@ -55,6 +73,12 @@ _PAGE = mmap.PAGESIZE
 
 class Gone(Exception):
     """The peer's end of the channel closed: it died or was ended."""
+
+
+class Unreadable(Gone):
+    """A worker sent a message the daemon refuses to read (a global not allowed, an
+    object dtype, a descriptor or an arena it does not take, bytes that are no message):
+    its channel is treated as broken, as if the worker had died."""
 
 
 _Spec = tuple  # (name, dtype str, shape, inline, offset, nbytes): pickles 4x faster
@@ -85,9 +109,24 @@ class _Arena:
     @classmethod
     def make(cls, size: int) -> _Arena:
         size = max(_PAGE, -(-size // _PAGE) * _PAGE)
-        fd = os.memfd_create("inferd-worker-arena", os.MFD_CLOEXEC)
+        fd = os.memfd_create("inferd-worker-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
+        # never shrunk (a peer's mapping past the end would be SIGBUS there): the daemon
+        # takes a worker's arena only sealed so (an arena grows as a new memfd)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
         return cls(fd, size, True)
+
+    @classmethod
+    def checked(cls, fd: int, size: Any, writable: bool) -> _Arena:
+        """A worker's arena, if it is one the daemon can map without harm: a memfd
+        sealed against shrinking, of at least ``size`` bytes."""
+        if type(size) is not int or size <= 0:
+            raise ValueError(f"an arena of size {size!r}")
+        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+            raise ValueError("an arena not sealed against shrinking")
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"an arena of {os.fstat(fd).st_size} bytes said to be {size}")
+        return cls(fd, size, writable)
 
     def view(self) -> memoryview:
         assert self.map is not None
@@ -125,9 +164,14 @@ def dtype_code(a: NDArray[Any]) -> str:
 
 
 def dtype_of(code: str) -> np.dtype[Any]:
+    """The dtype of a peer's code (:func:`dtype_code`); never one that holds Python
+    objects (``O``, or a record with such a field): numpy makes an array of those from
+    a buffer's bytes as pointers, which a worker would choose."""
     dtype = _DTYPES.get(code)
     if dtype is None:
         dtype = numpy_dtype(code[5:]) if code.startswith("wire:") else np.dtype(code)
+        if dtype.hasobject:
+            raise ValueError(f"dtype {code!r} holds Python objects")
         if len(_DTYPES) < 256:  # codes come from the peer: the map stays small
             _DTYPES[code] = dtype
     return dtype
@@ -191,10 +235,15 @@ class Channel:
         writable_peer: map the peer's arena writable (the daemon's end: outputs it takes
             as views, ``receive(lend=True)``, are writable as copies would be; a worker
             reads the daemon's arena read-only).
+        trusted: the peer is the daemon (a worker's end): its messages are read as they
+            come. Else (the daemon's end) a message is read under the module's "What
+            the daemon takes from a worker".
     """
 
-    def __init__(self, sock: socket.socket, writable_peer: bool = False) -> None:
+    def __init__(self, sock: socket.socket, writable_peer: bool = False,
+                 trusted: bool = False) -> None:
         self.sock = sock
+        self.trusted = trusted
         self._own: _Arena | None = None
         self._peer: _Arena | None = None
         self._writable_peer = writable_peer
@@ -318,6 +367,8 @@ class Channel:
 
         Raises:
             Gone: the peer closed its end.
+            Unreadable: (the daemon's end) a worker's message the daemon refuses to
+                read; the channel is shut down.
             TimeoutError: nothing came within the socket's timeout.
         """
         assert not self.lent(), "a call on a channel whose peer's arena is still lent"
@@ -338,15 +389,54 @@ class Channel:
                 fds = array.array("i")
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
                 passed.extend(fds)
+        if self.trusted:
+            return self._decode(n, passed, copy, lend)
+        try:
+            return self._decode(n, passed, copy, lend)
+        except Exception as e:  # noqa: BLE001  whatever a worker's bytes make of the read
+            for fd in passed:  # those not taken as its arena: the daemon takes none
+                os.close(fd)
+            why = str(e) if isinstance(e, pickles.Refused) else \
+                f"{type(e).__name__}: {e}"
+            log.error("a worker sent a message the daemon refuses to read: %s; its "
+                      "channel is treated as broken (the worker is killed)", why)
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            raise Unreadable(f"a message the daemon refuses to read: {why}") from None
+
+    def _decode(self, n: int, passed: list[int], copy: bool, lend: bool
+                ) -> tuple[dict[str, Any], dict[str, NDArray[Any]], list[int]]:
+        """The message of ``n`` bytes in the receive buffer, with the descriptors
+        ``passed`` (the arena's taken from them)."""
+        assert self._buf is not None
         mem = memoryview(self._buf)
         (length,) = _LEN.unpack_from(mem)
         base = _LEN.size + length
-        header, specs, arena_size = pickle.loads(mem[_LEN.size:base])
+        if n < base:
+            raise ValueError(f"a header of {length} bytes in a message of {n}")
+        if self.trusted:
+            header, specs, arena_size = pickle.loads(mem[_LEN.size:base])
+        else:
+            header, specs, arena_size = pickles.loads(mem[_LEN.size:base])
+            if type(header) is not dict or type(specs) is not list:
+                raise ValueError("a message that is no (header, specs, arena) of a worker")
+            if len(passed) != (arena_size is not None):
+                raise ValueError(f"{len(passed)} descriptors passed with a message "
+                                 f"{'with' if arena_size is not None else 'without'} an "
+                                 f"arena")
         if arena_size is not None:
             fd = passed.pop()
             if self._peer is not None:
                 self._peer.close()
-            self._peer = _Arena(fd, arena_size, self._writable_peer)
+                self._peer = None
+            try:
+                self._peer = (_Arena(fd, arena_size, self._writable_peer) if self.trusted
+                              else _Arena.checked(fd, arena_size, self._writable_peer))
+            except BaseException:
+                os.close(fd)
+                raise
         # the datagram's buffer is the next message's: inline tensors are copied out of
         # it (one copy of them all unless ``copy`` makes each its own)
         if copy or base == n:
@@ -358,6 +448,10 @@ class Channel:
         tensors: dict[str, NDArray[Any]] = {}
         for name, code, shape, inline, offset, nbytes in specs:
             if code == "pickle":
+                if not self.trusted and not (type(shape) is np.ndarray
+                                             and shape.dtype.kind in "OUS"):
+                    raise ValueError(f"tensor {name!r}: a {type(shape).__name__} where "
+                                     f"an array of strings goes")
                 tensors[name] = shape  # the array itself
                 continue
             if inline:

@@ -159,7 +159,8 @@ class WorkerProcess:
                 elif op == "channel":
                     for fd in fds:
                         sock = socket.socket(fileno=fd)
-                        threading.Thread(target=self.serve, args=(Channel(sock),),
+                        threading.Thread(target=self.serve,
+                                         args=(Channel(sock, trusted=True),),
                                          name="inferd-worker-channel", daemon=True).start()
                     channel.send({"ok": True})
                 elif op == "forget":
@@ -559,5 +560,5 @@ def worker_main(sock: socket.socket, name: str, registry: Registry, customops: A
         os.setpgid(0, 0)  # not in the daemon's group: a terminal's ^C is the daemon's
     except OSError:
         pass
-    WorkerProcess(name, registry, customops).serve(Channel(sock))
+    WorkerProcess(name, registry, customops).serve(Channel(sock, trusted=True))
     return 0

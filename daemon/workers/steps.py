@@ -31,6 +31,17 @@ passes through unchanged (an input given back as it came, which it cannot have w
 inputs arrive read-only) is not sent back: the reply names the input, and the daemon
 puts its own array there. The worker copies the inputs that came through the daemon's
 arena (a step may keep a value past its call: the arena is written over by the next).
+
+**What the daemon takes back.** The daemon reads a step's values under the allow-list
+of :mod:`inferd.daemon.workers.pickles` (numbers, strings, bytes, None, numpy arrays, and
+lists, tuples, dicts and sets of them): a taken-over worker cannot have the daemon call
+a global while it reads them. The worker checks its own answer under the same list
+first, so that a step returning anything else (an ``OrderedDict``, a ``Path``) fails its
+call, naming the type, and the worker serves on; values the daemon refuses are
+therefore not inferd's, and their worker is killed as one that broke its channel
+(``processors (worker 4711) was killed for values the daemon refuses to read (global
+os.system is not allowed) while running processor mine.step``), the call failing
+``UNAVAILABLE`` and charged to its client as a death is.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from inferd.daemon.processors import Context, HeldStep, ProcessorRegistry
+from inferd.daemon.workers import pickles
 from inferd.daemon.workers.channel import Channel
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
 
@@ -91,6 +103,8 @@ class _Packer(pickle.Pickler):
 
 
 class _Unpacker(pickle.Unpickler):
+    """Reads values the daemon sent (the worker's side: the daemon is trusted)."""
+
     def __init__(self, data: Any, tensors: dict[str, Any],
                  sent: dict[str, Any] | None) -> None:
         super().__init__(io.BytesIO(data))
@@ -98,12 +112,25 @@ class _Unpacker(pickle.Unpickler):
         self.sent = sent
 
     def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, str):
+        if type(pid) is str and pid in self.tensors:
             return self.tensors[pid]
-        if self.sent is None:
-            raise pickle.UnpicklingError(f"a reference to an input {pid!r} where none "
-                                         f"was sent")
-        return self.sent[pid[1]]
+        if type(pid) is tuple and len(pid) == 2 and pid[0] == "in" and self.sent \
+                and pid[1] in self.sent:
+            return self.sent[pid[1]]
+        raise pickle.UnpicklingError(f"a reference to {pid!r}, which is neither a tensor "
+                                     f"of the message nor an input sent with the call")
+
+
+class _CheckedUnpacker(pickles.Unpickler, _Unpacker):
+    """Reads values a worker sent: globals under the daemon's allow-list."""
+
+
+class _Checker(pickles.Unpickler):
+    """Reads the values a worker is about to send as the daemon will (references to
+    tensors left out): whether the daemon takes them."""
+
+    def persistent_load(self, pid: Any) -> Any:
+        return None
 
 
 def pack(values: Any, inputs: dict[int, str] | None = None) -> dict[str, Any]:
@@ -116,11 +143,27 @@ def pack(values: Any, inputs: dict[int, str] | None = None) -> dict[str, Any]:
     return tensors
 
 
-def unpack(tensors: dict[str, Any], sent: dict[str, Any] | None = None) -> Any:
+def unpack(tensors: dict[str, Any], sent: dict[str, Any] | None = None,
+           trusted: bool = False) -> Any:
     """The values :func:`pack` made; ``sent``: the tensors this end packed for the call
-    (what an answer's references to inputs name)."""
+    (what an answer's references to inputs name). ``trusted``: they come from the daemon
+    (the worker's side); else from a worker, read under the daemon's allow-list.
+
+    Raises:
+        pickles.Refused: (not ``trusted``) a global the daemon does not take.
+        pickle.UnpicklingError: a reference to no tensor; what a malformed pickle
+            raises.
+    """
     skeleton = tensors.pop(_SKELETON)
-    return _Unpacker(memoryview(skeleton).cast("B"), tensors, sent).load()
+    data = memoryview(skeleton).cast("B")
+    cls = _Unpacker if trusted else _CheckedUnpacker
+    return cls(data, tensors, sent).load()
+
+
+def check_values(tensors: dict[str, Any]) -> None:
+    """Raise :class:`pickles.Refused` if the daemon would refuse the values of
+    ``tensors`` (:func:`pack`'s)."""
+    _Checker(io.BytesIO(memoryview(tensors[_SKELETON]).cast("B"))).load()
 
 
 # ----------------------------------------------------------------- the worker's side
@@ -159,7 +202,7 @@ class StepHost:
                 raise InferdError(f"no step {header['handle']} in worker {self.name}",
                                   ErrorCode.INTERNAL)
             received = _kept(tensors)
-            values = unpack(dict(received))
+            values = unpack(dict(received), trusted=True)
             inputs = {id(a): k for k, a in received.items()}
             try:
                 out = step(values)
@@ -169,7 +212,15 @@ class StepHost:
                 channel.send(_unexpected(e))
                 return
             del values
-            channel.send({"ok": True}, pack(out, inputs))
+            answer = pack(out, inputs)
+            try:
+                check_values(answer)
+            except pickles.Refused as e:  # the step's own type: its call fails, here
+                raise ModelError(f"returned a value the daemon does not take from a "
+                                 f"worker: {e} (it takes numbers, strings, bytes, None, "
+                                 f"numpy arrays, and lists, tuples, dicts and sets of "
+                                 f"them)", ErrorCode.INTERNAL) from None
+            channel.send({"ok": True}, answer)
         elif op == "build":
             registry = self._processors(header, not _builtin(header["op_name"]))
             from inferd.daemon.repository import Repository
@@ -482,7 +533,14 @@ class RemoteStep(InWorker, HeldStep):
                                     tensors, timeout=self._steps.timeout_s, lend=True)
         self._steps.counted(w)
         _expected(reply)
-        return unpack(out, sent)  # type: ignore[no-any-return]
+        try:
+            return unpack(out, sent)  # type: ignore[no-any-return]
+        except Exception as e:  # noqa: BLE001  whatever a worker's bytes make of the read
+            # the worker checked its answer under the same list (StepHost.serve): what
+            # the daemon refuses is not inferd's, and the worker is not trusted again
+            why = str(e) if isinstance(e, pickles.Refused) else f"{type(e).__name__}: {e}"
+            self.pool.kill(w, f"was killed for values the daemon refuses to read ({why})")
+            raise self.pool.death(w, self.what) from None
 
     def release(self) -> None:
         self._let_go("release", self.what, self.what)
