@@ -66,7 +66,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from inferd.daemon.activations import Peak
-from inferd.daemon.workers.channel import Channel, Gone, dtype_code, dtype_of, pair
+from inferd.daemon.workers.channel import (
+    Channel, Gone, Unreadable, dtype_code, dtype_of, pair,
+)
 from inferd.daemon.workers.process import decode_error
 from inferd.daemon.workers.steps import PROCESSORS, InWorker
 from inferd.daemon.workers.zygote import Zygote, describe_status
@@ -173,6 +175,10 @@ class Call:
             self.channel.close()
             self.pool.kill(self.w, f"was killed after {self.limit:g} s in one call "
                                    f"({self.key})")
+            self._gone = True
+        except Unreadable as e:  # the worker's words are not inferd's: it is not trusted
+            self.channel.close()
+            self.pool.kill(self.w, f"was killed for {e}")
             self._gone = True
         except (Gone, OSError):
             self.channel.close()
@@ -690,6 +696,10 @@ class WorkerPool:
                 w.control.settimeout(10.0)
                 w.control.send({"op": "channel"}, fds=[theirs.fileno()])
                 w.control.receive()
+            except Unreadable as e:
+                ours.close()
+                self.kill(w, f"was killed for {e}")
+                raise self.death(w, what) from None
             except (Gone, OSError):
                 ours.close()
                 raise self.death(w, what) from None
