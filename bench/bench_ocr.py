@@ -181,7 +181,11 @@ def held_out_check(tmp: Path, rounds: int = 3) -> None:
     engine(batch[0])
     first = tmp / "placement-first.toml"
     first.write_text('[placement]\nmode = "first"\n')
-    preload = ("--preload", "ocr-det", "--preload", "ocr-cls", "--preload", "ocr-rec")
+    # the graph, and so its three models: its steps are built (the processors worker
+    # started, OpenCV imported) before ready, not by the first minute's first request;
+    # BENCH_OCR_PRELOAD_MODELS=1 preloads the three models only (before 2026-12-03)
+    preload = (("--preload", "ocr-det", "--preload", "ocr-cls", "--preload", "ocr-rec")
+               if os.environ.get("BENCH_OCR_PRELOAD_MODELS") else ("--preload", "ocr"))
     started = time.monotonic()
     shipped = DaemonProcess("--models", str(MODELS), *preload)  # its state: none kept
     ready_s = time.monotonic() - started

@@ -134,12 +134,23 @@ class Catalog:
                 and (spec.settings.pin or name in self.config.models.preload))
 
     def pinned_names(self, config: Any = None) -> list[str]:
-        """Models to keep loaded: ``models.preload`` first, then model.toml pins (by the
-        configuration in force, or by ``config``: the one before a reload)."""
-        names = list((config or self.config).models.preload)
+        """Models to keep loaded: ``models.preload`` first (but the graphs it names:
+        :meth:`preloaded_graphs`), then model.toml pins (by the configuration in force,
+        or by ``config``: the one before a reload)."""
+        graphs = set(self.preloaded_graphs(config))
+        names = [n for n in (config or self.config).models.preload if n not in graphs]
         names += [n for n, s in sorted(self._specs.items())
                   if s.settings.pin and n not in names]
         return names
+
+    def preloaded_graphs(self, config: Any = None) -> list[str]:
+        """The graphs ``models.preload`` names (a name that is a graph of the repository
+        and no model): loaded, with their models, before the daemon reports ready."""
+        preload = (config or self.config).models.preload
+        if not preload:
+            return []
+        graphs = set(graph_names(self.repo))
+        return [n for n in preload if n in graphs and n not in self._specs]
 
     # ----------------------------------------------------------------- changes
 

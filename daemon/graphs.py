@@ -101,6 +101,15 @@ class GraphManager:
                 self._errors.pop(name, None)
         return ex
 
+    def preload(self, name: str) -> list[str]:
+        """Load graph ``name`` now (its processor steps built) and return the models its
+        nodes call, for the caller to load (``models.preload``: daemon/runtime.py).
+
+        Raises:
+            InferdError: the graph's load error."""
+        ex = self.executor(name)
+        return list(dict.fromkeys(n.model for n in ex.spec.nodes if n.model))
+
     def submit(self, ticket: AnyTicket) -> None:
         """Queue one infer request (its ticket) for a graph (I/O thread); raises to
         refuse it.

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -252,6 +252,8 @@ class Runtime:
             self.notifier.extend_timeout(self.config.systemd.extend_timeout_s,
                                          f"preloading model {name} ({i}/{count})")
         self._preload_failed = self.models.load_pinned(before_each=each)
+        self._preload_failed += self._preload_graphs(self.models.catalog.preloaded_graphs(),
+                                                     each)
         # the preloaded models' placement is measured before READY (their candidates in
         # workers of their own, on their warm-up inputs), within a bound: past it they
         # serve on their first candidate and measuring goes on beside serving
@@ -268,6 +270,30 @@ class Runtime:
         line = self.status_line()
         log.info("%s", line)
         self.notifier.ready(line)
+
+    def _preload_graphs(self, names: list[str],
+                        before_each: Callable[[int, int, str], None] | None = None
+                        ) -> list[str]:
+        """Load each graph of ``names`` (``models.preload``), then the models its nodes
+        call (not pinned: the cache may evict them as it would lazily loaded ones), so
+        that its first request pays neither (the processors worker's start and its steps'
+        imports, ~1.4 s for the demo's ocr graph here, and the models' loads); the names
+        that failed (logged)."""
+        failed = []
+        for name in names:
+            try:
+                models = self.graphs.preload(name)
+                log.info("graph %s preloaded; loading its models: %s", name,
+                         ", ".join(models) or "none", extra={"MODEL": name})
+                for i, model in enumerate(models, 1):
+                    if before_each is not None:
+                        before_each(i, len(models), model)
+                    self.models.load(model)
+            except InferdError as e:
+                log.error("preloaded graph %s failed to load: %s", name, e.message,
+                          extra={"MODEL": name})
+                failed.append(name)
+        return failed
 
     def status_line(self) -> str:
         """One line for ``systemctl status``: backends loaded/failed, models warm."""
@@ -393,6 +419,10 @@ class Runtime:
         summary["graphs_retired"] = self.graphs.reload(self.repo,
                                                        config.server.shutdown_grace_s,
                                                        config.models.stuck_after_s)
+        # graphs models.preload names: loaded again (a changed one was retired), or anew
+        failed = self._preload_graphs(self.models.catalog.preloaded_graphs())
+        if failed:
+            summary["failed"] = list(dict.fromkeys([*summary.get("failed", []), *failed]))
         summary["needs_restart"] = restart
         log.info("configuration reloaded from %s%s", config.source or "built-in defaults",
                  f" and {len(config.dropins)} drop-ins" if config.dropins else "")

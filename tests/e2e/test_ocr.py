@@ -124,3 +124,36 @@ def test_inferctl_infer_ocr_prints_the_texts_of_a_png(daemon: Any, short_tmp: Pa
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "texts:\n  Hello world 123" in out.stdout, out.stdout
+
+
+def test_a_preloaded_graph_is_loaded_with_its_models_before_ready(
+        start_daemon: Any, short_tmp: Path, models_dir: Path, rapid: None) -> None:
+    """``--preload`` naming a graph: the graph (its steps built in the processors worker)
+    and the models its nodes call are loaded before the daemon reports ready, so its
+    first request pays neither; a preloaded graph that cannot load is logged and shown
+    in the status line, and the daemon starts anyway (as for a model)."""
+    repo = ocr_repo(short_tmp, models_dir)
+    (repo / "broken").mkdir()
+    (repo / "broken" / "graph.toml").write_text(
+        'inputs = ["x"]\n[[nodes]]\nname = "n"\nmodel = "no-such-model"\n'
+        'inputs = { x = "x" }\n[outputs]\ny = "n.y"\n')
+    d = start_daemon("--models", str(repo), "--preload", "ocr", "--preload", "broken")
+    log = d.log()
+    ready = log.index("INFO inferd.daemon.runtime: ready;")
+    loaded = log.index("INFO inferd.daemon.runtime: graph ocr preloaded; loading its "
+                       "models: ocr-det, ocr-cls, ocr-rec")
+    assert loaded < ready and log.index("worker processors started") < ready
+    assert "ERROR inferd.daemon.runtime: preloaded graph broken failed to load: " in log
+    assert "preload failed: broken" in log[ready:].splitlines()[0]
+    with d.client(timeout=120) as c:
+        states = {m["name"]: m["state"] for m in c.models()}
+        assert {k: states[k] for k in ("ocr", "ocr-det", "ocr-cls", "ocr-rec", "ocr-task")} \
+            == {"ocr": "ready", "ocr-det": "ready", "ocr-cls": "ready", "ocr-rec": "ready",
+                "ocr-task": "unloaded"}
+        lines, font, size, rotation = CASES[0]
+        want_texts, _ = rapidocr_reads(0)
+        got = c.infer("ocr", {"image": render(lines, font, size, rotation)})
+    assert list(got["texts"]) == want_texts
+    # nothing was loaded by that request: the graph and its models were there already
+    after = d.log()[len(log):]
+    assert "graph ocr loaded" not in after and " loaded on " not in after, after
