@@ -156,3 +156,71 @@ def test_shared_memory_in_and_out_on_runs_sent_from_the_io_thread(
         again = c.infer("ocr-cls", {"x": x})
     for k in expected:
         np.testing.assert_array_equal(expected[k], again[k])
+
+
+def test_runs_sent_from_the_io_thread_and_queued_ones_race_with_crashes_and_kills(
+        start_daemon, repo, short_tmp):  # noqa: F811
+    """Races of the new path: four clients keep ``bomb`` busy (so its requests go both
+    ways, sent from the I/O thread when it is idle and through its threads when not)
+    while one of them sends a crashing input now and then and the test SIGKILLs the
+    worker from outside: every request gets exactly one reply (a right answer, or
+    UNAVAILABLE naming the worker's death), and once the traffic stops the model is
+    idle again (nothing in flight or queued) and serves."""
+    import os
+    import signal
+
+    from tests.e2e.test_workers import worker_pids
+
+    d = daemon_with_workers(start_daemon, repo, short_tmp, restart_backoff_s=0.05,
+                            refuse_client_after=1000, set_aside_after=1000)
+    with d.client() as c:
+        warm(c)
+    errors: list[str] = []
+    counts = {"ok": 0, "died": 0}
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        rng = np.random.default_rng(k)
+        with d.client(timeout=60) as c:
+            for i in range(150):
+                crash = k == 0 and i % 25 == 24
+                x = np.full((1, 4), 1 if crash else 10 + k, np.float32)
+                try:
+                    y = c.infer("bomb", {"x": x})["y"]
+                    if crash or not np.array_equal(y, x):
+                        errors.append(f"client {k} request {i}: {y}")
+                    with lock:
+                        counts["ok"] += 1
+                except RequestError as e:
+                    if e.code is not ErrorCode.UNAVAILABLE or (
+                            "died of" not in e.message and "was killed" not in e.message):
+                        errors.append(f"client {k} request {i}: {e.code}: {e.message}")
+                    with lock:
+                        counts["died"] += 1
+                if rng.random() < 0.3:
+                    time.sleep(0.002)  # now and then idle: the I/O thread's path
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(3):  # the OOM killer's way, while the traffic runs
+        time.sleep(0.3)
+        pids = worker_pids(d.log(), "bomb version 1@onnxruntime")
+        try:
+            os.kill(pids[-1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive()
+    assert errors == [], errors[:5]
+    assert counts["ok"] + counts["died"] == 4 * 150  # one reply each, no more, no less
+    assert counts["died"] >= 6, counts  # the crashes it asked for, and the kills
+    with d.client() as c:
+        def idle() -> bool:
+            (entry,) = [m for m in c.models() if m["name"] == "bomb"]
+            return entry["in_flight"] == 0 and entry["queued"] == 0
+        poll(idle, 30)
+        assert io_runs(c, "bomb") > WARM
+        np.testing.assert_array_equal(c.infer("bomb", {"x": OK})["y"], OK)
+    assert d.proc.poll() is None
