@@ -73,6 +73,8 @@ PROVOKERS = {
     "inferctl: NOT_FOUND: model 'ocr-dte' not found": "everyday",
     "model a cannot be served:": "bad_files",
     "graph g failed to load:": "bad_files",
+    "ERROR inferd.daemon.runtime: preloaded graph g failed to load:": "bad_files",
+    "ERROR inferd.daemon.workers.channel: a worker sent a message": "hostile_worker",
     "RESOURCE_EXHAUSTED: model ocr-det version 1: queue is full": "limits",
     "RESOURCE_EXHAUSTED: message of": "limits",
     "requests of up to": "limits",
@@ -245,7 +247,7 @@ def test_bad_files(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     (repo / "g" / "graph.toml").write_text(
         'inputs = ["x"]\n[outputs]\ny = "a.y"\n[[nodes]]\nname = "a"\nprocessor = "softmax"\n'
         'params = { input = "x" }\ninputs = { x = "ghost.x" }\n')
-    d = start_daemon("--models", str(repo))
+    d = start_daemon("--models", str(repo), "--preload", "g")
     with d.client() as c:
         with pytest.raises(RequestError):
             c.call(Op.LOAD, "g")
@@ -836,3 +838,29 @@ def test_streams(start_daemon, short_tmp: Path, models_dir: Path) -> None:
         note(lambda: c.stream("vad", id="mic6").infer({"x": np.ones((1, 4), np.float32)}))
     out.append(d2.log())
     _check("streams", "\n".join(out))
+
+
+@pytest.mark.slow
+def test_hostile_worker(start_daemon, short_tmp: Path) -> None:
+    """A processors worker that answers with a pickle naming a forbidden global (a
+    worker taken over): killed, and logged by the channel."""
+    from tests.e2e.test_worker_pickles import GRAPH
+    from tests.daemon.test_worker_pickles import HOSTILE
+    from tests.daemon.test_workers import unary_model
+
+    repo, processors = short_tmp / "repo", short_tmp / "processors"
+    unary_model(repo, "other", "Identity")
+    (repo / "h").mkdir()
+    (repo / "h" / "graph.toml").write_text(GRAPH.format(marker=short_tmp / "ran",
+                                                        how="header"))
+    processors.mkdir()
+    (processors / "hostile.py").write_text(HOSTILE)
+    conf = short_tmp / "inferd.toml"
+    conf.write_text(f'[processors]\ndirectory = "{processors}"\n'
+                    f'[models]\nrepository = "{repo}"\n[metrics]\ntextfile = ""\n')
+    d = start_daemon("--config", str(conf))
+    with d.client() as c:
+        with pytest.raises(RequestError):
+            c.infer("h", {"x": np.ones((1, 4), np.float32)})
+    assert not (short_tmp / "ran").exists()
+    _check("hostile_worker", d.log())
