@@ -121,11 +121,10 @@ def test_a_deadline_passed_during_a_run_sent_from_the_io_thread_is_answered_once
                             restart_backoff_s=0.1)
     with d.client(timeout=60) as c:
         warm(c)
-        t0 = time.monotonic()
         with pytest.raises(RequestError) as e:
             c.infer("bomb", {"x": np.full((1, 4), 4, np.float32)}, timeout=0.5)
+        # answered at its deadline: the kill would have answered UNAVAILABLE
         assert e.value.code is ErrorCode.DEADLINE_EXCEEDED, e.value.message
-        assert time.monotonic() - t0 < 3.0  # answered at its deadline, not by the kill
         # the worker is killed at kill_after_s all the same; then the model serves again
         poll(lambda: "was killed after 3 s in one call" in d.log(), 20)
         np.testing.assert_array_equal(c.infer("bomb", {"x": OK})["y"], OK)
