@@ -43,7 +43,7 @@ from inferd.daemon.graph import (
 )
 from inferd.daemon.pipeline import Pinning, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
-from inferd.daemon.workers.pool import WorkerDied
+from inferd.daemon.workers.pool import died_in_step
 from inferd.daemon.workers.quarantine import Quarantine
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, failure
 from inferd.ipc.protocol import Op, Reply, Request
@@ -141,9 +141,7 @@ def died_of(node: Node, e: Exception) -> str | None:
     worker died (:func:`run_node` raises from the WorkerDied of
     daemon/workers/steps.py); None for any other failure (a model node's death is the
     model's to charge)."""
-    if node.step is not None and isinstance(e.__cause__, WorkerDied):
-        return e.__cause__.message
-    return None
+    return died_in_step(e) if node.step is not None else None
 
 
 RELEASED = object()

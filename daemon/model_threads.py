@@ -65,7 +65,9 @@ from inferd.daemon.pipeline import PipelineSpec, Pinning, pin_current_thread
 from inferd.daemon.stages import STOP, Busy, join_stages
 from inferd.daemon import streams as stream_batch
 from inferd.daemon.streams import Chunk, StreamModel, StreamTable
-from inferd.daemon.workers.pool import ENGINE_TIME, OUTPUTS_INTO, WorkerDied, WorkerModel
+from inferd.daemon.workers.pool import (
+    ENGINE_TIME, OUTPUTS_INTO, WorkerDied, WorkerModel, died_in_step,
+)
 from inferd.daemon.workers.quarantine import Quarantine
 from inferd.daemon.processors import run_steps
 from inferd.ipc.errors import ErrorCode, Failure, InferdError, ModelError, failure
@@ -606,8 +608,9 @@ class ModelThreads:
         """A step whose processors worker died (daemon/workers/steps.py) is charged to
         the request's client as a run's death is: a client whose requests keep killing it
         is refused, a model whose steps kill it for several clients is set aside."""
-        if self._quarantine is not None and isinstance(e.__cause__, WorkerDied):
-            self._quarantine.death(self.name, [item.ticket.uid], e.__cause__.message)
+        died = died_in_step(e)
+        if died is not None and self._quarantine is not None:
+            self._quarantine.death(self.name, [item.ticket.uid], died)
 
     def _infer_loop(self, pinning: Pinning) -> None:
         delay = self.spec.max_delay_ms / 1000

@@ -130,6 +130,15 @@ class WorkerDied(InferdError):
         super().__init__(message, ErrorCode.UNAVAILABLE)
 
 
+def died_in_step(e: BaseException) -> str | None:
+    """How the processors worker ended, if that is what failed a processor step: the
+    steps' runners (daemon/processors: ``run_steps``, ``run_node``) raise a step's error
+    again ``from`` it, and a step whose worker died raised :class:`WorkerDied`
+    (daemon/workers/steps.py). None for any other failure."""
+    cause = e.__cause__
+    return cause.message if isinstance(cause, WorkerDied) else None
+
+
 class Call:
     """One call sent to a worker (:meth:`WorkerPool.begin`) and not answered yet.
 
@@ -173,8 +182,7 @@ class Call:
             self._reply = self.channel.receive(copy=not self.lend, lend=self.lend)[:2]
         except TimeoutError:
             self.channel.close()
-            self.pool.kill(self.w, f"was killed after {self.limit:g} s in one call "
-                                   f"({self.key})")
+            self.late()
             self._gone = True
         except Unreadable as e:  # the worker's words are not inferd's: it is not trusted
             self.channel.close()
@@ -215,8 +223,9 @@ class Call:
         return out, float(reply["took"])
 
     def late(self) -> None:
-        """The call ran past its limit with nobody blocked on it: kill its worker (the
-        channel then reads as gone, and :meth:`result` says why)."""
+        """The call ran past its limit: kill its worker (the channel then reads as gone,
+        and :meth:`result` says why). :meth:`wait` calls it on its receive's timeout;
+        the I/O loop, at the call's deadline, for a call nobody blocks on."""
         self.pool.kill(self.w, f"was killed after {self.limit:g} s in one call ({self.key})")
 
 
@@ -898,9 +907,7 @@ class WorkerModel(InWorker, LoadedModel):
         into = OUTPUTS_INTO.slot
         if into is not None:  # this run's, not a later one's on this thread
             OUTPUTS_INTO.slot = None
-        w, handle = self._live()
-        reply, out = self.pool.call(w, {"op": "run", "handle": handle, "outputs": outputs},
-                                    self.call.model, inputs, into=into, lend=True)
+        reply, out = self._send(self._live(), inputs, outputs, into).wait()
         ENGINE_TIME.seconds = reply["took"]
         return out
 
@@ -909,9 +916,16 @@ class WorkerModel(InWorker, LoadedModel):
         """Send a run without waiting for it (:meth:`WorkerPool.begin`: the I/O thread's
         way, daemon/model_threads.py); None if its worker is gone (the model loads again
         in a new one: that is left to a run that waits)."""
-        w, handle = self._at
-        if not w.alive or self._closed:
+        at = self._at
+        if not at[0].alive or self._closed:
             return None
+        return self._send(at, inputs, outputs, into)
+
+    def _send(self, at: tuple[Worker, int], inputs: dict[str, NDArray[Any]],
+              outputs: list[str] | None, into: Slot | None) -> Call:
+        """Send a run to the model in its worker (``at``: the worker and the handle
+        there); its outputs come back as views of the worker's arena."""
+        w, handle = at
         return self.pool.begin(w, {"op": "run", "handle": handle, "outputs": outputs},
                                self.call.model, inputs, into=into, lend=True)
 

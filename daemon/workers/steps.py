@@ -373,8 +373,6 @@ class InWorker:
         self.pool.unloaded(w)
 
 
-
-
 class WorkerTraceback(Exception):
     """Where an unexpected exception was raised in the processors worker (its traceback
     as text: the cause of the exception raised again in the daemon)."""
