@@ -236,7 +236,7 @@ for name in ("ocr-det", "ocr-cls", "ocr-rec"):
     steps.append((f"{{name}} loaded", peak_rss()[0]))
 spec = load_graph_file(Repository(repo_dir), "ocr", ProcessorRegistry())
 class Direct:  # the graph's model calls, run at once on this thread
-    def submit(self, model, inputs, deadline, peer=b""):
+    def submit(self, model, inputs, deadline, peer=b"", uid=None):
         return models[model].run(inputs)
     def result(self, outputs, model, deadline):
         return outputs

@@ -89,9 +89,15 @@ class ModelCaller:
         """Raise the quarantine's refusal of ``ticket``'s client for ``graph``, if any."""
         self._quarantine.check(graph, ticket.uid)
 
+    def set_aside(self, graph: str) -> str | None:
+        """Why ``graph`` is set aside (its processor nodes killed the processors worker
+        for several clients), or None."""
+        return self._quarantine.set_aside.get(graph)
+
     def submit(self, model: str, inputs: dict[str, Any], deadline: float | None,
-               peer: bytes = b"") -> Future[dict[str, Any]]:
-        """Queue one call of ``model`` as client ``peer``'s (monotonic ``deadline``).
+               peer: bytes = b"", uid: int | None = None) -> Future[dict[str, Any]]:
+        """Queue one call of ``model`` as client ``peer``'s, of uid ``uid`` (monotonic
+        ``deadline``).
 
         Raises:
             InferdError: the model refused it (unknown, failed to load), or its queue
@@ -109,7 +115,7 @@ class ModelCaller:
         timeout_ms = None if deadline is None else max(1, int((deadline - now) * 1000))
         request = Request(f"graph-{next(_ids)}", Op.INFER, model=model, inputs=inputs,
                           timeout_ms=timeout_ms)
-        ticket = LocalTicket(request, deliver, now, peer=peer)
+        ticket = LocalTicket(request, deliver, now, peer=peer, uid=uid)
         while True:  # a full model queue is backpressure here, not a failure
             try:
                 self._models.submit(ticket)
@@ -272,7 +278,8 @@ class _TaskRun:
             self.ex.busy.begin("task", f"node {name}, request {self.request.id}")
             try:
                 out = run_node(spec, node, gather(spec.name, node, self.packets),
-                               self.ex._call, self.ticket.deadline, self.ticket.peer)
+                               self.ex._call, self.ticket.deadline, self.ticket.peer,
+                               self.ticket.uid)
             finally:
                 self.ex.busy.end()
         except Exception as e:
@@ -567,7 +574,8 @@ class PipelineExecutor:
             self.busy.begin("node", f"request {first.request.id}", (first,))
             try:
                 result = run_node(self.spec, node, values, self._call,
-                                  first.ticket.deadline, first.ticket.peer)
+                                  first.ticket.deadline, first.ticket.peer,
+                                  first.ticket.uid)
             finally:
                 self.busy.end()
             return Packet(first.ticket, result)

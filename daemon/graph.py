@@ -285,16 +285,19 @@ class ModelCall(Protocol):
     than the request's deadline."""
 
     def submit(self, model: str, inputs: dict[str, Any], deadline: float | None,
-               peer: bytes = b"") -> Future[dict[str, Any]]: ...
+               peer: bytes = b"", uid: int | None = None) -> Future[dict[str, Any]]: ...
 
     def result(self, future: Future[dict[str, Any]], model: str,
                deadline: float | None) -> dict[str, Any]: ...
 
 
 def run_node(spec: GraphSpec, node: Node, values: dict[str, Any], call: ModelCall,
-             deadline: float | None, peer: bytes = b"") -> dict[str, Any]:
+             deadline: float | None, peer: bytes = b"", uid: int | None = None
+             ) -> dict[str, Any]:
     """Run one node on its input values; errors name the graph and the node. A model
-    node's calls go to the model's queue as the client ``peer``'s (its turns there)."""
+    node's calls go to the model's queue as the client ``peer``'s (its turns there) and
+    as uid ``uid``'s (the quarantine charges it a worker death they cause, and refuses
+    it as it would the client's own call of the model)."""
     try:
         if node.step is not None:
             out = node.step(values)
@@ -310,13 +313,13 @@ def run_node(spec: GraphSpec, node: Node, values: dict[str, Any], call: ModelCal
                 raise ModelError("foreach inputs of different lengths: " + ", ".join(
                     f"{k}: {len(v)}" for k, v in lists.items()))
             futures = [call.submit(node.model, {k: v[i] for k, v in lists.items()},
-                                   deadline, peer) for i in range(n)]
+                                   deadline, peer, uid) for i in range(n)]
             merged: dict[str, Any] = {} if futures else EmptyLists()
             for f in futures:
                 for k, v in call.result(f, node.model, deadline).items():
                     merged.setdefault(node.rename.get(k, k), []).append(v)
             return merged
-        out = call.result(call.submit(node.model, values, deadline, peer), node.model,
+        out = call.result(call.submit(node.model, values, deadline, peer, uid), node.model,
                           deadline)
         return {node.rename.get(k, k): v for k, v in out.items()}
     except Exception as e:

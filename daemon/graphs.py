@@ -147,6 +147,9 @@ class GraphManager:
             info: dict[str, Any] = {"name": name, "kind": "graph",
                                     "state": "ready" if ex else "failed" if error
                                     else "unloaded", "error": error}
+            aside = self._call.set_aside(name)
+            if aside is not None:  # loaded, but refused to every client until a reload
+                info.update(state="failed", error=aside)
             if ex is not None:
                 info.update(executor=ex.spec.executor,
                             nodes=[{"name": n.name, "model": n.model,

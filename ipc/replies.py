@@ -181,7 +181,7 @@ class LocalTicket(_Record):
         deliver: called with the reply.
         received, code, answered: as for :class:`Ticket`.
         peer: the client the call is made for (b"": the daemon itself, for the fair
-            queues); uid None.
+            queues); uid: the client's uid (None: the daemon's own call).
     """
 
     request: Request

@@ -48,7 +48,8 @@ class Quarantine:
 
     def death(self, model: str, clients: Iterable[object], how: str) -> None:
         """A worker running ``model`` for ``clients`` (uids; None for the daemon's own
-        callers, a graph's nodes) ended (``how``: the error's message)."""
+        callers: warm-up, placement's measuring runs; a graph's node runs as the graph's
+        client) ended (``how``: the error's message)."""
         now = time.monotonic()
         with self._lock:
             for client in set(clients):

@@ -46,3 +46,38 @@ def test_a_client_whose_graph_node_keeps_killing_the_processors_worker_is_refuse
             e.value.message
         np.testing.assert_array_equal(c.infer("neg", {"x": ok})["y"], -(ok + 1))
     assert re.search(rf"model g: uid {os.getuid()} refused for 60 s", d.log()), d.log()
+
+
+def test_a_graph_whose_node_kills_the_worker_for_several_clients_is_set_aside(
+        start_daemon, short_tmp: Path) -> None:
+    """Two clients (uids) whose graph requests killed the processors worker: the graph is
+    set aside for everyone, shown FAILED with the reason in ``models`` (as a model set
+    aside is), until a reload."""
+    from tests.e2e.test_workers import NOBODY, _need_root, as_uid
+
+    _need_root()
+    os.chmod(short_tmp, 0o755)  # the other uid reaches the socket
+    # the [server] table rides in after [workers]' keys: _daemon writes no [server]
+    d = _daemon(start_daemon, short_tmp, 'refuse_client_after = 5\nset_aside_after = 2\n'
+                '[server]\nsocket_mode = "0666"\n')
+    ok, bad = np.full((1, 4), 10, np.float32), np.full((1, 4), 1, np.float32)
+    assert as_uid(NOBODY, d.endpoint, "g", bad).startswith("UNAVAILABLE: graph g: node ")
+    with d.client() as c:
+        with pytest.raises(RequestError):
+            c.infer("g", {"x": bad})
+        with pytest.raises(RequestError) as e:
+            c.infer("g", {"x": ok})
+        assert e.value.message.startswith("model g is set aside: its runs killed its "
+                                          "worker for 2 clients within 60 s (uids "), \
+            e.value.message
+        row = next(m for m in c.models() if m["name"] == "g")
+        assert row["kind"] == "graph" and row["state"] == "failed", row
+        assert row["error"].startswith("set aside: its runs killed its worker"), row
+        assert as_uid(NOBODY, d.endpoint, "g", ok).startswith("UNAVAILABLE: model g is set "
+                                                               "aside")
+        np.testing.assert_array_equal(c.infer("neg", {"x": ok})["y"], -(ok + 1))
+        c.call("reload")
+        np.testing.assert_array_equal(c.infer("g", {"x": ok})["y"], -(ok + 2))
+        row = next(m for m in c.models() if m["name"] == "g")
+        assert row["state"] == "ready" and row["error"] is None, row
+    assert "ERROR inferd.daemon.workers.quarantine: model g set aside" in d.log()

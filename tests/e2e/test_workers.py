@@ -301,6 +301,53 @@ def test_a_client_that_keeps_killing_the_worker_is_refused_and_others_served(
     assert f"model bomb: uid {os.getuid()} refused for 60 s" in d.log()
 
 
+GRAPH_BOMB = """
+executor = "{executor}"
+inputs = ["x"]
+[outputs]
+y = "b.y"
+[[nodes]]
+name = "b"
+model = "bomb"
+inputs = {{ x = "input.x" }}
+"""
+
+
+@pytest.mark.parametrize("executor", ["pipeline", "task"])
+def test_a_graph_node_that_kills_its_models_worker_is_charged_to_the_graphs_client(
+        executor, start_daemon, repo, short_tmp):
+    """A graph's model node calls its model as the graph's client: the deaths it causes
+    are charged to that client for the model, which the graph's node and the client's
+    own calls of the model are then refused (before this, a graph's node calls carried no
+    uid: a client could kill a model's worker through a graph for ever)."""
+    (repo / "gb").mkdir()
+    (repo / "gb" / "graph.toml").write_text(GRAPH_BOMB.format(executor=executor))
+    d = daemon_with_workers(start_daemon, repo, short_tmp, refuse_client_after=2,
+                            restart_backoff_s=0.05)
+    ok = np.full((1, 4), 7, np.float32)
+    bad = np.full((1, 4), 1, np.float32)  # abort()
+    with d.client() as c:
+        np.testing.assert_array_equal(c.infer("gb", {"x": ok})["y"], ok)
+        for _ in range(2):
+            with pytest.raises(RequestError) as e:
+                c.infer("gb", {"x": bad})
+            assert e.value.code is ErrorCode.UNAVAILABLE
+            assert re.fullmatch(r"graph gb: node b: model bomb: engine onnxruntime \(worker "
+                                r"\d+\) died of SIGABRT while running bomb version 1",
+                                e.value.message), e.value.message
+        refused = f"model bomb: uid {os.getuid()} is refused for "
+        with pytest.raises(RequestError) as e:
+            c.infer("gb", {"x": ok})
+        assert e.value.code is ErrorCode.UNAVAILABLE
+        assert e.value.message.startswith(f"graph gb: node b: {refused}"), e.value.message
+        with pytest.raises(RequestError) as e:
+            c.infer("bomb", {"x": ok})
+        assert e.value.message.startswith(refused), e.value.message
+        # the refusal is the client's for that model, not the daemon's
+        np.testing.assert_array_equal(c.infer("vad", VAD_OK)["output"].shape, (1, 1))
+    assert f"model bomb: uid {os.getuid()} refused for 60 s" in d.log()
+
+
 def test_a_model_that_kills_its_worker_for_several_clients_is_set_aside_until_reload(
         start_daemon, repo, short_tmp):
     _need_root()
