@@ -283,6 +283,7 @@ class ModelEntry:
 
     def describe(self) -> dict[str, Any]:
         m = self.model
+        about = m.describe() if m else {}
         return {
             "name": self.name, "state": str(self.state), "version": self.version,
             "error": self.error, **self._placed(),
@@ -300,7 +301,9 @@ class ModelEntry:
                           for p in self.threads.pinning()] if self.threads else [],
             "batching": self.threads.batching() if self.threads else None,
             "io_thread_runs": self.threads.io_thread_runs if self.threads else 0,
-            "plan": m.describe().get("plan") if m else None,
+            "plan": about.get("plan"),
+            # the worker process it runs in (None: in the daemon's own process)
+            "worker": about.get("worker"),
             # open streams; those freed for idleness, and lost, since the daemon started
             "streams": self.streams.open(), "streams_bytes": self.streams.nbytes(),
             "streams_expired": self.streams.expired, "streams_lost": self.streams.lost_count,

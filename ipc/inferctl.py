@@ -105,6 +105,8 @@ def show_models(models: list[dict[str, Any]], verbose: bool) -> str:
                         f"\n  inputs:  {_tensors(m['inputs'])}"
                         f"\n  outputs: {_tensors(m['outputs'])}"
                         f"\n  threads: {', '.join(m.get('threads', [])) or '-'}")
+                if m.get("worker"):
+                    out += f"\n  worker: {m['worker']['name']}, pid {m['worker']['pid']}"
                 out += f"\n  batching: {_batching(m.get('batching'))}"
                 if _has_streams(m):
                     out += f"\n  streams: {_streams(m)}"

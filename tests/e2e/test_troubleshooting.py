@@ -108,6 +108,7 @@ PROVOKERS = {
     "inferctl: UNAVAILABLE: engine onnxruntime (worker": "worker_crash",
     "ERROR inferd.daemon.workers.pool: engine onnxruntime": "worker_crash",
     "INFO inferd.daemon.workers.pool: worker onnxruntime started": "worker_crash",
+    "  worker: onnxruntime, pid": "worker_crash",
     "backend candidate /usr/lib/inferd/backends/planted.py": "strict_modes",
     "processor file /usr/lib/inferd/processors/mine.py": "strict_modes",
     "model conv version 1 failed to load: refusing": "strict_modes",
@@ -602,7 +603,7 @@ def test_worker_crash(start_daemon, short_tmp: Path, models_dir: Path) -> None:
     with Client(d.endpoint, timeout=60) as c:  # served again: a new worker
         c.infer("vad", {**files, "input": np.zeros((1, 512), np.float32),
                         "state": np.zeros((2, 1, 128), np.float32)})
-    _check("worker_crash", d.log() + r.stderr)
+    _check("worker_crash", d.log() + r.stderr + _inferctl(d.endpoint, "models", "-v").stdout)
 
 
 def test_strict_modes(start_daemon, short_tmp: Path) -> None:

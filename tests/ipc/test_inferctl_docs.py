@@ -1,15 +1,18 @@
 """inferctl(1) documents every command and option inferctl has; `inferctl --version`;
-`models -v` shows whether dynamic batching is on; the configuration files are logged at
-start and a failed `inferctl reload` is logged like a failed SIGHUP."""
+`models -v` shows whether dynamic batching is on and the worker process a model runs in;
+the configuration files are logged at start and a failed `inferctl reload` is logged
+like a failed SIGHUP."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from inferd.ipc.inferctl import build_parser
@@ -62,6 +65,11 @@ def test_models_verbose_shows_batching_and_the_log_names_the_config(
     blocks = {b.split("\n", 1)[0]: b for b in out.split("\n\n")}
     assert "batching: on (max_batch 8, max_delay_ms 2)" in blocks["batched"], out
     assert "batching: off" in blocks["single"], out
+    # the worker process each runs in: a process of the daemon's (under its zygote)
+    pids = {int(re.search(r"\n  worker: onnxruntime, pid (\d+)\n", blocks[name])[1])
+            for name in ("batched", "single")}
+    family = {p.pid for p in psutil.Process(d.proc.pid).children(recursive=True)}
+    assert len(pids) == 1 and pids <= family, (pids, family, out)
     assert f"configuration: {config}\n" in d.log() or f"configuration: {config} [" in d.log()
     # A configuration that does not validate: inferctl says why, the log says the same.
     config.write_text('[models]\nqueue_size = "many"\n')
