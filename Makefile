@@ -84,7 +84,7 @@ test-fast: setup libinferd
 	$(PYTEST_JOBS) -m "not slow and not soak"
 
 soak: setup libinferd
-	$(PYTEST) -m soak
+	$(PYTEST_JOBS) -m soak
 
 # libinferd, the C client library (docs/libinferd.md): ipc/c/build/libinferd.so.0 and
 # inferd.pc; its tests (tests/ipc/test_libinferd*.py) build its C test programs, plain and
