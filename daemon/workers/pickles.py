@@ -6,7 +6,8 @@ ops, OpenCV on a client's image, the user's processor files). A worker taken ove
 hostile input sends what its attacker wants, and a pickle names any global and calls it
 while it is read (``os.system`` with a command): :func:`pickle.loads` on a worker's
 bytes would run the attacker's code in the daemon. So every pickle the daemon reads from
-a worker (a channel message's header, a processor step's values) goes through
+a worker (a channel message's header, a processor step's values), and from the zygote
+(which runs no such code, but is another process all the same), goes through
 :class:`Unpickler`, whose ``find_class`` gives only the globals of :data:`ALLOWED`:
 
 - numpy's array, dtype and scalar reconstruction, which refuse to make an array of

@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from inferd.daemon.workers import pickles
+
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -131,7 +133,14 @@ class Zygote:
                 data = b""
             if not data:
                 break
-            msg = pickle.loads(data)
+            try:  # what the daemon reads from another process: the allow-list's
+                msg = pickles.loads(data)
+                if not isinstance(msg, dict):
+                    raise TypeError(f"a {type(msg).__name__}, not a dict")
+            except Exception as e:  # noqa: BLE001  a zygote that says this is no use
+                log.error("the worker zygote sent a message the daemon refuses to read "
+                          "(%s); no worker can start from now on", e)
+                break
             if msg.get("op") == "exit":
                 self._on_exit(msg["pid"], msg["status"])
             else:

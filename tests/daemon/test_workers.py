@@ -149,6 +149,38 @@ def test_the_zygote_forks_workers_and_reports_how_they_end():
         z.close()
 
 
+class _Boom:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, ("touch /tmp/inferd-zygote-pwned",))
+
+
+def test_a_pickle_from_the_zygote_is_read_under_the_allow_list(caplog):
+    """What the zygote sends is read as a worker's words are (daemon/workers/pickles.py):
+    a message naming a global off the list runs nothing in the daemon; it is logged, and
+    the zygote is taken as ended (a spawn then says so at once)."""
+    import pickle
+
+    z = Zygote(_echo_worker, lambda pid, status: None)
+    mine, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    real, z.sock = z.sock, mine  # this test plays the zygote
+    marker = Path("/tmp/inferd-zygote-pwned")
+    marker.unlink(missing_ok=True)
+    try:
+        z.start()
+        zygote_end.send(pickle.dumps(_Boom()))
+        a, b = pair()
+        with pytest.raises(OSError, match="the worker zygote has ended"):
+            z.spawn(b, "w1", timeout=10)
+        assert not marker.exists()
+        assert "the worker zygote sent a message the daemon refuses to read" in caplog.text
+        assert "posix.system" in caplog.text, caplog.text
+    finally:
+        a.close()
+        zygote_end.close()
+        z.sock = real
+        z.close()
+
+
 def new_pool(**settings: Any) -> WorkerPool:
     """A started pool with onnxruntime registered (the ``pool`` fixture's); ``settings``
     (``idle_exit_s``...) override its own."""
