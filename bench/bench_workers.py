@@ -99,6 +99,34 @@ def crash_to_served(repo: Path, x: np.ndarray, n: int = 5) -> list[float]:
     return times
 
 
+class PacketEcho:
+    """The hop's floor: a forked process that echoes each datagram of an ``AF_UNIX``
+    ``SOCK_SEQPACKET`` socketpair (the worker's control channel's kind), 100 bytes, the
+    size of a small run's header: a round trip between two Python processes with no
+    work done on either side."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.pid = os.fork()
+        if self.pid == 0:  # the echo: nothing of the bench from here on
+            self.sock.close()
+            while data := theirs.recv(4096):
+                theirs.send(data)
+            os._exit(0)
+        theirs.close()
+        self.message = b"x" * 100
+
+    def round_trip(self) -> None:
+        self.sock.send(self.message)
+        self.sock.recv(4096)
+
+    def close(self) -> None:
+        self.sock.close()
+        os.waitpid(self.pid, 0)
+
+
 def main() -> None:
     print(f"bench_workers: {cpu_note()}, load {os.getloadavg()[0]:.1f}")
     repo = repo_with_identity()
@@ -107,6 +135,7 @@ def main() -> None:
     cls1 = np.random.default_rng(1).random((1, 3, 48, 192), dtype=np.float32)
     cls8 = np.random.default_rng(2).random((8, 3, 48, 192), dtype=np.float32)
     echo = Echo()
+    packet = PacketEcho()
     inproc = daemon(repo, "in-process")
     worker = daemon(repo, "backend")
     try:
@@ -117,7 +146,8 @@ def main() -> None:
             frames_big = encode_request(Request("b2", Op.INFER, "identity", inputs={"x": big}))
             t = interleaved({"echo": echo.round_trip(frames_small),
                              "in-process": call(a, "identity", {"x": small}),
-                             "worker": call(b, "identity", {"x": small})}, 10, 200)
+                             "worker": call(b, "identity", {"x": small}),
+                             "seqpacket": packet.round_trip}, 10, 200)
             e = median(t["echo"])
             print("\n1. 16-byte infer, p50 (ratio to raw echo)")
             for k in t:
@@ -126,6 +156,10 @@ def main() -> None:
             hop = median(t["worker"]) - median(t["in-process"])
             print(f"   worker - in-process: {hop / e:+.2f} (goal <= +0.3): the hop "
                   f"{hop * 1e6:+.1f} µs")
+            floor = median(t["seqpacket"])
+            print(f"   the hop's floor, a bare SOCK_SEQPACKET round trip between two Python "
+                  f"processes (the seqpacket row): {floor / e:+.2f} of the echo; the hop is "
+                  f"{hop / floor:.1f}x it")
             t = interleaved({"echo": echo.round_trip(frames_big),
                              "in-process": call(a, "identity", {"x": big}),
                              "worker": call(b, "identity", {"x": big})}, 6, 20)
@@ -169,6 +203,7 @@ def main() -> None:
               "'worker NAME started: pid N in T ms' (INFO)")
     finally:
         echo.close()
+        packet.close()
         inproc.stop()
         worker.stop()
         shutil.rmtree(repo, ignore_errors=True)
