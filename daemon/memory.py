@@ -82,7 +82,15 @@ calibrating runs: a model's ratio moves a little with the size and the heap's la
 (ocr-cls 2.76-3.21, vad 1.65-2.0), and the largest keeps the estimate on the safe
 side."""
 TRIES = 3
-"""Measurements of a class taken beside other runs before it is no longer measured."""
+"""Measurements of a class taken beside other runs before it is measured only now and
+then (:data:`RETRY_AFTER`)."""
+RETRY_AFTER = 64
+"""Runs of a class not measured yet, after :data:`TRIES` measurements taken beside other
+runs, between two more tries: a class whose first runs all overlapped others (models
+loaded together, their rivals measured for placement meanwhile) is measured once the
+daemon is quieter, rather than never (then its runs would never count as settled: each
+one estimated anew and none sent from the I/O thread), at the cost of one measured run
+in this many while it stays busy."""
 KNOWN_VALUES = 16
 """Integer inputs of at most this many elements are given to the graph by value (a
 sample rate may choose a branch); the class keeps the first run's values."""
@@ -321,6 +329,7 @@ class _Class:
     elements: int = 0
     measured: int | None = None
     tries: int = 0
+    waited: int = 0  # runs not measured since the last of TRIES tries
     activations: tuple[int, int] | None = None  # (elements, bytes) of a run sized
     complete: bool = False
     admitted: int = 0
@@ -419,6 +428,10 @@ class WorkingMemory:
                 c = self.classes[key] = _Class()
             again = c.measured is None or elements > c.elements * GROWTH
             measure = again and c.tries < TRIES
+            if again and not measure:
+                c.waited += 1
+                if c.waited >= RETRY_AFTER:  # now and then, once more
+                    measure, c.waited = True, 0
             if c.measured is not None and not again:
                 need = c.counted()
                 if c.admitted < need:  # admitted at this figure once, then settled

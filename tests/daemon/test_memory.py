@@ -71,6 +71,42 @@ def test_a_measurement_beside_another_run_is_dropped_and_taken_again():
     assert working.classes[key].measured is not None
 
 
+def test_a_class_measured_only_beside_other_runs_is_tried_again_now_and_then(tmp_path):
+    """A model with a graph drops every measurement taken beside another run; after TRIES
+    such, its class is still measured once every RETRY_AFTER runs, so that it settles
+    once the daemon is quieter. Before, it was never measured again: a model whose first
+    runs overlapped others (models loaded together, their placement rivals measured
+    meanwhile) never settled, its every run estimated anew and none sent from the I/O
+    thread (bench_spine's 16 B infer took the model's threads for good)."""
+    from inferd.daemon.activations import Activations
+    from inferd.daemon.memory import RETRY_AFTER, TRIES
+    from tests.daemon.test_workers import unary_model
+
+    working = WorkingMemory("test")
+    working.use(Activations(unary_model(tmp_path, "neg", "Neg")), "onnxruntime")
+    x = {"x": np.zeros((1, 1000), np.float32)}
+    started, finish = threading.Event(), threading.Event()
+    other = threading.Thread(target=lambda: working.run(
+        lambda: (started.set(), finish.wait(30))))
+    other.start()
+    assert started.wait(30)
+    try:
+        for _ in range(TRIES):  # each one beside the other run: dropped
+            estimate = working.estimate(x)
+            assert estimate.measure
+            working.measure(estimate.key, x, lambda: None)
+        assert working.classes[estimate.key].measured is None
+        assert [working.estimate(x).measure for _ in range(RETRY_AFTER)] == \
+            [False] * (RETRY_AFTER - 1) + [True]
+    finally:
+        finish.set()
+        other.join(30)
+    assert not working.settled(x)
+    working.measure(estimate.key, x, lambda: None)  # the try, alone now
+    assert working.classes[estimate.key].measured is not None
+    assert working.settled(x) and not working.estimate(x).measure
+
+
 def test_arena_policy_defaults_and_values():
     assert arena_policy({}, "m") == ArenaPolicy()
     p = arena_policy({"memory_arena": True, "arena_extend_strategy": "same_as_requested",

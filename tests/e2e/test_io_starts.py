@@ -223,3 +223,33 @@ def test_runs_sent_from_the_io_thread_and_queued_ones_race_with_crashes_and_kill
         assert io_runs(c, "bomb") > WARM
         np.testing.assert_array_equal(c.infer("bomb", {"x": OK})["y"], OK)
     assert d.proc.poll() is None
+
+
+def test_a_model_whose_first_runs_overlapped_placement_reaches_the_io_thread(
+        start_daemon, short_tmp):
+    """Models loaded together have their placement rivals measured beside their first
+    runs, so those runs' working memory is measured beside other runs and dropped; the
+    class is tried again now and then (daemon/memory.py, RETRY_AFTER) and settles, and
+    the model's runs go to the I/O thread's path. Before, it was never tried again: the
+    model took its threads for every request for as long as the daemon ran."""
+    from tests.daemon.test_workers import unary_model
+
+    models = short_tmp / "repo"
+    for name in ("a", "b", "c"):
+        unary_model(models, name, "Identity")
+    conf = short_tmp / "inferd.toml"
+    conf.write_text('[workers]\nisolation = "backend"\n[metrics]\ntextfile = ""\n'
+                    '[placement]\nmode = "measured"\n')
+    d = start_daemon("--config", str(conf), "--models", str(models))
+    with d.client() as c:
+        for name in ("a", "b", "c"):
+            c.load(name)
+        for _ in range(10):  # beside the rivals being measured
+            np.testing.assert_array_equal(c.infer("a", {"x": OK})["y"], OK)
+
+        def reached() -> bool:
+            for _ in range(100):
+                c.infer("a", {"x": OK})
+            return io_runs(c, "a") > 0
+        poll(reached, timeout=120)
+    assert "placement measured" in d.log()
