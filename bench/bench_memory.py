@@ -160,20 +160,19 @@ class PeakSampler:
         self._thread.start()
 
     def _loop(self) -> None:
+        client = Client(self.endpoint, timeout=10) if self.endpoint else None
+        try:
+            self._poll(client)
+        finally:
+            if client is not None:
+                client.close()
+
+    def _poll(self, client: Client | None) -> None:
         page = 4096
         path = f"/proc/{self.pid}/statm"
         pids: list[int] = []
         workers: list[int] = []
         n = 0
-        client = Client(self.endpoint, timeout=10) if self.endpoint else None
-        try:
-            self._poll(path, page, pids, workers, n, client)
-        finally:
-            if client is not None:
-                client.close()
-
-    def _poll(self, path: str, page: int, pids: list[int], workers: list[int], n: int,
-              client: Client | None) -> None:
         while not self._stop.wait(0.005):
             try:
                 with open(path) as f:

@@ -53,7 +53,7 @@ def test_a_graph_whose_node_kills_the_worker_for_several_clients_is_set_aside(
     """Two clients (uids) whose graph requests killed the processors worker: the graph is
     set aside for everyone, shown FAILED with the reason in ``models`` (as a model set
     aside is), until a reload."""
-    from tests.e2e.test_workers import NOBODY, _need_root, as_uid
+    from tests.e2e.test_workers import _need_root, set_aside_by_two_clients
 
     _need_root()
     os.chmod(short_tmp, 0o755)  # the other uid reaches the socket
@@ -61,20 +61,9 @@ def test_a_graph_whose_node_kills_the_worker_for_several_clients_is_set_aside(
     d = _daemon(start_daemon, short_tmp, 'refuse_client_after = 5\nset_aside_after = 2\n'
                 '[server]\nsocket_mode = "0666"\n')
     ok, bad = np.full((1, 4), 10, np.float32), np.full((1, 4), 1, np.float32)
-    assert as_uid(NOBODY, d.endpoint, "g", bad).startswith("UNAVAILABLE: graph g: node ")
     with d.client() as c:
-        with pytest.raises(RequestError):
-            c.infer("g", {"x": bad})
-        with pytest.raises(RequestError) as e:
-            c.infer("g", {"x": ok})
-        assert e.value.message.startswith("model g is set aside: its runs killed its "
-                                          "worker for 2 clients within 60 s (uids "), \
-            e.value.message
-        row = next(m for m in c.models() if m["name"] == "g")
-        assert row["kind"] == "graph" and row["state"] == "failed", row
-        assert row["error"].startswith("set aside: its runs killed its worker"), row
-        assert as_uid(NOBODY, d.endpoint, "g", ok).startswith("UNAVAILABLE: model g is set "
-                                                               "aside")
+        row = set_aside_by_two_clients(d, c, "g", bad, ok, "UNAVAILABLE: graph g: node ")
+        assert row["kind"] == "graph", row
         np.testing.assert_array_equal(c.infer("neg", {"x": ok})["y"], -(ok + 1))
         c.call("reload")
         np.testing.assert_array_equal(c.infer("g", {"x": ok})["y"], -(ok + 2))

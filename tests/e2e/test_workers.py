@@ -348,6 +348,28 @@ def test_a_graph_node_that_kills_its_models_worker_is_charged_to_the_graphs_clie
     assert f"model bomb: uid {os.getuid()} refused for 60 s" in d.log()
 
 
+def set_aside_by_two_clients(d, c, model: str, bad: np.ndarray, ok: np.ndarray,
+                             died: str) -> dict:
+    """Uid NOBODY, then ``c``'s, send ``model`` an ``x`` that kills its worker (NOBODY's
+    reply starts ``died``), with ``[workers] set_aside_after = 2``: the model is then
+    refused to both, whatever they send, and its ``models`` row is FAILED with the
+    reason; returns that row."""
+    assert as_uid(NOBODY, d.endpoint, model, bad).startswith(died)
+    with pytest.raises(RequestError):
+        c.infer(model, {"x": bad})
+    with pytest.raises(RequestError) as e:
+        c.infer(model, {"x": ok})
+    assert e.value.message.startswith(f"model {model} is set aside: its runs killed its "
+                                      "worker for 2 clients within 60 s (uids "), \
+        e.value.message
+    row = next(m for m in c.models() if m["name"] == model)
+    assert row["state"] == "failed", row
+    assert row["error"].startswith("set aside: its runs killed its worker"), row
+    assert as_uid(NOBODY, d.endpoint, model, ok).startswith(
+        f"UNAVAILABLE: model {model} is set aside")
+    return row
+
+
 def test_a_model_that_kills_its_worker_for_several_clients_is_set_aside_until_reload(
         start_daemon, repo, short_tmp):
     _need_root()
@@ -355,19 +377,8 @@ def test_a_model_that_kills_its_worker_for_several_clients_is_set_aside_until_re
                       set_aside_after=2)
     ok = np.full((1, 4), 7, np.float32)
     bad = np.full((1, 4), 2, np.float32)  # NULL
-    assert as_uid(NOBODY, d.endpoint, "bomb", bad).startswith(
-        "UNAVAILABLE: engine onnxruntime")
     with d.client() as c:
-        with pytest.raises(RequestError):
-            c.infer("bomb", {"x": bad})
-        with pytest.raises(RequestError) as e:
-            c.infer("bomb", {"x": ok})
-        assert e.value.message.startswith("model bomb is set aside: its runs killed its "
-                                          "worker for 2 clients within 60 s (uids ")
-        row = next(m for m in c.models() if m["name"] == "bomb")
-        assert row["state"] == "failed" and row["error"].startswith("set aside")
-        assert as_uid(NOBODY, d.endpoint, "bomb", ok).startswith(
-            "UNAVAILABLE: model bomb is set aside")
+        set_aside_by_two_clients(d, c, "bomb", bad, ok, "UNAVAILABLE: engine onnxruntime")
         c.call("reload")
         np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
     assert "ERROR inferd.daemon.workers.quarantine: model bomb set aside" in d.log()
