@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("configuration: %s%s", path or "built-in defaults",
              f", then drop-ins {', '.join(str(p) for p in config.dropins)}"
              if config.dropins else "")
+    # A blocked signal is inherited across exec: a parent that leaves SIGTERM or SIGHUP
+    # blocked (systemd does not, a script's supervisor may) would leave the daemon deaf
+    # to stop and reload. Start from an empty mask.
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
     runtime = Runtime(config, overrides)
 
     def on_signal(signum: int, _frame: Any) -> None:

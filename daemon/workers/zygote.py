@@ -180,6 +180,10 @@ def _serve(sock: socket.socket, worker_main: Callable[[socket.socket, str], int]
     rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    # The zygote inherits the mask of the thread that forked it: a SIGCHLD blocked there
+    # (by the daemon's parent, or a library on that thread) would never wake this loop,
+    # and no worker's end would be reported. Its workers inherit this empty one.
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     poller.register(rfd, select.POLLIN)

@@ -121,7 +121,11 @@ def _echo_worker(sock: socket.socket, name: str) -> int:
         ch.send({"name": name, **header}, tensors)
 
 
-def test_the_zygote_forks_workers_and_reports_how_they_end():
+@pytest.mark.parametrize("blocked", [False, True], ids=["empty-mask", "sigchld-blocked"])
+def test_the_zygote_forks_workers_and_reports_how_they_end(blocked):
+    """Also when the thread that forks the zygote has SIGCHLD blocked (a mask is
+    inherited by fork and exec): the zygote starts from an empty mask, or it never wakes
+    to reap (the old code: no report in 10 s)."""
     ended: dict[int, int] = {}
     done = threading.Event()
 
@@ -129,7 +133,11 @@ def test_the_zygote_forks_workers_and_reports_how_they_end():
         ended[pid] = status
         done.set()
 
-    z = Zygote(_echo_worker, on_exit)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD} if blocked else ())
+    try:
+        z = Zygote(_echo_worker, on_exit)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
     z.start()
     try:
         a, b = pair()

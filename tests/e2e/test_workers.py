@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -93,12 +94,21 @@ def repo(short_tmp: Path, models_dir: Path) -> Path:
     return repo
 
 
-def daemon_with_workers(start_daemon, repo: Path, short_tmp: Path, **workers: object):
+def daemon_with_workers(start_daemon, repo: Path, short_tmp: Path,
+                        wrap: list[str] | None = None, **workers: object):
     conf = short_tmp / "inferd.toml"
     extra = "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in workers.items())
     conf.write_text(f'[workers]\nisolation = "backend"\n{extra}\n'
                     '[models]\nallow_external_links = true\n[metrics]\ntextfile = ""\n')
-    return start_daemon("--config", str(conf), "--models", str(repo))
+    return start_daemon("--config", str(conf), "--models", str(repo), wrap=wrap)
+
+
+# Runs the daemon with SIGCHLD, SIGTERM and SIGHUP blocked, as a parent that leaves them
+# so would (a blocked mask is inherited across fork and exec).
+BLOCKED = [sys.executable, "-c",
+           "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, "
+           "{signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP}); "
+           "os.execv(sys.argv[1], sys.argv[1:])"]
 
 
 def worker_pids(log: str, name: str) -> list[int]:
@@ -209,8 +219,13 @@ def test_a_run_that_never_returns_is_killed(start_daemon, repo, short_tmp):
         np.testing.assert_array_equal(c.infer("bomb", {"x": ok})["y"], ok)
 
 
-def test_a_worker_killed_from_outside_is_started_again(start_daemon, repo, short_tmp):
-    d = daemon_with_workers(start_daemon, repo, short_tmp)
+@pytest.mark.parametrize("mask", ["empty", "blocked"])
+def test_a_worker_killed_from_outside_is_started_again(mask, start_daemon, repo, short_tmp):
+    """Also when the daemon's parent left SIGCHLD, SIGTERM and SIGHUP blocked: the
+    daemon starts from an empty mask, so its zygote still reaps (the death is named)
+    and SIGTERM still stops it."""
+    d = daemon_with_workers(start_daemon, repo, short_tmp,
+                            wrap=BLOCKED if mask == "blocked" else None)
     x = np.random.default_rng(2).random((2, 3, 48, 192), dtype=np.float32)
     with d.client() as c:
         before = c.infer("ocr-cls", {"x": x})
@@ -225,6 +240,7 @@ def test_a_worker_killed_from_outside_is_started_again(start_daemon, repo, short
     pids = worker_pids(d.log(), "onnxruntime")
     assert len(pids) == 2 and pids[1] != pid
     print(f"served again {took * 1e3:.0f} ms after the worker's death was known")
+    assert d.stop() == 0, d.log()  # on SIGTERM, within the bound
 
 
 NOBODY = 65534
