@@ -239,6 +239,10 @@ class Worker:
     control: Channel
     started: float = field(default_factory=time.monotonic)
     pidfd: int = -1
+    """Open from its start until its end is reported (``pidfd_lock``): the only way it
+    is signalled. Its pid alone is never used for that: once the zygote has reaped it,
+    the number may be another process's (pids wrap at 32,768 by default)."""
+    pidfd_lock: threading.Lock = field(default_factory=threading.Lock)
     status: int | None = None
     reason: str = ""
     """How it ended (``died of SIGABRT``), once it has."""
@@ -262,6 +266,22 @@ class Worker:
     @property
     def alive(self) -> bool:
         return not self.ended.is_set()
+
+    def send_kill(self) -> None:
+        """SIGKILL it, through its pidfd; nothing once its end was reported."""
+        with self.pidfd_lock:
+            if self.pidfd < 0:
+                return
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except OSError:
+                pass  # ended, not reaped yet: its report is on the way
+
+    def close_pidfd(self) -> None:
+        with self.pidfd_lock:
+            if self.pidfd >= 0:
+                os.close(self.pidfd)
+                self.pidfd = -1
 
     @property
     def label(self) -> str:
@@ -361,7 +381,7 @@ class WorkerPool:
             try:
                 w.pidfd = os.pidfd_open(pid)
             except OSError:
-                w.pidfd = -1  # gone already: the zygote's report ends it
+                w.pidfd = -1  # reaped already: the zygote's report ends it
             with self._lock:
                 w.pending = 1
                 self._workers[key] = w
@@ -432,9 +452,7 @@ class WorkerPool:
                     time.monotonic())
             running = list(w.running.values())
             w.ended.set()
-        if w.pidfd >= 0:
-            os.close(w.pidfd)
-            w.pidfd = -1
+        w.close_pidfd()
         for then in w.on_end:
             then()
         if expected:
@@ -466,13 +484,7 @@ class WorkerPool:
 
     def kill(self, w: Worker, why: str) -> None:
         w.killed_for = w.killed_for or why
-        try:
-            if w.pidfd >= 0:
-                signal.pidfd_send_signal(w.pidfd, signal.SIGKILL)
-            else:
-                os.kill(w.pid, signal.SIGKILL)
-        except (ProcessLookupError, OSError):
-            pass
+        w.send_kill()
 
     # ----------------------------------------------------------------- calls
 
@@ -808,9 +820,7 @@ class WorkerPool:
                     channel.close()
                 w.idle.clear()
                 w.lent.clear()
-            if w.pidfd >= 0:
-                os.close(w.pidfd)
-                w.pidfd = -1
+            w.close_pidfd()
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -81,6 +81,7 @@ class Zygote:
         self._replies: list[dict[str, Any]] = []
         self._cond = threading.Condition(self._lock)
         self._closed = False
+        self._reaped = False
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -152,13 +153,18 @@ class Zygote:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """End the zygote (its workers get SIGKILL from the kernel as it goes)."""
+        """End the zygote (its workers get SIGKILL from the kernel as it goes); again
+        does nothing: once reaped, its pid may be another process's."""
+        with self._cond:
+            if self._reaped:
+                return
+            self._reaped = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         try:
-            os.kill(self.pid, signal.SIGKILL)
+            os.kill(self.pid, signal.SIGKILL)  # a child not yet waited for: still ours
         except ProcessLookupError:
             pass
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import subprocess
 import socket
 import threading
 import time
@@ -308,6 +309,53 @@ def test_a_killed_worker_fails_the_run_it_held_and_the_model_loads_again(pool, m
             pytest.fail("no kill landed inside a run")
     finally:
         model.unload()
+
+
+def _bystander() -> subprocess.Popen:
+    """A process of this test's that plays whoever got a reaped worker's pid next (a
+    number is reused once pids wrap: at 32,768 by default, within one suite run)."""
+    return subprocess.Popen(["sleep", "60"])
+
+
+def _ended_by(p: subprocess.Popen) -> int:
+    """The signal ``p`` ended of after this SIGTERM: SIGKILL if one was sent it before
+    (the kernel fixes a process's end when a SIGKILL is sent, whatever comes after)."""
+    p.terminate()
+    return -p.wait(timeout=30)
+
+
+def test_killing_a_worker_whose_end_was_reported_signals_nobody(pool, models_dir):
+    """A worker is signalled through its pidfd only; once its end is reported its pid
+    may be another process's. The old code fell back to os.kill(pid) there, from every
+    path that kills (a broken channel, kill_after_s, the memory limit, a stop): in one
+    CI run it killed a zygote of another test process, whose workers all went with it."""
+    model = WorkerModel(pool, vad_call(models_dir), 60.0)
+    model.run(VAD)
+    w = model.worker
+    os.kill(w.pid, signal.SIGKILL)
+    poll(lambda: not w.alive, 10)
+    other = _bystander()
+    try:
+        w.pid = other.pid  # its number taken by another process
+        pool.kill(w, "was killed: its channel broke")
+        assert _ended_by(other) == signal.SIGTERM
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_zygote_closed_twice_signals_nobody_the_second_time():
+    z = Zygote(_echo_worker, lambda pid, status: None)
+    z.start()
+    z.close()
+    other = _bystander()
+    try:
+        z.pid = other.pid  # reaped: its number taken by another process
+        z.close()
+        assert _ended_by(other) == signal.SIGTERM
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_worker_models_working_memory_is_measured_in_the_worker(pool, models_dir):
