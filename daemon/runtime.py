@@ -318,8 +318,9 @@ class Runtime:
         return ("ready; " if self.ready.is_set() else "starting; ") + "; ".join(parts)
 
     def _health(self, limit: float) -> str | None:
-        """Watchdog probe: the I/O loop answers a heartbeat, and every worker thread of
-        a ready model is alive. None when healthy, else why not."""
+        """Watchdog probe: the I/O loop answers a heartbeat, every worker thread of a
+        ready model is alive, and the worker zygote is. None when healthy, else why
+        not."""
         beat = threading.Event()
         self.server.call_soon(beat.set)
         if not beat.wait(limit):
@@ -327,6 +328,9 @@ class Runtime:
         dead = self.models.dead_worker_threads()
         if dead:
             return f"worker threads are gone: {', '.join(dead)}"
+        zygote = self.workers.zygote if self.workers is not None else None
+        if zygote is not None and zygote.ended:  # no worker can start: restart the daemon
+            return f"the worker zygote (pid {zygote.pid}) {zygote.ended}"
         stuck = self.watch.all_stuck() if self.config.systemd.watchdog_stuck else {}
         if stuck:
             return "; ".join(f"every inference thread of model {m} is stuck: {', '.join(s)}"

@@ -45,15 +45,17 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         pass  # not Linux: the channel's EOF ends a worker anyway
 
 
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
 def describe_status(status: int) -> str:
     """``"died of SIGABRT"``, ``"exited with status 3"`` from a wait status."""
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        return f"died of {name}"
+        return f"died of {_signame(os.WTERMSIG(status))}"
     if os.WIFEXITED(status):
         return f"exited with status {os.WEXITSTATUS(status)}"
     return f"ended (wait status {status})"
@@ -81,7 +83,10 @@ class Zygote:
         self._replies: list[dict[str, Any]] = []
         self._cond = threading.Condition(self._lock)
         self._closed = False
+        self._closing = False
         self._reaped = False
+        self.ended = ""
+        """How the zygote ended when it did before :meth:`close` (``died of SIGKILL``)."""
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -90,6 +95,10 @@ class Zygote:
             try:
                 ours.close()
                 code = _serve(theirs, worker_main)
+            except BaseException:  # noqa: BLE001  its last word (the journal), then exit
+                import traceback
+
+                traceback.print_exc()
             finally:
                 os._exit(code)
         theirs.close()
@@ -111,7 +120,7 @@ class Zygote:
         """
         with self._cond:
             if self._closed:
-                raise OSError("the worker zygote has ended")
+                raise OSError(f"the worker zygote has ended{self._how()}")
             self.sock.sendmsg([pickle.dumps({"op": "spawn", "name": name})],
                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                 array.array("i", [channel.fileno()]))])
@@ -120,7 +129,7 @@ class Zygote:
                                        timeout):
                 raise OSError(f"the worker zygote did not answer within {timeout:.0f} s")
             if not self._replies:
-                raise OSError("the worker zygote has ended")
+                raise OSError(f"the worker zygote has ended{self._how()}")
             reply = self._replies.pop(0)
         if "error" in reply:
             raise OSError(f"the worker zygote could not fork: {reply['error']}")
@@ -141,6 +150,7 @@ class Zygote:
             except Exception as e:  # noqa: BLE001  a zygote that says this is no use
                 log.error("the worker zygote sent a message the daemon refuses to read "
                           "(%s); no worker can start from now on", e)
+                self.ended = "sent a message the daemon refuses to read"
                 break
             if msg.get("op") == "exit":
                 self._on_exit(msg["pid"], msg["status"])
@@ -149,8 +159,37 @@ class Zygote:
                     self._replies.append(msg)
                     self._cond.notify_all()
         with self._cond:
+            closing = self._closing
+        if not closing and not self.ended:  # how it ended, said once (not started again)
+            self.ended = self._status()
+            log.error("the worker zygote (pid %d) %s; no worker process can start until "
+                      "inferd is restarted", self.pid, self.ended or "stopped answering",
+                      extra={"ZYGOTE_PID": self.pid})
+        with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def _how(self) -> str:
+        return f" ({self.ended})" if self.ended else ""
+
+    def _status(self) -> str:
+        """How the zygote ended, without reaping it (:meth:`close` does); "" if it has
+        not within 2 s (its socket broke, but it runs)."""
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except OSError:
+            return ""
+        try:
+            select.select([pidfd], [], [], 2.0)  # readable once it has ended
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return ""
+        finally:
+            os.close(pidfd)
+        if info is None:
+            return ""
+        return (f"exited with status {info.si_status}" if info.si_code == os.CLD_EXITED
+                else f"died of {_signame(info.si_status)}")
 
     def close(self) -> None:
         """End the zygote (its workers get SIGKILL from the kernel as it goes); again
@@ -159,6 +198,7 @@ class Zygote:
             if self._reaped:
                 return
             self._reaped = True
+            self._closing = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -201,13 +241,15 @@ def _serve(sock: socket.socket, worker_main: Callable[[socket.socket, str], int]
                 except BlockingIOError:
                     pass
                 if not _reap(sock):
-                    return 0
+                    return 1  # _reap said why
                 continue
             fds = array.array("i")
             try:
                 data, anc, _f, _a = sock.recvmsg(_MAX, socket.CMSG_SPACE(4 * fds.itemsize))
-            except OSError:
-                return 0
+            except OSError as e:
+                print(f"inferd worker zygote: cannot read the daemon's socket: {e}",
+                      file=sys.stderr, flush=True)
+                return 1
             if not data:
                 return 0  # the daemon is gone
             for level, kind, payload in anc:
@@ -256,5 +298,7 @@ def _reap(sock: socket.socket) -> bool:
             return True
         try:
             sock.send(pickle.dumps({"op": "exit", "pid": pid, "status": status}))
-        except OSError:
+        except OSError as e:
+            print(f"inferd worker zygote: cannot report worker {pid}'s end: {e}",
+                  file=sys.stderr, flush=True)
             return False

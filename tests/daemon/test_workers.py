@@ -190,6 +190,26 @@ def test_a_pickle_from_the_zygote_is_read_under_the_allow_list(caplog):
         z.close()
 
 
+def test_a_zygote_that_dies_is_said_with_how(caplog):
+    """Its death is not silent (it was: the daemon's reader ended, and every later start
+    failed with "has ended", no cause anywhere): one ERROR with the signal, and each
+    start that fails names it."""
+    z = Zygote(_echo_worker, lambda pid, status: None)
+    z.start()
+    try:
+        os.kill(z.pid, signal.SIGKILL)  # the zygote is not waited for: still its pid
+        a, b = pair()
+        poll(lambda: "the worker zygote" in caplog.text, 10)
+        with pytest.raises(OSError, match=r"^the worker zygote has ended \(died of SIGKILL\)$"):
+            z.spawn(b, "w1", timeout=10)
+        a.close()
+        assert (f"the worker zygote (pid {z.pid}) died of SIGKILL; no worker process can "
+                "start until inferd is restarted") in caplog.text
+    finally:
+        z.close()
+    assert caplog.text.count("the worker zygote (pid") == 1  # close() says nothing more
+
+
 def new_pool(**settings: Any) -> WorkerPool:
     """A started pool with onnxruntime registered (the ``pool`` fixture's); ``settings``
     (``idle_exit_s``...) override its own."""

@@ -109,6 +109,7 @@ PROVOKERS = {
     "ERROR inferd.daemon.workers.pool: engine onnxruntime": "worker_crash",
     "INFO inferd.daemon.workers.pool: worker onnxruntime started": "worker_crash",
     "  worker: onnxruntime, pid": "worker_crash",
+    "ERROR inferd.daemon.workers.zygote: the worker zygote (pid": "zygote_death",
     "backend candidate /usr/lib/inferd/backends/planted.py": "strict_modes",
     "processor file /usr/lib/inferd/processors/mine.py": "strict_modes",
     "model conv version 1 failed to load: refusing": "strict_modes",
@@ -357,6 +358,54 @@ def test_watchdog(short_tmp: Path, models_dir: Path, monkeypatch: pytest.MonkeyP
         serve.join(30)
         notify.close()
     _check("watchdog", caplog.text)
+
+
+def test_zygote_death(short_tmp: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                      caplog: pytest.LogCaptureFixture) -> None:
+    """The worker zygote killed from outside: said once with how, every start that fails
+    names it, and the watchdog stops pinging systemd, which restarts the daemon."""
+    from inferd.daemon.config import load_config
+    from inferd.daemon.runtime import Runtime
+
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(short_tmp / "notify"))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(short_tmp / "notify"))
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    caplog.set_level(logging.INFO, "inferd.daemon")
+    rt = Runtime(load_config(None, {"server.socket": f"ipc://{short_tmp}/z.sock",
+                                    "models.repository": str(models_dir),
+                                    "workers.isolation": "backend",
+                                    "placement.mode": "first"}))
+    rt.start()
+    serve = threading.Thread(target=rt.serve, name="test-serve")
+    serve.start()
+    try:
+        assert rt.ready.wait(60)
+        assert rt.workers is not None and rt.workers.zygote is not None
+        pid = rt.workers.zygote.pid
+        os.kill(pid, signal.SIGKILL)  # not waited for by the daemon yet: still its pid
+        deadline = time.monotonic() + 30
+        while "watchdog: not pinging systemd: the worker zygote" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+        with Client(rt.config.server.socket, timeout=60) as c:
+            with pytest.raises(RequestError) as e:
+                c.infer("vad", {"input": np.zeros((1, 512), np.float32),
+                                "state": np.zeros((2, 1, 128), np.float32),
+                                "sr": np.array(16000, np.int64)})
+        assert e.value.message.endswith(
+            "the worker zygote has ended (died of SIGKILL)"), e.value.message
+        assert (f"the worker zygote (pid {pid}) died of SIGKILL; no worker process can "
+                "start until inferd is restarted") in caplog.text
+        assert (f"watchdog: not pinging systemd: the worker zygote (pid {pid}) died of "
+                "SIGKILL") in caplog.text
+    finally:
+        rt.stop()
+        serve.join(30)
+        notify.close()
+    _check("zygote_death", "\n".join(f"{r.levelname} {r.name}: {r.getMessage()}"
+                                       for r in caplog.records))
 
 
 @pytest.mark.slow
