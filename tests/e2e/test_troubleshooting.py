@@ -326,6 +326,16 @@ def _dir(path: Path) -> Path:
     return path
 
 
+def _watchdog_on(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> socket.socket:
+    """systemd's watchdog as a Runtime in this process sees it: its notify socket."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(short_tmp / "notify"))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(short_tmp / "notify"))
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    return notify
+
+
 @pytest.mark.slow
 def test_watchdog(short_tmp: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch,
                   caplog: pytest.LogCaptureFixture) -> None:
@@ -334,11 +344,7 @@ def test_watchdog(short_tmp: Path, models_dir: Path, monkeypatch: pytest.MonkeyP
     from inferd.daemon.runtime import Runtime
     from inferd.daemon.model_threads import STOP
 
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(short_tmp / "notify"))
-    monkeypatch.setenv("NOTIFY_SOCKET", str(short_tmp / "notify"))
-    monkeypatch.setenv("WATCHDOG_USEC", "400000")
-    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    notify = _watchdog_on(short_tmp, monkeypatch)
     caplog.set_level(logging.ERROR, "inferd.daemon.systemd")
     rt = Runtime(load_config(None, {"server.socket": f"ipc://{short_tmp}/w.sock",
                                     "models.repository": str(models_dir),
@@ -367,11 +373,7 @@ def test_zygote_death(short_tmp: Path, models_dir: Path, monkeypatch: pytest.Mon
     from inferd.daemon.config import load_config
     from inferd.daemon.runtime import Runtime
 
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(short_tmp / "notify"))
-    monkeypatch.setenv("NOTIFY_SOCKET", str(short_tmp / "notify"))
-    monkeypatch.setenv("WATCHDOG_USEC", "400000")
-    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    notify = _watchdog_on(short_tmp, monkeypatch)
     caplog.set_level(logging.INFO, "inferd.daemon")
     rt = Runtime(load_config(None, {"server.socket": f"ipc://{short_tmp}/z.sock",
                                     "models.repository": str(models_dir),
