@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -89,7 +90,20 @@ class Zygote:
         """How the zygote ended when it did before :meth:`close` (``died of SIGKILL``)."""
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        # Every object the daemon has now is frozen in the zygote and its workers: their
+        # garbage collector never visits it. Collecting it there would run destructors of
+        # this process's objects in a copy that lacks its threads: an engine's object
+        # left in a cycle (an OpenVINO model's: the collection hangs in a worker, tests/
+        # daemon/test_workers.py) tears down thread pools that do not exist there; and
+        # a visit alone writes to every page, undoing copy-on-write.
+        gc.freeze()
+        try:
+            pid = os.fork()
+        except BaseException:
+            gc.unfreeze()
+            raise
+        if pid != 0:
+            gc.unfreeze()  # here, collected as before
         if pid == 0:  # the zygote
             code = 1
             try:
@@ -258,6 +272,7 @@ def _serve(sock: socket.socket, worker_main: Callable[[socket.socket, str], int]
             msg = pickle.loads(data)
             if msg.get("op") != "spawn" or not fds:
                 continue
+            gc.freeze()  # the zygote's own objects too (see Zygote.__init__)
             try:
                 pid = os.fork()
             except OSError as e:

@@ -5,6 +5,7 @@ onnxruntime model loaded and run in a worker, killed, and run again."""
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import signal
 import subprocess
@@ -208,6 +209,41 @@ def test_a_zygote_that_dies_is_said_with_how(caplog):
     finally:
         z.close()
     assert caplog.text.count("the worker zygote (pid") == 1  # close() says nothing more
+
+
+def _collecting_worker(sock: socket.socket, name: str) -> int:
+    sock.send(str(gc.collect()).encode())  # a full collection, then its answer
+    return 0
+
+
+def test_a_worker_never_collects_what_the_daemon_had_when_the_zygote_was_forked(
+        models_dir):
+    """An engine's object left in a cycle in the forking process (an OpenVINO compiled
+    model and its request here) is garbage the zygote and its workers inherit; a full
+    collection there ran its destructor in a copy without its threads. The old code:
+    this worker's gc.collect() never returned (OpenVINO waits for its threads); the
+    likeliest cause of stop 39's CI failure, where zygotes forked by a test process that
+    had run engines in-process died of SIGSEGV. Now what was there at the fork is frozen
+    there."""
+    ov = pytest.importorskip("openvino")
+    model = ov.Core().compile_model(str(models_dir / "ocr-cls" / "1" / "model.onnx"), "CPU")
+    model(np.zeros((1, 3, 48, 192), np.float32))
+    cycle: list[Any] = [model, model.create_infer_request()]
+    cycle.append(cycle)
+    del model
+    gc.collect()  # the cycle, still held, moves to the oldest generation
+    del cycle  # garbage there now, until the next full collection
+    z = Zygote(_collecting_worker, lambda pid, status: None)
+    z.start()
+    try:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        z.spawn(b, "w1")
+        a.settimeout(30)
+        assert int(a.recv(64)) >= 0  # old code: TimeoutError
+        a.close()
+    finally:
+        z.close()
+    gc.collect()  # here, where its threads are
 
 
 def new_pool(**settings: Any) -> WorkerPool:
