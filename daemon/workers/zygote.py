@@ -85,7 +85,7 @@ class Zygote:
         self._cond = threading.Condition(self._lock)
         self._closed = False
         self._closing = False
-        self._reaped = False
+        """:meth:`close` was called: the end that follows is ours, and the pid is reaped."""
         self.ended = ""
         """How the zygote ended when it did before :meth:`close` (``died of SIGKILL``)."""
         sys.stdout.flush()
@@ -209,9 +209,8 @@ class Zygote:
         """End the zygote (its workers get SIGKILL from the kernel as it goes); again
         does nothing: once reaped, its pid may be another process's."""
         with self._cond:
-            if self._reaped:
+            if self._closing:
                 return
-            self._reaped = True
             self._closing = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)

@@ -383,8 +383,7 @@ def _ended_by(p: subprocess.Popen) -> int:
 def test_killing_a_worker_whose_end_was_reported_signals_nobody(pool, models_dir):
     """A worker is signalled through its pidfd only; once its end is reported its pid
     may be another process's. The old code fell back to os.kill(pid) there, from every
-    path that kills (a broken channel, kill_after_s, the memory limit, a stop): in one
-    CI run it killed a zygote of another test process, whose workers all went with it."""
+    path that kills (a broken channel, kill_after_s, the memory limit, a stop)."""
     model = WorkerModel(pool, vad_call(models_dir), 60.0)
     model.run(VAD)
     w = model.worker

@@ -372,6 +372,7 @@ def test_zygote_death(short_tmp: Path, models_dir: Path, monkeypatch: pytest.Mon
     names it, and the watchdog stops pinging systemd, which restarts the daemon."""
     from inferd.daemon.config import load_config
     from inferd.daemon.runtime import Runtime
+    from tests.e2e.test_cache_reload import poll
 
     notify = _watchdog_on(short_tmp, monkeypatch)
     caplog.set_level(logging.INFO, "inferd.daemon")
@@ -387,10 +388,7 @@ def test_zygote_death(short_tmp: Path, models_dir: Path, monkeypatch: pytest.Mon
         assert rt.workers is not None and rt.workers.zygote is not None
         pid = rt.workers.zygote.pid
         os.kill(pid, signal.SIGKILL)  # not waited for by the daemon yet: still its pid
-        deadline = time.monotonic() + 30
-        while "watchdog: not pinging systemd: the worker zygote" not in caplog.text:
-            assert time.monotonic() < deadline, caplog.text
-            time.sleep(0.05)
+        poll(lambda: "watchdog: not pinging systemd: the worker zygote" in caplog.text, 30)
         with Client(rt.config.server.socket, timeout=60) as c:
             with pytest.raises(RequestError) as e:
                 c.infer("vad", {"input": np.zeros((1, 512), np.float32),
