@@ -221,10 +221,9 @@ def test_a_worker_never_collects_what_the_daemon_had_when_the_zygote_was_forked(
     """An engine's object left in a cycle in the forking process (an OpenVINO compiled
     model and its request here) is garbage the zygote and its workers inherit; a full
     collection there ran its destructor in a copy without its threads. The old code:
-    this worker's gc.collect() never returned (OpenVINO waits for its threads); the
-    likeliest cause of stop 39's CI failure, where zygotes forked by a test process that
-    had run engines in-process died of SIGSEGV. Now what was there at the fork is frozen
-    there."""
+    this worker's gc.collect() never returned (OpenVINO waits for its threads). Now what
+    was there at the fork is frozen there. (Not the cause of the zygotes that die of
+    SIGSEGV in test processes that ran engines in-process: that is still open.)"""
     ov = pytest.importorskip("openvino")
     model = ov.Core().compile_model(str(models_dir / "ocr-cls" / "1" / "model.onnx"), "CPU")
     model(np.zeros((1, 3, 48, 192), np.float32))
