@@ -64,7 +64,7 @@ from inferd.libbackends.trust import StrictModes, UntrustedCode
 log = logging.getLogger(__name__)
 
 OOM_SCORE_ADJ = 500
-"""ModelThreads are the kernel OOM killer's first choice, never the daemon."""
+"""Workers are the kernel OOM killer's first choice, never the daemon."""
 
 ERRORS: dict[str, type[InferdError]] = {
     "ModelError": ModelError, "BackendError": BackendError, "InferdError": InferdError,
