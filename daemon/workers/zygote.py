@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from inferd.daemon.workers import pickles
+from inferd.ipc.libc import own_signal_stack
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,10 @@ class Zygote:
 
 def _serve(sock: socket.socket, worker_main: Callable[[socket.socket, str], int]) -> int:
     """The zygote's loop: fork workers on ``spawn``, report each one's end."""
+    # A stack for its signal handlers (SIGCHLD) of its own, and its workers': the one of
+    # the thread that forked it may be gone (an engine's, unmapped since: ipc/libc.py),
+    # and the first worker's end would kill it with SIGSEGV.
+    own_signal_stack()
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 from onnx import ModelProto, TensorProto, ValueInfoProto, helper, numpy_helper
 
 from inferd.ipc.errors import ErrorCode, InferdError, ModelError
-from inferd.ipc.libc import malloc_trim
+from inferd.ipc.libc import kept_signal_stack, malloc_trim
 from inferd.libbackends.contract import Backend, LoadedModel, LoadOptions, TensorSpec
 from inferd.libbackends.customops.contract import BindContext, BoundOp, OpRegistry, Shape
 from inferd.libbackends.customops.partition import (
@@ -325,9 +325,12 @@ def load_planned(backend: Backend, path: Path, options: LoadOptions, *, model: s
                  probe_timeout_s: float = 10.0, tables: Mapping[str, Any] | None = None,
                  strict: StrictModes = STRICT) -> LoadedModel:
     """The model manager's hook: the model's own ``customops/`` folder over the daemon's
-    ops (if strict modes allow it: else UntrustedCode), then :func:`load_model`."""
+    ops (if strict modes allow it: else UntrustedCode), then :func:`load_model`. The
+    loading thread keeps its alternate signal stack whatever an engine does to it
+    (:func:`~inferd.ipc.libc.kept_signal_stack`: OpenVINO's)."""
     from inferd.libbackends.customops.discovery import load_model_ops
 
-    return load_model(backend, path, options, model=model,
-                      ops=load_model_ops(model_dir, ops, probe_timeout_s, strict),
-                      fallbacks=fallbacks, tables=tables)
+    with kept_signal_stack():
+        return load_model(backend, path, options, model=model,
+                          ops=load_model_ops(model_dir, ops, probe_timeout_s, strict),
+                          fallbacks=fallbacks, tables=tables)

@@ -1,10 +1,12 @@
-"""ipc/libc.py: the C allocator's knobs, on this machine's glibc."""
+"""ipc/libc.py: the C library's knobs, on this machine's glibc."""
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +79,78 @@ def test_the_arena_limit_bounds_the_heaps_threads_get(limit: int) -> None:
         assert 1 <= arenas <= limit, err
     else:
         assert arenas >= 3, err  # the main heap and the threads' own (2 cores: up to 16)
+
+
+def _handles_a_signal_here_and_in_a_fork(setup: str, *args: str) -> tuple[str, str]:
+    """Run ``setup`` in a fresh interpreter (a thread's signal stack is the process's
+    own business), then handle SIGUSR1 on its main thread and in a child forked from
+    it; (what it printed: the child's wait status and the signals handled here, its
+    stderr)."""
+    code = setup + """
+import os, signal
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+pid = os.fork()
+if pid == 0:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os._exit(0 if got else 3)
+status = os.waitpid(pid, 0)[1]
+os.kill(os.getpid(), signal.SIGUSR1)
+print(status, len(got))
+"""
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                          text=True, timeout=120)
+    return done.stdout.strip(), done.stderr
+
+
+@pytest.mark.skipif(not GLIBC, reason="sigaltstack through glibc")
+def test_a_signal_stack_changed_in_the_block_is_given_back_and_one_of_our_own_stays():
+    out, err = _handles_a_signal_here_and_in_a_fork("""
+import ctypes, mmap
+from inferd.ipc import libc
+before = libc.signal_stack()
+with libc.kept_signal_stack():
+    region = mmap.mmap(-1, 65536)
+    view = ctypes.c_char.from_buffer(region)
+    assert libc._set_signal_stack(ctypes.addressof(view), 65536, 0)
+    assert libc.signal_stack() != before
+    del view
+assert libc.signal_stack() == before, (libc.signal_stack(), before)
+region.close()  # unmapped: it is no thread's stack any more
+assert libc.own_signal_stack()
+address, size, flags = libc.signal_stack()
+assert address and size == libc.SIGNAL_STACK_SIZE and flags == 0
+""")
+    assert out == "0 1", err
+
+
+@pytest.mark.skipif(not GLIBC, reason="sigaltstack through glibc")
+@pytest.mark.skipif(importlib.util.find_spec("openvino") is None,
+                    reason="the openvino wheel is not installed")
+def test_a_model_loaded_on_openvino_and_dropped_on_another_thread_leaves_no_stack_gone(
+        models_dir: Path) -> None:
+    """OpenVINO's CPU plugin maps an alternate signal stack for the thread on which its
+    Core compiles a first model, and unmaps it when the Core is destroyed, putting the
+    old stack back only if that happens on the same thread. A model loaded as the daemon
+    and its workers load one (load_planned) on the main thread, its backend dropped on
+    another thread: the main thread's stack must still be mapped, there and in a process
+    forked from it. Before kept_signal_stack both died of SIGSEGV on their first signal
+    with a handler (the worker zygote of a test process on its first SIGCHLD: the CI
+    failures of stop 39)."""
+    out, err = _handles_a_signal_here_and_in_a_fork("""
+import faulthandler, gc, sys, threading
+from pathlib import Path
+from inferd.libbackends.contract import LoadOptions
+from inferd.libbackends.customops.plan import load_planned
+from inferd.libbackends.openvino_backend import OpenVinoBackend
+faulthandler.enable()  # as pytest and the daemon have it: a stack of its own
+path = Path(sys.argv[1])
+held = [OpenVinoBackend()]
+held.append(load_planned(held[0], path, LoadOptions(), model="cls", model_dir=path.parent,
+                         ops=None, fallbacks=[]))
+assert type(held[1]).__name__ == "OvModel" and held[1].device == "CPU", held[1]
+dropper = threading.Thread(target=lambda: (held.clear(), gc.collect()))
+dropper.start()
+dropper.join()
+""", str(models_dir / "ocr-cls" / "1" / "model.onnx"))
+    assert out == "0 1", err
