@@ -17,9 +17,20 @@ import numpy as np
 import pytest
 
 from inferd.ipc import Client, RequestError
+from inferd.ipc.libc import kept_signal_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Each test gives this process's main thread back its alternate signal stack. A
+    test that loads an engine itself (not through load_planned, which keeps the stack)
+    may leave the engine's there, to be unmapped later by another thread (OpenVINO's:
+    ipc/libc.py); pytest-timeout's SIGALRM handler would then die of SIGSEGV."""
+    with kept_signal_stack():
+        return (yield)
 
 
 @pytest.fixture(scope="session")
