@@ -21,7 +21,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,10 +137,13 @@ class MemoryBudget:
             return dict(self._engines)
 
     @contextmanager
-    def reserve(self, label: str, need: int, used: int, budget: int | None
-                ) -> Iterator[None]:
+    def reserve(self, label: str, need: int, used: int, budget: int | None,
+                runs_here: bool = True) -> Iterator[None]:
         """Count ``need`` bytes as used while the block runs (a candidate engine being
-        measured beside the model it may replace), beside ``used`` bytes in use now.
+        measured beside the model it may replace), beside ``used`` bytes in use now;
+        ``runs_here``: the candidate loads and runs in the daemon's own process, so a
+        model's run measured meanwhile is not measured alone (a candidate in a worker of
+        its own touches no other process's memory).
 
         Raises:
             InferdError (RESOURCE_EXHAUSTED): ``need`` does not fit.
@@ -153,9 +156,9 @@ class MemoryBudget:
         with self._lock:
             self._holding[token] = need
         try:
-            # what runs meanwhile (loads and runs of engines on trial) is no model's
-            # working memory: a measurement taken then is dropped
-            with METER.running():
+            # what runs meanwhile in this process (loads and runs of engines on trial)
+            # is no model's working memory: a measurement taken then is dropped
+            with METER.running() if runs_here else nullcontext():
                 yield
         finally:
             with self._lock:

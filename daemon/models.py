@@ -242,11 +242,12 @@ class ModelManager:
             entry = self._entries.get(key)
         return entry.memory.total() if entry is not None else None
 
-    def reserve(self, label: str, need: int) -> AbstractContextManager[None]:
-        """Count ``need`` bytes while the block runs (a rival on trial); evicts nothing.
-        Raises RESOURCE_EXHAUSTED if it does not fit beside what is in use."""
-        return self.budget.reserve(label, need, self.used(),
-                                   self.max_memory)
+    def reserve(self, label: str, need: int, runs_here: bool = True
+                ) -> AbstractContextManager[None]:
+        """Count ``need`` bytes while the block runs (a rival on trial; ``runs_here``: in
+        the daemon's own process); evicts nothing. Raises RESOURCE_EXHAUSTED if it does
+        not fit beside what is in use."""
+        return self.budget.reserve(label, need, self.used(), self.max_memory, runs_here)
 
     def recost(self, entry: ModelEntry, figures: LoadFigures) -> None:
         """``entry``'s load was measured again (its engine changed under it): it counts

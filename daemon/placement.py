@@ -97,9 +97,12 @@ class Room(Protocol):
     def measured(self, key: tuple[str, int]) -> int | None:
         """What the model version cost at its last load, if known."""
 
-    def reserve(self, label: str, need: int) -> AbstractContextManager[None]:
+    def reserve(self, label: str, need: int, runs_here: bool = True
+                ) -> AbstractContextManager[None]:
         """Count ``need`` bytes as used while the block runs; raise InferdError
-        (RESOURCE_EXHAUSTED) at once if they do not fit (evicting nothing)."""
+        (RESOURCE_EXHAUSTED) at once if they do not fit (evicting nothing).
+        ``runs_here``: what the block loads and runs is in the daemon's own process (a
+        model's run measured meanwhile is then not measured alone)."""
 
     def recost(self, entry: Any, figures: Any) -> None:
         """``entry``'s engine changed: it counts ``figures`` (a LoadFigures) now."""

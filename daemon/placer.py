@@ -587,7 +587,10 @@ class Placer:
                               f"{format_bytes(available)} available (measuring takes "
                               f"at most {MACHINE_SHARE:.0%} of it)",
                               ErrorCode.RESOURCE_EXHAUSTED)
-        return self._room.reserve(label, need)
+        # a rival in a worker of its own: the serving model's runs are still measured
+        # alone (they were dropped for the whole contest: its runs never settled, and
+        # none went the I/O thread's way until the contest ended)
+        return self._room.reserve(label, need, runs_here=not job.isolated)
 
     def _load(self, job: Contest, trial: measure.Trial, choice: Choice,
               rivals: _Rivals, rival: bool = True) -> str | None:

@@ -143,7 +143,7 @@ def kept_signal_stack() -> Iterator[None]:
 
     For a model's load: an engine may install a stack of its own on the thread that
     loads it and unmap it when it is destroyed, putting the old one back only if that
-    happens on the same thread. OpenVINO's CPU plugin does (2025 releases: 11.3 KiB,
+    happens on the same thread. OpenVINO's CPU plugin does (2026.4 here: 11.3 KiB,
     mapped when a Core compiles its first model): destroyed on another thread (the
     last reference to a Core dropped or collected there), it leaves the loading thread's
     alternate stack pointing at unmapped memory, and the next signal with a handler on

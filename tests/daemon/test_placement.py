@@ -121,7 +121,7 @@ class RecordingRoom:
         return self.cost
 
     @contextlib.contextmanager
-    def reserve(self, label: str, need: int) -> Iterator[None]:
+    def reserve(self, label: str, need: int, runs_here: bool = True) -> Iterator[None]:
         if self.refuse:
             raise InferdError("model needs 3 KiB but the budget is 1 KiB",
                               ErrorCode.RESOURCE_EXHAUSTED)

@@ -253,3 +253,90 @@ def test_a_model_whose_first_runs_overlapped_placement_reaches_the_io_thread(
             return io_runs(c, "a") > 0
         poll(reached, timeout=120)
     assert "placement measured" in d.log()
+
+
+SLOW_LOAD_BACKEND = '''
+import time
+from pathlib import Path
+
+import numpy as np
+
+from inferd.ipc.errors import ModelError
+from inferd.libbackends.contract import Backend, DeviceKind, LoadedModel, Probe, TensorSpec
+
+
+class Copy(LoadedModel):
+    inputs = (TensorSpec("x", "float32", (None, None)),)
+    outputs = (TensorSpec("y", "float32", (None, None)),)
+
+    def run(self, inputs, outputs=None):
+        return {"y": np.array(inputs["x"])}
+
+    def unload(self):
+        pass
+
+
+class SlowLoad(Backend):
+    """Its load returns once the file model.toml's [slowload] release names exists."""
+
+    id = "slowload"
+    version = "1.0"
+    kind = DeviceKind.CPU
+
+    def probe(self):
+        return Probe(True, devices=("cpu",))
+
+    def supports(self, model_path):
+        return True, ""
+
+    def load(self, model_path, options):
+        release = options.options.get("release")
+        if not isinstance(release, str):
+            raise ModelError("[slowload] release: the path of a file, please")
+        deadline = time.monotonic() + 120
+        while not Path(release).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return Copy()
+
+
+def create_backend():
+    return SlowLoad()
+'''
+
+
+def test_a_model_in_a_worker_takes_the_io_threads_path_while_its_rivals_are_measured(
+        start_daemon, short_tmp):
+    """A rival measured for placement in a worker of its own counts as no run in the
+    daemon: the serving model's first runs are measured alone, its shape class settles,
+    and its requests are sent from the I/O thread while the contest goes on (here, a
+    rival whose load waits for the test). Before, the contest counted as a run in
+    progress for every meter: each of those measurements was dropped, and every request
+    went through the model's threads until placement ended, up to [placement]
+    time_limit_s (an Identity model: its first ~3,000 requests)."""
+    from tests.daemon.test_workers import unary_model
+
+    models = short_tmp / "repo"
+    unary_model(models, "a", "Identity")
+    release = short_tmp / "release"
+    (models / "a" / "model.toml").write_text(
+        f'backends = ["onnxruntime", "slowload"]\n[slowload]\nrelease = "{release}"\n')
+    backends = short_tmp / "backends"
+    backends.mkdir()
+    (backends / "slowload.py").write_text(SLOW_LOAD_BACKEND)
+    conf = short_tmp / "inferd.toml"
+    conf.write_text('[workers]\nisolation = "backend"\n[metrics]\ntextfile = ""\n'
+                    '[placement]\nmode = "measured"\n')
+    d = start_daemon("--config", str(conf), "--models", str(models), "--backends-dir",
+                     str(backends))
+    try:
+        with d.client() as c:
+            c.load("a")
+            # the rival's worker started; its load waits for the release file
+            poll(lambda: "a version 1@slowload (measuring) started" in d.log(), timeout=60)
+            for _ in range(WARM):
+                np.testing.assert_array_equal(c.infer("a", {"x": OK})["y"], OK)
+            (row,) = [m for m in c.models() if m["name"] == "a"]
+            assert row["placement_status"] == "measuring", row
+            assert io_runs(c, "a") > 0, d.log()
+    finally:
+        release.touch()
