@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,34 +226,43 @@ def test_runs_sent_from_the_io_thread_and_queued_ones_race_with_crashes_and_kill
     assert d.proc.poll() is None
 
 
-def test_a_model_whose_first_runs_overlapped_placement_reaches_the_io_thread(
+def test_a_model_whose_first_runs_overlapped_other_runs_reaches_the_io_thread(
         start_daemon, short_tmp):
-    """Models loaded together have their placement rivals measured beside their first
-    runs, so those runs' working memory is measured beside other runs and dropped; the
-    class is tried again now and then (daemon/memory.py, RETRY_AFTER) and settles, and
-    the model's runs go to the I/O thread's path. Before, it was never tried again: the
-    model took its threads for every request for as long as the daemon ran."""
-    from tests.daemon.test_workers import unary_model
+    """A model's first runs measured while another model's run is in progress are
+    dropped as its working memory (the peak is a whole process's); the class is tried
+    again now and then (daemon/memory.py, RETRY_AFTER) and settles once the other run is
+    over, and the model's runs go to the I/O thread's path. Before, it was never tried
+    again: the model took its threads for every request for as long as the daemon ran.
+    The other run here is one that waits for the test, of a plugin model ("b", in a
+    worker of its own: runs in progress are counted for all workers together)."""
+    release = short_tmp / "release"
+    d = _slowload_daemon(start_daemon, short_tmp, {
+        "a": "", "b": f'backends = ["slowload"]\n[slowload]\nrun_release = "{release}"\n'},
+        '[placement]\nmode = "first"\n'
+        '[logging]\nmodules = { "inferd.daemon.memory" = "debug" }\n')
+    try:
+        with d.client() as c:
+            c.load("a")
+            # b's first run is measured (one measured run at a time, for all models: a's
+            # would wait for it); its second, of the same shapes, is not, and waits
+            np.testing.assert_array_equal(c.infer("b", {"x": OK})["y"], OK)
+            waiting = c.submit("infer", "b", {"x": -OK})
+            poll(lambda: Path(f"{release}.running").exists(), 60)
+            for _ in range(10):  # beside b's run
+                np.testing.assert_array_equal(c.infer("a", {"x": OK})["y"], OK)
+            assert re.search(r"model a version 1: working memory of shape class .* "
+                             r"measured beside other runs .*: dropped", d.log()), d.log()
+            assert io_runs(c, "a") == 0
+            release.touch()
+            np.testing.assert_array_equal(waiting.result()["y"], -OK)
 
-    models = short_tmp / "repo"
-    for name in ("a", "b", "c"):
-        unary_model(models, name, "Identity")
-    conf = short_tmp / "inferd.toml"
-    conf.write_text('[workers]\nisolation = "backend"\n[metrics]\ntextfile = ""\n'
-                    '[placement]\nmode = "measured"\n')
-    d = start_daemon("--config", str(conf), "--models", str(models))
-    with d.client() as c:
-        for name in ("a", "b", "c"):
-            c.load(name)
-        for _ in range(10):  # beside the rivals being measured
-            np.testing.assert_array_equal(c.infer("a", {"x": OK})["y"], OK)
-
-        def reached() -> bool:
-            for _ in range(100):
-                c.infer("a", {"x": OK})
-            return io_runs(c, "a") > 0
-        poll(reached, timeout=120)
-    assert "placement measured" in d.log()
+            def reached() -> bool:
+                for _ in range(100):
+                    c.infer("a", {"x": OK})
+                return io_runs(c, "a") > 0
+            poll(reached, timeout=120)
+    finally:
+        release.touch()
 
 
 SLOW_LOAD_BACKEND = '''
@@ -265,11 +275,25 @@ from inferd.ipc.errors import ModelError
 from inferd.libbackends.contract import Backend, DeviceKind, LoadedModel, Probe, TensorSpec
 
 
+def _wait(release):
+    """Until the file ``release`` names exists (at most 120 s); None: no wait."""
+    deadline = time.monotonic() + 120
+    while release is not None and not Path(release).exists() \\
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class Copy(LoadedModel):
     inputs = (TensorSpec("x", "float32", (None, None)),)
     outputs = (TensorSpec("y", "float32", (None, None)),)
 
+    def __init__(self, run_release):
+        self.run_release = run_release
+
     def run(self, inputs, outputs=None):
+        if self.run_release is not None and inputs["x"].flat[0] < 0:  # a run that waits
+            Path(self.run_release + ".running").touch()
+            _wait(self.run_release)
         return {"y": np.array(inputs["x"])}
 
     def unload(self):
@@ -277,7 +301,9 @@ class Copy(LoadedModel):
 
 
 class SlowLoad(Backend):
-    """Its load returns once the file model.toml's [slowload] release names exists."""
+    """Its load returns once the file model.toml's [slowload] release names exists; a
+    run on an input whose first value is negative, once the file run_release names does
+    (it makes RUN_RELEASE.running when it begins to wait)."""
 
     id = "slowload"
     version = "1.0"
@@ -290,18 +316,36 @@ class SlowLoad(Backend):
         return True, ""
 
     def load(self, model_path, options):
-        release = options.options.get("release")
-        if not isinstance(release, str):
-            raise ModelError("[slowload] release: the path of a file, please")
-        deadline = time.monotonic() + 120
-        while not Path(release).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return Copy()
+        for key in options.options:
+            if key not in ("release", "run_release"):
+                raise ModelError(f"[slowload] {key}: no such key")
+        _wait(options.options.get("release"))
+        return Copy(options.options.get("run_release"))
 
 
 def create_backend():
     return SlowLoad()
 '''
+
+
+def _slowload_daemon(start_daemon, short_tmp, models_toml: dict[str, str], config: str):
+    """A daemon with engines in workers, over an Identity model per name of
+    ``models_toml`` (its model.toml's text, if any), the slowload plugin beside the
+    shipped backends, and ``config`` after [workers] and [metrics]."""
+    from tests.daemon.test_workers import unary_model
+
+    models = short_tmp / "repo"
+    for name, toml in models_toml.items():
+        unary_model(models, name, "Identity")
+        if toml:
+            (models / name / "model.toml").write_text(toml)
+    backends = short_tmp / "backends"
+    backends.mkdir()
+    (backends / "slowload.py").write_text(SLOW_LOAD_BACKEND)
+    conf = short_tmp / "inferd.toml"
+    conf.write_text('[workers]\nisolation = "backend"\n[metrics]\ntextfile = ""\n' + config)
+    return start_daemon("--config", str(conf), "--models", str(models), "--backends-dir",
+                        str(backends))
 
 
 def test_a_model_in_a_worker_takes_the_io_threads_path_while_its_rivals_are_measured(
@@ -313,21 +357,10 @@ def test_a_model_in_a_worker_takes_the_io_threads_path_while_its_rivals_are_meas
     progress for every meter: each of those measurements was dropped, and every request
     went through the model's threads until placement ended, up to [placement]
     time_limit_s (an Identity model: its first ~3,000 requests)."""
-    from tests.daemon.test_workers import unary_model
-
-    models = short_tmp / "repo"
-    unary_model(models, "a", "Identity")
     release = short_tmp / "release"
-    (models / "a" / "model.toml").write_text(
-        f'backends = ["onnxruntime", "slowload"]\n[slowload]\nrelease = "{release}"\n')
-    backends = short_tmp / "backends"
-    backends.mkdir()
-    (backends / "slowload.py").write_text(SLOW_LOAD_BACKEND)
-    conf = short_tmp / "inferd.toml"
-    conf.write_text('[workers]\nisolation = "backend"\n[metrics]\ntextfile = ""\n'
-                    '[placement]\nmode = "measured"\n')
-    d = start_daemon("--config", str(conf), "--models", str(models), "--backends-dir",
-                     str(backends))
+    d = _slowload_daemon(start_daemon, short_tmp, {
+        "a": f'backends = ["onnxruntime", "slowload"]\n[slowload]\nrelease = "{release}"\n'},
+        '[placement]\nmode = "measured"\n')
     try:
         with d.client() as c:
             c.load("a")
