@@ -23,14 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+@pytest.hookimpl(hookwrapper=True)  # old style: Debian's pytest (the .deb's build) too
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None
+                            ) -> Iterator[None]:
     """Each test gives this process's main thread back its alternate signal stack. A
     test that loads an engine itself (not through load_planned, which keeps the stack)
     may leave the engine's there, to be unmapped later by another thread (OpenVINO's:
     ipc/libc.py); pytest-timeout's SIGALRM handler would then die of SIGSEGV."""
     with kept_signal_stack():
-        return (yield)
+        yield
 
 
 @pytest.fixture(scope="session")
