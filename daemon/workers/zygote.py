@@ -47,17 +47,15 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         pass  # not Linux: the channel's EOF ends a worker anyway
 
 
-def _signame(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
-
-
 def describe_status(status: int) -> str:
     """``"died of SIGABRT"``, ``"exited with status 3"`` from a wait status."""
     if os.WIFSIGNALED(status):
-        return f"died of {_signame(os.WTERMSIG(status))}"
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"died of {name}"
     if os.WIFEXITED(status):
         return f"exited with status {os.WEXITSTATUS(status)}"
     return f"ended (wait status {status})"
@@ -203,8 +201,9 @@ class Zygote:
             os.close(pidfd)
         if info is None:
             return ""
-        return (f"exited with status {info.si_status}" if info.si_code == os.CLD_EXITED
-                else f"died of {_signame(info.si_status)}")
+        # waitid's (code, status) as the wait status describe_status reads
+        exited = info.si_code == os.CLD_EXITED
+        return describe_status(info.si_status << 8 if exited else info.si_status)
 
     def close(self) -> None:
         """End the zygote (its workers get SIGKILL from the kernel as it goes); again

@@ -243,8 +243,9 @@ def test_a_worker_never_collects_what_the_daemon_had_when_the_zygote_was_forked(
     model and its request here) is garbage the zygote and its workers inherit; a full
     collection there ran its destructor in a copy without its threads. The old code:
     this worker's gc.collect() never returned (OpenVINO waits for its threads). Now what
-    was there at the fork is frozen there. (Not the cause of the zygotes that die of
-    SIGSEGV in test processes that ran engines in-process: that is still open.)"""
+    was there at the fork is frozen there. (Not the cause of the zygotes that died of
+    SIGSEGV in test processes that ran engines in-process: that was OpenVINO's signal
+    stack, test_the_zygote_forks_workers_and_reports_how_they_end[signal-stack-gone].)"""
     ov = pytest.importorskip("openvino")
     model = ov.Core().compile_model(str(models_dir / "ocr-cls" / "1" / "model.onnx"), "CPU")
     model(np.zeros((1, 3, 48, 192), np.float32))
