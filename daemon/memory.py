@@ -16,8 +16,10 @@ of two) is measured: the process's peak resident memory is reset
 (``/proc/self/clear_refs``, value 5), the model runs, and the peak above the memory
 before the run is that class's working memory. A run of a known class that is more than
 ``GROWTH`` larger than the largest one measured in it is measured again. Measuring runs
-take one process-wide lock, so two of them never mix; other models' runs meanwhile can
-only make a figure larger, never smaller.
+take one lock, so two of them never mix; a measurement taken while another model's run
+was in progress in the same process (the daemon's, or the worker's the model runs in) is
+not taken as the model's own. Runs in other processes do not count: their memory is not
+the measured process's.
 
 Where the peak cannot be reset (a kernel without ``clear_refs``), the growth that stays
 after the run is taken instead, and that is logged once.
@@ -101,14 +103,38 @@ by one look-up); past it the kept ones are dropped and gathered again."""
 
 
 class _Runs:
-    """Model runs in progress, for every meter together, and the lock a measured run
-    holds (so that two never mix: a worker may hold several models)."""
+    """Model runs in progress, counted by the process each runs in (a worker's pid; 0:
+    the daemon's own), for every meter together, and the lock a measured run holds (so
+    that two never mix: a worker may hold several models). A run in one process leaves
+    another's memory alone: only runs in the same process spoil a measurement."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.counts = threading.Lock()
-        self.active = 0  # model runs in progress
-        self.started = 0  # model runs begun
+        self.at: dict[int, list[int]] = {}
+        """By process: [runs in progress, runs begun while any was]; an entry goes when
+        its last run ends (a measurement counts itself in progress: none is looking)."""
+
+    def begin(self, where: int) -> int:
+        """A run in process ``where`` begins; returns how many have begun there while
+        any was in progress, this one included."""
+        with self.counts:
+            c = self.at.get(where)
+            if c is None:
+                c = self.at[where] = [0, 0]
+            c[0] += 1
+            c[1] += 1
+            return c[1]
+
+    def end(self, where: int) -> int:
+        """The run :meth:`begin` counted in ``where`` has ended; returns how many had
+        begun there while any was in progress (before this end)."""
+        with self.counts:
+            c = self.at[where]
+            c[0] -= 1
+            if c[0] == 0:
+                del self.at[where]
+            return c[1]
 
 
 class MemoryMeter:
@@ -198,39 +224,42 @@ class MemoryMeter:
         rss, hwm = self.read()
         return hwm if self.resettable else rss
 
-    def begin_run(self) -> None:
-        """A model run that is not measured begins (see :meth:`running`)."""
-        runs = self._runs
-        with runs.counts:
-            runs.active += 1
-            runs.started += 1
+    def where(self) -> int:
+        """The process this meter measures: its worker's pid, 0 for the daemon's own."""
+        w = self._worker()
+        return 0 if w is None else int(w.pid)
 
-    def end_run(self) -> None:
-        """The run :meth:`begin_run` counted has ended."""
-        runs = self._runs
-        with runs.counts:
-            runs.active -= 1
+    def begin_run(self) -> int:
+        """A model run that is not measured begins (see :meth:`running`); returns the
+        process it is counted in, for :meth:`end_run` (the model's engine may move
+        before it ends)."""
+        where = self.where()
+        self._runs.begin(where)
+        return where
+
+    def end_run(self, where: int) -> None:
+        """The run :meth:`begin_run` counted in ``where`` has ended."""
+        self._runs.end(where)
 
     @contextmanager
     def running(self) -> Iterator[None]:
         """Count a model run that is not measured while the block runs."""
-        self.begin_run()
+        where = self.begin_run()
         try:
             yield
         finally:
-            self.end_run()
+            self.end_run(where)
 
     def measure(self, run: Callable[[], Any]) -> tuple[Any, int, bool]:
         """Call ``run()`` (a model run) with the peak reset; returns its result, the peak
         above the resident size before it, and whether it ran alone (no other model run
-        was in progress or began meanwhile: only then is the figure its own)."""
+        in the process it measures was in progress or began meanwhile: only then is the
+        figure its own)."""
         runs = self._runs
         with runs.lock:  # one measured run at a time
-            with runs.counts:
-                alone = runs.active == 0
-                runs.active += 1
-                runs.started += 1
-                started = runs.started
+            where = self.where()
+            started = runs.begin(where)
+            alone = started == 1  # the first while any: none was in progress
             try:
                 # Freed heap would be reused unseen: the run's growth must be all of it
                 self.trim()
@@ -238,9 +267,7 @@ class MemoryMeter:
                 result = run()
                 used = max(0, self.peak_since_reset() - before)
             finally:
-                with runs.counts:
-                    runs.active -= 1
-                    alone = alone and runs.started == started
+                alone = runs.end(where) == started and alone
         return result, used, alone
 
 
@@ -540,24 +567,21 @@ class WorkingMemory:
             self._settled.clear()
             return self._recount()
 
-    def begin(self) -> None:
+    def begin(self) -> int:
         """A run not measured that no thread waits in begins (sent to a worker from the
-        I/O thread): counted as running, as :meth:`run` counts one, until :meth:`end`."""
-        self._meter.begin_run()
+        I/O thread): counted as running, as :meth:`run` counts one, until :meth:`end`
+        is given what this returns."""
+        return self._meter.begin_run()
 
-    def end(self) -> None:
-        """The run :meth:`begin` counted has ended."""
-        self._meter.end_run()
+    def end(self, where: int) -> None:
+        """The run :meth:`begin` counted (in ``where``) has ended."""
+        self._meter.end_run(where)
 
     def run(self, run: Callable[..., Any], *args: Any) -> Any:
         """Call ``run(*args)`` (a model run not measured), counted as running: a
         measurement meanwhile is not taken as its model's own."""
-        meter = self._meter
-        meter.begin_run()
-        try:
+        with self._meter.running():
             return run(*args)
-        finally:
-            meter.end_run()
 
     def measure(self, key: tuple[Any, ...], inputs: dict[str, NDArray[Any]],
                 run: Callable[[], Any]) -> tuple[Any, bool]:

@@ -119,18 +119,18 @@ class RunAdmission:
     working: WorkingMemory
     grew: Callable[[], None]
 
-    def start(self, inputs: dict[str, Any]) -> bool:
+    def start(self, inputs: dict[str, Any]) -> int | None:
         """Admit a run that no thread will wait in (sent to a worker from the I/O
-        thread), counted as running until :meth:`ended`; False if it is one the cache
-        measures (then it must run the waiting way, and nothing is counted)."""
+        thread), counted as running until :meth:`ended` is given what this returns (the
+        process it is counted in); None if it is one the cache measures (then it must
+        run the waiting way, and nothing is counted)."""
         if self.admit(inputs).measure:  # may refuse it
-            return False
-        self.working.begin()
-        return True
+            return None
+        return self.working.begin()
 
-    def ended(self) -> None:
-        """The run :meth:`start` admitted has ended."""
-        self.working.end()
+    def ended(self, where: int) -> None:
+        """The run :meth:`start` admitted (counted in ``where``) has ended."""
+        self.working.end(where)
 
     def run(self, inputs: dict[str, Any], call: Callable[[], dict[str, Any]]
             ) -> dict[str, Any]:
@@ -443,24 +443,25 @@ class ModelThreads:
         # a stream's state outputs are the daemon's: never written into a client's slot
         into = None if chunk is not None else item.ticket.outputs_into
         admission = self._admission
-        admitted = False
+        counted: int | None = None  # the process the run is counted in, once admitted
         began = time.monotonic()
         try:
-            if admission is None or admission.start(job.values):  # may refuse it
-                admitted = admission is not None
+            if admission is not None:
+                counted = admission.start(job.values)  # may refuse it
+            if admission is None or counted is not None:
                 started = self.model.start(job.values, wanted, into)  # type: ignore[attr-defined]
             else:
                 started = None
         except Exception as e:
-            if admitted:
-                admission.ended()  # type: ignore[union-attr]
+            if counted is not None:
+                admission.ended(counted)  # type: ignore[union-attr]
             if chunk is not None:
                 chunk.reason = _lost_reason(e, chunk.number)
             self._fail(item, e)
             return
         if started is None:  # to be measured, or its worker is gone: a thread runs it
-            if admitted:
-                admission.ended()  # type: ignore[union-attr]
+            if counted is not None:
+                admission.ended(counted)  # type: ignore[union-attr]
             if chunk is not None:
                 chunk.ran = False
             self._work.put(item)
@@ -469,19 +470,23 @@ class ModelThreads:
         self.busy.begin_as(self._io_name, "infer", "running request %s", (item,),
                            item.request.id)
         self._watch(started.fileno(), started.deadline,
-                    lambda: self._started_ready(job, started, began), started.late)
+                    lambda: self._started_ready(job, started, began, counted), started.late)
 
-    def _started_ready(self, job: Passage, started: Any, began: float) -> None:
+    def _started_ready(self, job: Passage, started: Any, began: float,
+                       counted: int | None) -> None:
         """The worker's channel is readable (the I/O loop): the reply is in, or the
         worker is gone, whose end is waited for on a thread of its own."""
         if started.receive():
-            self._started_done(job, started, began)
+            self._started_done(job, started, began, counted)
         else:
-            threading.Thread(target=self._started_done, args=(job, started, began),
+            threading.Thread(target=self._started_done,
+                             args=(job, started, began, counted),
                              name=f"inferd-{self.name}-ended", daemon=True).start()
 
-    def _started_done(self, job: Passage, started: Any, began: float) -> None:
-        """Answer a run sent from the I/O thread, as :meth:`_run_single` answers one."""
+    def _started_done(self, job: Passage, started: Any, began: float,
+                      counted: int | None) -> None:
+        """Answer a run sent from the I/O thread, as :meth:`_run_single` answers one
+        (``counted``: the process its admission counted it in)."""
         item = job.item
         chunk = item.chunk
         try:
@@ -490,8 +495,8 @@ class ModelThreads:
             finally:
                 seconds = time.monotonic() - began
                 self.busy.end(self._io_name)
-                if self._admission is not None:
-                    self._admission.ended()
+                if counted is not None:
+                    self._admission.ended(counted)  # type: ignore[union-attr]
             self._ran(seconds, engine_s)
             if self._observe is not None:
                 self._observe([item.ticket], began, seconds)

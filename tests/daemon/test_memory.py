@@ -71,6 +71,43 @@ def test_a_measurement_beside_another_run_is_dropped_and_taken_again():
     assert working.classes[key].measured is not None
 
 
+def test_a_run_in_another_process_does_not_spoil_a_measurement():
+    """Runs in progress are counted by the process they run in: a run of a model whose
+    engine is in another process (here a real child, standing for a worker) leaves this
+    process's measurement its own; one in the same process does not, and the process a
+    run was counted in is the one its end is taken from, wherever its engine went."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        class Engine:  # a worker's model as the meter sees it: a pid, and a trim
+            pid = child.pid
+
+            def trim(self) -> None:
+                pass
+        engine: list[object | None] = [Engine()]
+        elsewhere = WorkingMemory("other", METER.for_engine(lambda: engine[0]))
+        here = WorkingMemory("test")
+        small = {"x": np.zeros((1, 1000), np.float32)}
+        key = shape_class(small)
+        counted = elsewhere.begin()  # sent to the other process, not answered yet
+        assert counted == child.pid
+        engine[0] = None  # the other model moved into this process meanwhile
+        here.measure(key, small, lambda: np.ones(32 * 2**20, np.uint8)[-1])
+        assert here.classes[key].measured is not None  # measured alone
+        with elsewhere._meter.running():  # a run of the other model here now
+            here.measure(shape_class({"x": np.zeros((1, 3000), np.float32)}),
+                         {"x": np.zeros((1, 3000), np.float32)},
+                         lambda: np.ones(32 * 2**20, np.uint8)[-1])
+        assert len([c for c in here.classes.values() if c.measured is not None]) == 1
+        elsewhere.end(counted)  # its end is the child's, where it was counted
+        assert METER._runs.at == {}
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_class_measured_only_beside_other_runs_is_tried_again_now_and_then(tmp_path):
     """A model with a graph drops every measurement taken beside another run; after TRIES
     such, its class is still measured once every RETRY_AFTER runs, so that it settles

@@ -226,33 +226,48 @@ def test_runs_sent_from_the_io_thread_and_queued_ones_race_with_crashes_and_kill
     assert d.proc.poll() is None
 
 
+def _waiting_run(c, release: Path):
+    """Bring plugin model "b" (whose run on a negative input waits for ``release``) to
+    a run in progress: its first run is measured (one measured run at a time, for all
+    models: another model's would wait for it), its second, of the same shapes, is not
+    and waits. Returns that request's future."""
+    np.testing.assert_array_equal(c.infer("b", {"x": OK})["y"], OK)
+    waiting = c.submit("infer", "b", {"x": -OK})
+    poll(lambda: Path(f"{release}.running").exists(), 60)
+    return waiting
+
+
+DROPPED = r"model a version 1: working memory of shape class .* measured beside other " \
+          r"runs .*: dropped"
+
+
 def test_a_model_whose_first_runs_overlapped_other_runs_reaches_the_io_thread(
         start_daemon, short_tmp):
-    """A model's first runs measured while another model's run is in progress are
-    dropped as its working memory (the peak is a whole process's); the class is tried
-    again now and then (daemon/memory.py, RETRY_AFTER) and settles once the other run is
-    over, and the model's runs go to the I/O thread's path. Before, it was never tried
-    again: the model took its threads for every request for as long as the daemon ran.
-    The other run here is one that waits for the test, of a plugin model ("b", in a
-    worker of its own: runs in progress are counted for all workers together)."""
+    """A model's first runs measured while another model's run is in progress in the
+    same process are dropped as its working memory (the peak is a whole process's); the
+    class is tried again now and then (daemon/memory.py, RETRY_AFTER) and settles once
+    the other run is over, and the model's runs go to the I/O thread's path. Before, it
+    was never tried again: the model took its threads for every request for as long as
+    the daemon ran. The other run here is one that waits for the test, of plugin model
+    "b", which shares its worker with "a" (both on the plugin, ``isolation =
+    "backend"``)."""
     release = short_tmp / "release"
+    shared = 'backends = ["slowload"]\nisolation = "backend"\n'
     d = _slowload_daemon(start_daemon, short_tmp, {
-        "a": "", "b": f'backends = ["slowload"]\n[slowload]\nrun_release = "{release}"\n'},
+        "a": shared, "b": f'{shared}[slowload]\nrun_release = "{release}"\n'},
         '[placement]\nmode = "first"\n'
         '[logging]\nmodules = { "inferd.daemon.memory" = "debug" }\n')
     try:
         with d.client() as c:
             c.load("a")
-            # b's first run is measured (one measured run at a time, for all models: a's
-            # would wait for it); its second, of the same shapes, is not, and waits
-            np.testing.assert_array_equal(c.infer("b", {"x": OK})["y"], OK)
-            waiting = c.submit("infer", "b", {"x": -OK})
-            poll(lambda: Path(f"{release}.running").exists(), 60)
+            waiting = _waiting_run(c, release)
             for _ in range(10):  # beside b's run
                 np.testing.assert_array_equal(c.infer("a", {"x": OK})["y"], OK)
-            assert re.search(r"model a version 1: working memory of shape class .* "
-                             r"measured beside other runs .*: dropped", d.log()), d.log()
+            assert re.search(DROPPED, d.log()), d.log()
             assert io_runs(c, "a") == 0
+            (a_row,) = [m for m in c.models() if m["name"] == "a"]
+            (b_row,) = [m for m in c.models() if m["name"] == "b"]
+            assert a_row["worker"]["pid"] == b_row["worker"]["pid"], (a_row, b_row)
             release.touch()
             np.testing.assert_array_equal(waiting.result()["y"], -OK)
 
@@ -261,6 +276,37 @@ def test_a_model_whose_first_runs_overlapped_other_runs_reaches_the_io_thread(
                     c.infer("a", {"x": OK})
                 return io_runs(c, "a") > 0
             poll(reached, timeout=120)
+    finally:
+        release.touch()
+
+
+def test_a_run_in_another_worker_leaves_a_models_measurements_alone(
+        start_daemon, short_tmp):
+    """Runs in progress are counted by the process they run in: a model's run in one
+    worker does not spoil the working-memory measurement of a model in another (each
+    measures its own process's peak). Here "a" (onnxruntime's worker) serves its first
+    runs while plugin model "b"'s run waits in a worker of its own: a's class settles
+    and its requests go the I/O thread's way at once, b's run still in progress. Before,
+    one count for every worker: each of a's measurements was dropped, and its requests
+    took its threads until b's run ended."""
+    release = short_tmp / "release"
+    d = _slowload_daemon(start_daemon, short_tmp, {
+        "a": "", "b": f'backends = ["slowload"]\n[slowload]\nrun_release = "{release}"\n'},
+        '[placement]\nmode = "first"\n'
+        '[logging]\nmodules = { "inferd.daemon.memory" = "debug" }\n')
+    try:
+        with d.client() as c:
+            c.load("a")
+            waiting = _waiting_run(c, release)
+            for _ in range(WARM):  # beside b's run
+                np.testing.assert_array_equal(c.infer("a", {"x": OK})["y"], OK)
+            (a_row,) = [m for m in c.models() if m["name"] == "a"]
+            (b_row,) = [m for m in c.models() if m["name"] == "b"]
+            assert a_row["worker"]["pid"] != b_row["worker"]["pid"], (a_row, b_row)
+            assert not re.search(DROPPED, d.log()), d.log()
+            assert io_runs(c, "a") > 0, d.log()
+            release.touch()
+            np.testing.assert_array_equal(waiting.result()["y"], -OK)
     finally:
         release.touch()
 
