@@ -325,6 +325,7 @@ SCHEMA: dict[str, dict[str, Setting]] = {
                               "physical memory ('25%') or 'unlimited'"),
         "restart_backoff_s": Setting(0.5, _seconds, "a positive number of seconds"),
         "idle_exit_s": Setting(10.0, _seconds, "a positive number of seconds"),
+        "channel_idle_s": Setting(30.0, _seconds, "a positive number of seconds"),
         "refuse_client_after": Setting(5, _int_upto(10**6), "a positive integer"),
         "refuse_client_s": Setting(60.0, _seconds, "a positive number of seconds"),
         "set_aside_after": Setting(3, _int_upto(10**6), "a positive integer"),

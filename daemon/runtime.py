@@ -163,7 +163,8 @@ class Runtime:
                                    config.workers.kill_after_s,
                                    config.workers.restart_backoff_s,
                                    config.workers.max_memory,
-                                   config.workers.idle_exit_s))
+                                   config.workers.idle_exit_s,
+                                   config.workers.channel_idle_s))
         # with workers, every processor step is built and run in the processors worker
         # (its user files imported there only); else here, the user files at start
         steps = None if self.workers is None else RemoteSteps(

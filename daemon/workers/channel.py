@@ -258,6 +258,8 @@ class Channel:
         self.arena_bytes = 0
         """Bytes of tensors this end has copied into its arena (what did not travel
         inline or by reference to a shared-memory region)."""
+        self.idle_since = 0.0
+        """When the daemon's pool last had it free (monotonic; the pool's)."""
 
     def fileno(self) -> int:
         return self.sock.fileno()

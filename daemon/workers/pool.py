@@ -42,6 +42,12 @@ reply is overwritten while it is sent. A caller meanwhile takes another channel.
 worker has at most :data:`LENT_MAX` channels lent; past that a run's outputs are copied
 out as before.
 
+**Channels.** A call takes a free channel to its worker, or opens one (the control
+channel carries its end): as many channels as calls were ever in flight at once, each
+with an arena at each end as large as the largest message it carried. The most recently
+freed is taken first; one unused for ``[workers] channel_idle_s`` is closed (its arenas
+with it, and the worker's thread that served it).
+
 **Again.** A model whose worker died loads again, in a new worker, on its next run; a
 worker that died is started again no sooner than ``restart_backoff_s`` after the
 previous start (doubling while deaths follow each other within a minute).
@@ -262,6 +268,8 @@ class Worker:
     """Shared-memory regions mapped in it: id -> mapped writable (the pool's lock)."""
     on_end: list[Callable[[], None]] = field(default_factory=list)
     """Called once it ended (the zygote's report), whatever the reason."""
+    shedding: bool = False
+    """A timer will look for channels idle too long (``lock``; :meth:`WorkerPool._shed`)."""
 
     @property
     def alive(self) -> bool:
@@ -297,12 +305,14 @@ class WorkerPool:
         customops: the daemon-wide custom ops (inherited by every worker).
         kill_after_s: a call running longer has its worker killed.
         restart_backoff_s: the least time between two starts of a worker that died.
+        idle_exit_s: a worker with no model left ends after this long.
+        channel_idle_s: a channel unused this long is closed (:meth:`_shed`).
         on_restart: called with ``(backend, reason)`` for every worker that died.
     """
 
     def __init__(self, registry: Any, customops: Any, kill_after_s: float,
                  restart_backoff_s: float = 0.5, max_memory: int | None = None,
-                 idle_exit_s: float = 10.0,
+                 idle_exit_s: float = 10.0, channel_idle_s: float = 30.0,
                  on_restart: Callable[[str, str], None] | None = None) -> None:
         self.registry = registry
         self.customops = customops
@@ -310,6 +320,7 @@ class WorkerPool:
         self.restart_backoff_s = restart_backoff_s
         self.max_memory = max_memory
         self.idle_exit_s = idle_exit_s
+        self.channel_idle_s = channel_idle_s
         self._on_restart = on_restart
         self._lock = threading.Lock()
         self._workers: dict[str, Worker] = {}
@@ -560,18 +571,20 @@ class WorkerPool:
                 self.kill(w, f"was killed: its resident memory {rss / 2**20:.1f} MiB passed "
                              f"workers.max_memory ({self.max_memory / 2**20:.1f} MiB)")
                 raise self.death(w, call.what)
-        over = False
+        over = arm = False
         with w.lock:
             if not channel.lent():
-                w.idle.append(channel)
+                arm = self._freed(w, channel, w.idle)
             elif sum(c.lent() for c in w.lent) < LENT_MAX:
-                w.lent.append(channel)
+                arm = self._freed(w, channel, w.lent)
             else:
                 over = True
         if over:  # LENT_MAX lent already: copied, and the channel is free once they are
             out = _owned(out)
-            with w.lock:
-                w.lent.append(channel)  # taken back by _channel when no view is left
+            with w.lock:  # taken back by _channel when no view is left
+                arm = self._freed(w, channel, w.lent)
+        if arm:
+            self._shed_later(w, self.channel_idle_s)
         if "error" in reply:
             raise decode_error(reply["error"])
         placed = reply.get("placed")
@@ -706,7 +719,7 @@ class WorkerPool:
                 back = [c for c in w.lent if not c.lent()]
                 if back:
                     w.lent = [c for c in w.lent if c.lent()]
-                    w.idle.extend(back)
+                    w.idle[:0] = back  # under those freed since (taken first)
             if w.idle:
                 return w.idle.pop()
         if not w.alive:
@@ -727,6 +740,60 @@ class WorkerPool:
             finally:
                 theirs.close()
         return Channel(ours, writable_peer=True)
+
+    def _freed(self, w: Worker, channel: Channel, into: list[Channel]) -> bool:
+        """``channel`` of ``w`` answered its call: into ``w.idle`` (free) or ``w.lent``
+        (free once its reply's tensors are gone), ``w.lock`` held. The most recently
+        freed is the next taken, so those a burst of calls opened age at the bottom, and
+        :meth:`_shed` closes them once unused for ``channel_idle_s``. True if the caller
+        must arm that look (:meth:`_shed_later`, once the lock is released: the pool's
+        lock is never taken under a worker's)."""
+        channel.idle_since = time.monotonic()
+        into.append(channel)
+        if w.shedding or self._closed:
+            return False
+        w.shedding = True
+        return True
+
+    def _shed_later(self, w: Worker, seconds: float) -> None:
+        timer = threading.Timer(seconds, self._shed, (w,))
+        timer.name = f"inferd-worker-channels-{w.pid}"
+        timer.daemon = True
+        with self._lock:
+            if self._closed:
+                return
+            self._timers = {t for t in self._timers if t.is_alive()
+                            and t is not threading.current_thread()}
+            self._timers.add(timer)
+        timer.start()
+
+    def _shed(self, w: Worker) -> None:
+        """Close ``w``'s channels unused for ``channel_idle_s``: each holds an arena at
+        each end as large as the largest message it carried (the OCR detector's input,
+        17 MiB, on every channel that a burst of images opened), kept resident while the
+        channel lives; the worker's thread that served it ends with it. A call later
+        opens a channel again (one round trip on the control channel). Looks again when
+        the next is due, while any channel is left free or lent."""
+        now = time.monotonic()
+        limit = self.channel_idle_s
+        with w.lock:
+            free = sorted([*w.idle, *(c for c in w.lent if not c.lent())],
+                          key=lambda c: c.idle_since)
+            w.lent = [c for c in w.lent if c.lent()]
+            shed = [c for c in free if now - c.idle_since >= limit]
+            w.idle = [c for c in free if now - c.idle_since < limit]
+            if self._closed or not w.alive or not (w.idle or w.lent):
+                again = None
+            else:  # the oldest free one's turn, or a lent one's once its views are gone
+                again = w.idle[0].idle_since + limit - now if w.idle else limit
+            w.shedding = again is not None
+        for channel in shed:
+            channel.close()
+        if shed:
+            log.debug("worker %s (pid %d): %d channel(s) unused for %g s closed", w.name,
+                      w.pid, len(shed), limit)
+        if again is not None:
+            self._shed_later(w, max(again, 0.01))
 
     def rss(self, w: Worker) -> int | None:
         try:

@@ -617,6 +617,88 @@ def test_reply_tensors_lent_the_worker_arena_are_never_written_over(pool, tmp_pa
         model.unload()
 
 
+def _arenas(pid: int) -> int:
+    """Channel arenas a process maps (each end maps its own and its peer's)."""
+    return sum("inferd-worker-arena" in line
+               for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+def test_channels_unused_for_channel_idle_s_are_closed_with_their_arenas(tmp_path):
+    """Calls in flight at once open a channel each, and each keeps an arena at both
+    ends as large as its largest message: after a burst, those left unused for
+    ``channel_idle_s`` are closed, their arenas unmapped in the worker and here, the
+    worker's threads that served them ended; a run afterwards opens a channel again and
+    is right. Before, every channel a burst opened stayed, arenas resident, for as long
+    as the worker lived."""
+    p = new_pool(channel_idle_s=0.5)
+    model = WorkerModel(p, identity_call(tmp_path), 60.0)
+    try:
+        w = model.worker
+        threads_before = len(os.listdir(f"/proc/{w.pid}/task"))
+        here_before = _arenas(os.getpid())  # another test's, still viewed, if any
+        x = np.random.default_rng(5).random((256, 1024), dtype=np.float32)  # 1 MiB
+        started = threading.Barrier(4, timeout=60)
+        wrong: list[int] = []
+
+        def burst(k: int) -> None:
+            started.wait()
+            for _ in range(20):
+                if model.run({"x": x + k})["y"].tobytes() != (x + k).tobytes():
+                    wrong.append(k)
+        runners = [threading.Thread(target=burst, args=(k,)) for k in range(4)]
+        for t in runners:
+            t.start()
+        for t in runners:
+            t.join(60)
+        assert wrong == []
+        opened = len(w.idle) + len(w.lent)
+        assert opened >= 2, "the burst ran its calls one at a time"
+        assert _arenas(w.pid) >= 2 * opened  # its own and the daemon's, per channel
+        poll(lambda: not w.idle and not w.lent and _arenas(w.pid) == 0, 30)
+        assert _arenas(os.getpid()) == here_before
+        poll(lambda: len(os.listdir(f"/proc/{w.pid}/task")) < threads_before + opened, 30)
+        assert model.run({"x": x})["y"].tobytes() == x.tobytes()  # a channel again
+        assert len(w.idle) + len(w.lent) == 1
+    finally:
+        model.unload()
+        p.close()
+
+
+def test_channels_closed_while_calls_come_and_go_lose_no_call(tmp_path):
+    """Hostile timing: channels shed every few milliseconds (``channel_idle_s`` 5 ms)
+    while three threads run calls with pauses of about that length between them, big
+    (through the arenas) and small: every run answered, right; none fails for a channel
+    closed under it."""
+    p = new_pool(channel_idle_s=0.005)
+    model = WorkerModel(p, identity_call(tmp_path), 60.0)
+    try:
+        failures: list[str] = []
+
+        def client(k: int) -> None:
+            rng = np.random.default_rng(k)
+            for i in range(60):
+                x = rng.random((64 if i % 2 else 1, 1024), dtype=np.float32)
+                try:
+                    if model.run({"x": x})["y"].tobytes() != x.tobytes():
+                        failures.append(f"client {k} run {i}: wrong")
+                except Exception as e:  # noqa: BLE001  every failure is one to report
+                    failures.append(f"client {k} run {i}: {e!r}")
+                time.sleep(float(rng.random()) * 0.01)
+        runners = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+        for t in runners:
+            t.start()
+        for t in runners:
+            t.join(120)
+        assert not any(t.is_alive() for t in runners)
+        assert failures == []
+        w = model.worker
+        poll(lambda: not w.idle and not w.lent, 30)
+        assert model.worker.alive
+    finally:
+        model.unload()
+        p.close()
+
+
 def nonzero_call(tmp_path: Path) -> LoadCall:
     """NonZero: outputs whose shape depends on the input's values."""
     import onnx
