@@ -487,3 +487,50 @@ def test_workers_settings_wait_for_a_restart(start_daemon, repo, short_tmp):
     assert "workers.isolation" in result["needs_restart"], result
     assert worker_pids(d.log(), "onnxruntime")  # still in a worker
     assert "reload: workers.isolation changed; it takes effect at the next restart" in d.log()
+
+
+def test_channels_shed_between_bursts_lose_no_request(start_daemon, repo, short_tmp):
+    """Through a daemon, with ``[workers] channel_idle_s`` at 50 ms: four clients send
+    ocr-cls requests (batch 8: 1.2 MB, through the arenas) in bursts with pauses around
+    that length, so channels are closed between bursts and opened again, on the I/O
+    thread's path and the model threads' alike. Every request is answered with the same
+    bits as the first; once the clients stop, the worker maps no channel arena."""
+    d = daemon_with_workers(start_daemon, repo, short_tmp, channel_idle_s=0.05)
+    x = np.random.default_rng(8).random((8, 3, 48, 192), dtype=np.float32)
+    with d.client() as c:
+        expected = c.infer("ocr-cls", {"x": x})
+        (row,) = [m for m in c.models() if m["name"] == "ocr-cls"]
+        pid = row["worker"]["pid"]
+    failures: list[str] = []
+
+    def client(k: int) -> None:
+        rng = np.random.default_rng(k)
+        with d.client() as mine:
+            for i in range(24):
+                try:
+                    got = mine.infer("ocr-cls", {"x": x})
+                    for name, want in expected.items():
+                        if got[name].tobytes() != want.tobytes():
+                            failures.append(f"client {k} request {i}: {name} differs")
+                except RequestError as e:
+                    failures.append(f"client {k} request {i}: {e.code} {e.message}")
+                if i % 6 == 5:
+                    time.sleep(0.03 + float(rng.random()) * 0.06)
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert failures == []
+
+    def arenas() -> int:
+        return sum("inferd-worker-arena" in line
+                   for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+    poll(lambda: arenas() == 0, 30)
+    with d.client() as c:  # and served again after, by the same worker
+        got = c.infer("ocr-cls", {"x": x})
+        assert {k: v.tobytes() for k, v in got.items()} == \
+            {k: v.tobytes() for k, v in expected.items()}
+        (row,) = [m for m in c.models() if m["name"] == "ocr-cls"]
+        assert row["worker"]["pid"] == pid
