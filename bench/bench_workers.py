@@ -67,6 +67,20 @@ def daemon(repo: Path, isolation: str, server: str = "",
     return d
 
 
+def print_hop(title: str, t: dict[str, list[float]]) -> tuple[float, float]:
+    """Print figure 1's rows (each arm's p50 and p99, ratio to the echo) and the hop;
+    returns the echo's p50 and the hop (seconds)."""
+    e = median(t["echo"])
+    print(f"\n{title}")
+    for k in t:
+        print(f"   {k:11s} {median(t[k]) * 1e6:8.1f} µs  p99 {pct(t[k], .99) * 1e6:8.1f}"
+              f" µs  {median(t[k]) / e:5.2f}")
+    hop = median(t["worker"]) - median(t["in-process"])
+    print(f"   worker - in-process: {hop / e:+.2f} (goal <= +0.3): the hop "
+          f"{hop * 1e6:+.1f} µs")
+    return e, hop
+
+
 def tuned_figure(small: np.ndarray) -> None:
     """Figure 1b: both arms with the I/O thread and the model on core 0."""
     repo = Path(tempfile.mkdtemp(prefix="inferd-bw", dir="/tmp"))
@@ -83,15 +97,8 @@ def tuned_figure(small: np.ndarray) -> None:
             t = interleaved({"echo": echo.round_trip(frames),
                              "in-process": call(a, "identity", {"x": small}),
                              "worker": call(b, "identity", {"x": small})}, 10, 200)
-        e = median(t["echo"])
-        print("\n1b. the same, the I/O thread and the model on core 0 (docs/configuration.md,"
-              " Latency; the echo on core 0)")
-        for k in t:
-            print(f"   {k:11s} {median(t[k]) * 1e6:8.1f} µs  p99 {pct(t[k], .99) * 1e6:8.1f}"
-                  f" µs  {median(t[k]) / e:5.2f}")
-        hop = median(t["worker"]) - median(t["in-process"])
-        print(f"   worker - in-process: {hop / e:+.2f} (goal <= +0.3): the hop "
-              f"{hop * 1e6:+.1f} µs")
+        print_hop("1b. the same, the I/O thread and the model on core 0 "
+                  "(docs/configuration.md, Latency; the echo on core 0)", t)
     finally:
         echo.close()
         for d in arms:
@@ -187,14 +194,7 @@ def main() -> None:
                              "in-process": call(a, "identity", {"x": small}),
                              "worker": call(b, "identity", {"x": small}),
                              "seqpacket": packet.round_trip}, 10, 200)
-            e = median(t["echo"])
-            print("\n1. 16-byte infer, p50 (ratio to raw echo)")
-            for k in t:
-                print(f"   {k:11s} {median(t[k]) * 1e6:8.1f} µs  p99 {pct(t[k], .99) * 1e6:8.1f}"
-                      f" µs  {median(t[k]) / e:5.2f}")
-            hop = median(t["worker"]) - median(t["in-process"])
-            print(f"   worker - in-process: {hop / e:+.2f} (goal <= +0.3): the hop "
-                  f"{hop * 1e6:+.1f} µs")
+            e, hop = print_hop("1. 16-byte infer, p50 (ratio to raw echo)", t)
             floor = median(t["seqpacket"])
             print(f"   the hop's floor, a bare SOCK_SEQPACKET round trip between two Python "
                   f"processes (the seqpacket row): {floor / e:+.2f} of the echo; the hop is "
