@@ -275,6 +275,17 @@ class Worker:
     def alive(self) -> bool:
         return not self.ended.is_set()
 
+    def take_unlent(self) -> list[Channel]:
+        """The channels of :attr:`lent` whose reply's tensors are gone, taken out of it
+        (``lock`` held). One look at each: a view let go of meanwhile leaves its channel
+        in :attr:`lent` for the next call, never out of both lists."""
+        back: list[Channel] = []
+        still: list[Channel] = []
+        for c in self.lent:
+            (still if c.lent() else back).append(c)
+        self.lent = still
+        return back
+
     def send_kill(self) -> None:
         """SIGKILL it, through its pidfd; nothing once its end was reported."""
         with self.pidfd_lock:
@@ -329,7 +340,7 @@ class WorkerPool:
         self._deaths: dict[str, collections.deque[float]] = {}
         self._last_start: dict[str, float] = {}
         self._spawn_lock = threading.Lock()  # not _lock: the zygote's reader takes that
-        self._timers: set[threading.Timer] = set()  # idle workers' ends, cancelled at close
+        self._timers: set[threading.Timer] = set()  # _later's timers, cancelled at close
         self.restarts: collections.Counter[tuple[str, str]] = collections.Counter()
         self.zygote: Zygote | None = None
         self._closed = False
@@ -584,7 +595,7 @@ class WorkerPool:
             with w.lock:  # taken back by _channel when no view is left
                 arm = self._freed(w, channel, w.lent)
         if arm:
-            self._shed_later(w, self.channel_idle_s)
+            self._later(self.channel_idle_s, self._shed, w, "channels")
         if "error" in reply:
             raise decode_error(reply["error"])
         placed = reply.get("placed")
@@ -715,11 +726,8 @@ class WorkerPool:
 
     def _channel(self, w: Worker, what: str) -> Channel:
         with w.lock:
-            if w.lent:  # those whose reply's tensors are gone serve again
-                back = [c for c in w.lent if not c.lent()]
-                if back:
-                    w.lent = [c for c in w.lent if c.lent()]
-                    w.idle[:0] = back  # under those freed since (taken first)
+            if w.lent:  # those whose reply's tensors are gone serve again, under
+                w.idle[:0] = w.take_unlent()  # those freed since (taken first)
             if w.idle:
                 return w.idle.pop()
         if not w.alive:
@@ -746,8 +754,8 @@ class WorkerPool:
         (free once its reply's tensors are gone), ``w.lock`` held. The most recently
         freed is the next taken, so those a burst of calls opened age at the bottom, and
         :meth:`_shed` closes them once unused for ``channel_idle_s``. True if the caller
-        must arm that look (:meth:`_shed_later`, once the lock is released: the pool's
-        lock is never taken under a worker's)."""
+        must arm that look (:meth:`_later`, once the lock is released: the pool's lock
+        is never taken under a worker's)."""
         channel.idle_since = time.monotonic()
         into.append(channel)
         if w.shedding or self._closed:
@@ -755,9 +763,13 @@ class WorkerPool:
         w.shedding = True
         return True
 
-    def _shed_later(self, w: Worker, seconds: float) -> None:
-        timer = threading.Timer(seconds, self._shed, (w,))
-        timer.name = f"inferd-worker-channels-{w.pid}"
+    def _later(self, seconds: float, fn: Callable[[Worker], None], w: Worker,
+               what: str) -> None:
+        """Call ``fn(w)`` on a timer thread ``inferd-worker-WHAT-PID`` after ``seconds``,
+        unless the pool closes first (:meth:`close` cancels it). Not under the pool's
+        lock (it takes it)."""
+        timer = threading.Timer(seconds, fn, (w,))
+        timer.name = f"inferd-worker-{what}-{w.pid}"
         timer.daemon = True
         with self._lock:
             if self._closed:
@@ -777,9 +789,7 @@ class WorkerPool:
         now = time.monotonic()
         limit = self.channel_idle_s
         with w.lock:
-            free = sorted([*w.idle, *(c for c in w.lent if not c.lent())],
-                          key=lambda c: c.idle_since)
-            w.lent = [c for c in w.lent if c.lent()]
+            free = sorted([*w.idle, *w.take_unlent()], key=lambda c: c.idle_since)
             shed = [c for c in free if now - c.idle_since >= limit]
             w.idle = [c for c in free if now - c.idle_since < limit]
             if self._closed or not w.alive or not (w.idle or w.lent):
@@ -793,7 +803,7 @@ class WorkerPool:
             log.debug("worker %s (pid %d): %d channel(s) unused for %g s closed", w.name,
                       w.pid, len(shed), limit)
         if again is not None:
-            self._shed_later(w, max(again, 0.01))
+            self._later(max(again, 0.01), self._shed, w, "channels")
 
     def rss(self, w: Worker) -> int | None:
         try:
@@ -827,23 +837,13 @@ class WorkerPool:
         with self._lock:
             if w.models > 0 or w.pending > 0 or self._closed:
                 return
-            if w.name.endswith(MEASURING):
-                now = True
-            else:
-                now = False
-                timer = threading.Timer(self.idle_exit_s, self._retire, (w,))
-                timer.name = f"inferd-worker-idle-{w.pid}"
-                timer.daemon = True
-                self._timers.add(timer)
-        if now:
+        if w.name.endswith(MEASURING):
             self._retire(w)
         else:
-            timer.start()
+            self._later(self.idle_exit_s, self._retire, w, "idle")
 
     def _retire(self, w: Worker) -> None:
         with self._lock:
-            self._timers = {t for t in self._timers if t.is_alive()
-                            and t is not threading.current_thread()}
             if w.models > 0 or w.pending > 0 or w.running or self._workers.get(w.name) is not w:
                 return
             del self._workers[w.name]
