@@ -85,8 +85,8 @@ def tuned_figure(small: np.ndarray) -> None:
     """Figure 1b: both arms with the I/O thread and the model on core 0."""
     repo = Path(tempfile.mkdtemp(prefix="inferd-bw", dir="/tmp"))
     make_identity_model(repo, "identity", rank=1)
-    (repo / "identity" / "model.toml").write_text("cpu_affinity = [0]\n")
-    pinned = "cpu_affinity = [0]\n"
+    pinned = "cpu_affinity = [0]\n"  # the [server] key and the model's alike
+    (repo / "identity" / "model.toml").write_text(pinned)
     echo = Echo(core=0)
     arms = [daemon(repo, "in-process", pinned, "identity"),
             daemon(repo, "backend", pinned, "identity")]

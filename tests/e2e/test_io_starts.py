@@ -226,17 +226,24 @@ def test_runs_sent_from_the_io_thread_and_queued_ones_race_with_crashes_and_kill
     assert d.proc.poll() is None
 
 
-def _waiting_run(c, release: Path):
-    """Bring plugin model "b" (whose run on a negative input waits for ``release``) to
-    a run in progress: its first run is measured (one measured run at a time, for all
-    models: another model's would wait for it), its second, of the same shapes, is not
-    and waits. Returns that request's future."""
+def _a_beside_bs_run(c, release: Path, n: int):
+    """Load "a", bring plugin model "b" (whose run on a negative input waits for
+    ``release``) to a run in progress, then serve ``n`` of a's requests beside it. b's
+    first run is measured (one measured run at a time, for all models: another model's
+    would wait for it), its second, of the same shapes, is not and waits. Returns that
+    request's future and the worker pids of a and b."""
+    c.load("a")
     np.testing.assert_array_equal(c.infer("b", {"x": OK})["y"], OK)
     waiting = c.submit("infer", "b", {"x": -OK})
     poll(lambda: Path(f"{release}.running").exists(), 60)
-    return waiting
+    for _ in range(n):
+        np.testing.assert_array_equal(c.infer("a", {"x": OK})["y"], OK)
+    pids = {m["name"]: m["worker"]["pid"] for m in c.models()}
+    return waiting, pids["a"], pids["b"]
 
 
+FIRST_MEMORY_DEBUG = ('[placement]\nmode = "first"\n'
+                      '[logging]\nmodules = { "inferd.daemon.memory" = "debug" }\n')
 DROPPED = r"model a version 1: working memory of shape class .* measured beside other " \
           r"runs .*: dropped"
 
@@ -255,19 +262,13 @@ def test_a_model_whose_first_runs_overlapped_other_runs_reaches_the_io_thread(
     shared = 'backends = ["slowload"]\nisolation = "backend"\n'
     d = _slowload_daemon(start_daemon, short_tmp, {
         "a": shared, "b": f'{shared}[slowload]\nrun_release = "{release}"\n'},
-        '[placement]\nmode = "first"\n'
-        '[logging]\nmodules = { "inferd.daemon.memory" = "debug" }\n')
+        FIRST_MEMORY_DEBUG)
     try:
         with d.client() as c:
-            c.load("a")
-            waiting = _waiting_run(c, release)
-            for _ in range(10):  # beside b's run
-                np.testing.assert_array_equal(c.infer("a", {"x": OK})["y"], OK)
+            waiting, a_pid, b_pid = _a_beside_bs_run(c, release, 10)
             assert re.search(DROPPED, d.log()), d.log()
             assert io_runs(c, "a") == 0
-            (a_row,) = [m for m in c.models() if m["name"] == "a"]
-            (b_row,) = [m for m in c.models() if m["name"] == "b"]
-            assert a_row["worker"]["pid"] == b_row["worker"]["pid"], (a_row, b_row)
+            assert a_pid == b_pid
             release.touch()
             np.testing.assert_array_equal(waiting.result()["y"], -OK)
 
@@ -292,17 +293,11 @@ def test_a_run_in_another_worker_leaves_a_models_measurements_alone(
     release = short_tmp / "release"
     d = _slowload_daemon(start_daemon, short_tmp, {
         "a": "", "b": f'backends = ["slowload"]\n[slowload]\nrun_release = "{release}"\n'},
-        '[placement]\nmode = "first"\n'
-        '[logging]\nmodules = { "inferd.daemon.memory" = "debug" }\n')
+        FIRST_MEMORY_DEBUG)
     try:
         with d.client() as c:
-            c.load("a")
-            waiting = _waiting_run(c, release)
-            for _ in range(WARM):  # beside b's run
-                np.testing.assert_array_equal(c.infer("a", {"x": OK})["y"], OK)
-            (a_row,) = [m for m in c.models() if m["name"] == "a"]
-            (b_row,) = [m for m in c.models() if m["name"] == "b"]
-            assert a_row["worker"]["pid"] != b_row["worker"]["pid"], (a_row, b_row)
+            waiting, a_pid, b_pid = _a_beside_bs_run(c, release, WARM)
+            assert a_pid != b_pid
             assert not re.search(DROPPED, d.log()), d.log()
             assert io_runs(c, "a") > 0, d.log()
             release.touch()
